@@ -1,0 +1,13 @@
+//! stag's userspace iWARP RNIC.
+//!
+//! The protocol stack is MPA (RFC 5044, with RFC 6581 enhanced connection
+//! setup) under DDP (RFC 5041) under RDMAP (RFC 5040, extended by RFC 7306 and
+//! draft-talpey-rdma-commit), carried over TCP and wire-compatible with the
+//! Linux kernel's soft-iWARP (`siw`).
+//!
+//! [`wire`] holds the byte-exact codecs: checked zero-copy views over frames
+//! plus `Repr` types to parse and emit them.
+
+#![forbid(unsafe_op_in_unsafe_fn)]
+
+pub mod wire;

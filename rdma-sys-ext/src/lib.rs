@@ -1,0 +1,1 @@
+//! FFI to what `rdma-sys` lacks.

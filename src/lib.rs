@@ -1,0 +1,7 @@
+//! stag: a Rust RDMA toolkit.
+//!
+//! The verbs API lives in the `verbs` crate and is re-exported here so that
+//! applications depend on `stag` alone.
+
+pub use verbs;
+pub use verbs::*;

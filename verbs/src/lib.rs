@@ -1,0 +1,2 @@
+//! One safe verbs API over libibverbs devices and stag's userspace iWARP
+//! provider.
