@@ -10,4 +10,12 @@
 
 #![forbid(unsafe_op_in_unsafe_fn)]
 
+pub mod cq;
+pub mod device;
+pub mod mem;
+pub mod qp;
+pub mod region;
+pub mod setup;
+pub mod srq;
 pub mod wire;
+pub mod wr;

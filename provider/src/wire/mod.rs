@@ -14,6 +14,12 @@
 //! ULPDU, i.e. the byte after MPA's 2-byte ULPDU_Length field. Header sizes
 //! "including the length field" as kernel siw counts them are those plus 2.
 
+pub mod atomic;
+pub mod ddp;
+pub mod fpdu;
+pub mod marker;
+pub mod mpa;
+pub mod rdmap;
 pub mod terminate;
 
 pub use terminate::{ErrorType, Layer, TerminateCause};
@@ -90,6 +96,10 @@ pub enum Error {
     /// The TCP connection closed, reset or was lost.
     #[error("TCP connection closed")]
     LlpClosed,
+    /// RFC 6581 §9.3: a local error during enhanced connection setup that no
+    /// more specific MPA error code describes (e.g. no RTR model configured).
+    #[error("local catastrophic error during MPA connection setup")]
+    MpaLocalCatastrophic,
 
     // ---- DDP (RFC 5041 §7) ----
     /// DDP version (DV) other than 1.

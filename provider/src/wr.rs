@@ -1,0 +1,251 @@
+//! Work requests and work completions, shaped after libibverbs'
+//! `ibv_send_wr`, `ibv_recv_wr` and `ibv_wc` so that the provider maps onto
+//! rdma-core's objects, with the RFC 7306 and Commit operations added.
+
+/// A scatter/gather element: `length` bytes at `addr` inside the region
+/// whose lkey is `lkey` (`struct ibv_sge`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sge {
+    /// Address as registered (the region's iova plus an offset).
+    pub addr: u64,
+    /// Length in bytes.
+    pub length: u32,
+    /// The lkey of the region.
+    pub lkey: u32,
+}
+
+/// A remote buffer: address and rkey.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Remote {
+    /// Remote address (the TO on the wire).
+    pub addr: u64,
+    /// Remote STag.
+    pub rkey: u32,
+}
+
+/// What a send work request does (`ibv_wr_opcode` plus the extensions).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendOp {
+    /// `IBV_WR_SEND`: Send, Send with SE (`solicited`), Send with Invalidate
+    /// and Send with SE and Invalidate (`invalidate`).
+    Send {
+        /// Ask the peer to raise a solicited event.
+        solicited: bool,
+        /// STag the peer invalidates on receipt (`IBV_WR_SEND_WITH_INV`).
+        invalidate: Option<u32>,
+    },
+    /// `IBV_WR_RDMA_WRITE`.
+    Write {
+        /// Where the data goes.
+        remote: Remote,
+    },
+    /// `IBV_WR_RDMA_WRITE_WITH_IMM`: an RDMA Write followed by Immediate
+    /// Data carrying 8 bytes (RFC 7306 §6).
+    WriteImm {
+        /// Where the data goes.
+        remote: Remote,
+        /// The 8-byte Immediate Data.
+        imm: u64,
+    },
+    /// `IBV_WR_RDMA_READ`: the local SGEs receive the data.
+    Read {
+        /// Where the data comes from.
+        remote: Remote,
+    },
+    /// RFC 7306 Immediate Data (with SE when `solicited`): 8 bytes that
+    /// consume a receive buffer at the peer.
+    Imm {
+        /// The 8-byte Immediate Data.
+        imm: u64,
+        /// Immediate Data with Solicited Event.
+        solicited: bool,
+    },
+    /// RFC 7306 masked FetchAdd (`mask` 0 = plain 64-bit add). The original
+    /// value lands in the first SGE (8 bytes).
+    FetchAdd {
+        /// The 8-byte aligned target.
+        remote: Remote,
+        /// Add Data.
+        add: u64,
+        /// Add Mask.
+        mask: u64,
+    },
+    /// RFC 7306 masked CmpSwap (masks all ones = plain CmpSwap).
+    CmpSwap {
+        /// The 8-byte aligned target.
+        remote: Remote,
+        /// Compare Data.
+        compare: u64,
+        /// Compare Mask.
+        compare_mask: u64,
+        /// Swap Data.
+        swap: u64,
+        /// Swap Mask.
+        swap_mask: u64,
+    },
+    /// Swap (draft-ietf-storm-rdmap-ext-03 §5.1.2, AOpCode 1): write `swap`
+    /// and return the original. The draft gives Swap no mask.
+    Swap {
+        /// The 8-byte aligned target.
+        remote: Remote,
+        /// Swap Data.
+        swap: u64,
+    },
+    /// RDMA Commit (draft-talpey-rdma-commit): make `len` bytes at `remote`
+    /// durable at the responder; completes with the responder's status.
+    Commit {
+        /// Start of the range.
+        remote: Remote,
+        /// Length of the range.
+        len: u32,
+    },
+}
+
+impl SendOp {
+    /// Whether the operation consumes ORD credit (it waits for a response).
+    pub fn needs_response(&self) -> bool {
+        matches!(
+            self,
+            SendOp::Read { .. }
+                | SendOp::FetchAdd { .. }
+                | SendOp::CmpSwap { .. }
+                | SendOp::Swap { .. }
+                | SendOp::Commit { .. }
+        )
+    }
+
+    /// The opcode its completion reports.
+    pub fn wc_opcode(&self) -> WcOpcode {
+        match self {
+            SendOp::Send { .. } => WcOpcode::Send,
+            SendOp::Write { .. } => WcOpcode::RdmaWrite,
+            SendOp::WriteImm { .. } => WcOpcode::RdmaWrite,
+            SendOp::Read { .. } => WcOpcode::RdmaRead,
+            SendOp::Imm { .. } => WcOpcode::Imm,
+            SendOp::FetchAdd { .. } => WcOpcode::FetchAdd,
+            SendOp::CmpSwap { .. } => WcOpcode::CmpSwap,
+            SendOp::Swap { .. } => WcOpcode::Swap,
+            SendOp::Commit { .. } => WcOpcode::Commit,
+        }
+    }
+}
+
+/// A send work request (`struct ibv_send_wr`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SendWr {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// The operation.
+    pub op: SendOp,
+    /// Local buffers (gather for Send/Write, scatter for Read, the 8-byte
+    /// result for atomics).
+    pub sg_list: Vec<Sge>,
+    /// `IBV_SEND_SIGNALED`: produce a completion on success.
+    pub signaled: bool,
+    /// `IBV_SEND_FENCE`: wait for earlier Reads/atomics to complete first.
+    pub fence: bool,
+}
+
+/// A receive work request (`struct ibv_recv_wr`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecvWr {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// Where an incoming Send lands.
+    pub sg_list: Vec<Sge>,
+}
+
+/// Completion status (`enum ibv_wc_status`, same discriminants).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum WcStatus {
+    /// `IBV_WC_SUCCESS`.
+    Success = 0,
+    /// `IBV_WC_LOC_LEN_ERR`: the message did not fit the receive buffer.
+    LocLenErr = 1,
+    /// `IBV_WC_LOC_QP_OP_ERR`.
+    LocQpOpErr = 2,
+    /// `IBV_WC_LOC_PROT_ERR`: an SGE failed its lkey/PD/bounds check.
+    LocProtErr = 4,
+    /// `IBV_WC_WR_FLUSH_ERR`: the QP went to Error before this WR finished.
+    WrFlushErr = 5,
+    /// `IBV_WC_REM_INV_REQ_ERR`: the peer found the request invalid.
+    RemInvReqErr = 9,
+    /// `IBV_WC_REM_ACCESS_ERR`: the peer refused the STag/bounds/rights.
+    RemAccessErr = 10,
+    /// `IBV_WC_REM_OP_ERR`: the peer failed the operation (also a failed Commit).
+    RemOpErr = 11,
+    /// `IBV_WC_FATAL_ERR`.
+    FatalErr = 14,
+    /// `IBV_WC_GENERAL_ERR`.
+    GeneralErr = 21,
+}
+
+impl WcStatus {
+    /// rdma-core's `ibv_wc_status_str` wording.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WcStatus::Success => "success",
+            WcStatus::LocLenErr => "local length error",
+            WcStatus::LocQpOpErr => "local QP operation error",
+            WcStatus::LocProtErr => "local protection error",
+            WcStatus::WrFlushErr => "Work Request Flushed Error",
+            WcStatus::RemInvReqErr => "remote invalid request error",
+            WcStatus::RemAccessErr => "remote access error",
+            WcStatus::RemOpErr => "remote operation error",
+            WcStatus::FatalErr => "fatal error",
+            WcStatus::GeneralErr => "general error",
+        }
+    }
+}
+
+/// What completed (`enum ibv_wc_opcode` plus the extensions).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WcOpcode {
+    /// `IBV_WC_SEND`.
+    Send,
+    /// `IBV_WC_RDMA_WRITE` (also Write with Immediate at the requester).
+    RdmaWrite,
+    /// `IBV_WC_RDMA_READ`.
+    RdmaRead,
+    /// `IBV_WC_COMP_SWAP`.
+    CmpSwap,
+    /// `IBV_WC_FETCH_ADD`.
+    FetchAdd,
+    /// Swap (draft-03).
+    Swap,
+    /// RDMA Commit.
+    Commit,
+    /// Immediate Data sent.
+    Imm,
+    /// `IBV_WC_RECV`: a Send (or Immediate Data) arrived.
+    Recv,
+    /// Immediate Data arrived (RFC 7306 §6), alone or after an RDMA Write
+    /// (Write with Immediate; the wire does not tell them apart). libibverbs
+    /// reports the latter as `IBV_WC_RECV_RDMA_WITH_IMM`.
+    RecvImm,
+}
+
+/// A work completion (`struct ibv_wc`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkCompletion {
+    /// The WR's id.
+    pub wr_id: u64,
+    /// Outcome.
+    pub status: WcStatus,
+    /// What completed.
+    pub opcode: WcOpcode,
+    /// Bytes received (receive side) or transferred.
+    pub byte_len: u32,
+    /// Immediate Data, when the message carried it.
+    pub imm: Option<u64>,
+    /// The STag the peer invalidated (`IBV_WC_WITH_INV`).
+    pub invalidated_rkey: Option<u32>,
+    /// The QP it belongs to.
+    pub qp_num: u32,
+    /// Provider detail: the Commit status, or the Terminate cause
+    /// `(layer << 16 | etype << 8 | ecode)` that failed the WR.
+    pub vendor_err: u32,
+    /// The message asked for a solicited event.
+    pub solicited: bool,
+}
