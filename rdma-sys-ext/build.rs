@@ -189,7 +189,7 @@ fn main() {
             "rdma_(create_event_channel|destroy_event_channel|create_id|destroy_id|bind_addr\
              |listen|accept|reject|resolve_addr|resolve_route|connect|disconnect\
              |create_qp|create_qp_ex|destroy_qp|get_cm_event|ack_cm_event|event_str|migrate_id\
-             |get_src_port|get_dst_port)",
+             |get_src_port|get_dst_port|get_devices|free_devices)",
         )
         // Enums and flag sets (constified: `pub const IBV_WR_SEND: ibv_wr_opcode = 0`).
         .allowlist_type(

@@ -227,6 +227,10 @@ pub struct Env<'a> {
 /// Terminate with copied headers).
 const MAX_HEADER_LEN: usize = 128;
 
+/// The largest payload per FPDU: the 16-bit ULPDU_Length less the longest
+/// header that carries a payload.
+const MAX_SEGMENT: u32 = u16::MAX as u32 - MAX_HEADER_LEN as u32;
+
 const QN_SEND: usize = 0;
 const QN_REQUEST: usize = 1;
 const QN_TERMINATE: usize = 2;
@@ -235,7 +239,16 @@ const QN_RESPONSE: usize = 3;
 impl Connection {
     /// A connection whose MPA exchange has completed with `neg`; `leftover`
     /// are stream bytes that followed the MPA frame.
-    pub fn new(qp_num: u32, pd: PdId, caps: QpCaps, neg: Negotiated, has_srq: bool) -> Connection {
+    pub fn new(
+        qp_num: u32,
+        pd: PdId,
+        mut caps: QpCaps,
+        neg: Negotiated,
+        has_srq: bool,
+    ) -> Connection {
+        // A zero segment size would never make progress (and loop in
+        // poll_transmit); above the 16-bit ULPDU limit every frame fails.
+        caps.max_segment = caps.max_segment.clamp(1, MAX_SEGMENT);
         let mut c = Connection {
             qp_num,
             pd,
@@ -322,6 +335,12 @@ impl Connection {
         if atomic && (wr.sg_list.len() != 1 || wr.sg_list[0].length != 8) {
             return Err(PostError::Invalid(
                 "an atomic needs one 8-byte SGE for the result",
+            ));
+        }
+        let total: u64 = wr.sg_list.iter().map(|s| s.length as u64).sum();
+        if total > u32::MAX as u64 {
+            return Err(PostError::Invalid(
+                "a message is at most 2^32 - 1 bytes long",
             ));
         }
         if matches!(wr.op, SendOp::Imm { .. } | SendOp::Commit { .. }) && !wr.sg_list.is_empty() {
@@ -606,11 +625,13 @@ impl Connection {
             } => {
                 let chunk = (*size - *sent).min(self.caps.max_segment);
                 let last = *sent + chunk == *size;
+                // The sink TO is the peer's to check (it draws a tagged
+                // TO-wrap or bounds error there); it may wrap here.
                 let (sink_stag, to, src_stag, src) = (
                     *sink_stag,
-                    *sink_to + *sent as u64,
+                    sink_to.wrapping_add(*sent as u64),
                     *src_stag,
-                    *src_to + *sent as u64,
+                    src_to.wrapping_add(*sent as u64),
                 );
                 *sent += chunk;
                 let mut payload = std::mem::take(&mut self.scratch);
@@ -1243,7 +1264,10 @@ impl Connection {
                     return Err(Error::DdpInvalidStag(stag).into());
                 }
                 let off = to.checked_sub(sink_to).ok_or(Error::DdpBaseBounds)?;
-                if off + payload.len() as u64 > head.byte_len as u64 {
+                let end = off
+                    .checked_add(payload.len() as u64)
+                    .ok_or(Error::DdpToWrap)?;
+                if end > head.byte_len as u64 {
                     return Err(Error::DdpBaseBounds.into());
                 }
                 scatter(env.mem, pd, &head.sg_list, off, payload)
@@ -1263,11 +1287,20 @@ impl Connection {
             } => {
                 Self::receive_untagged(rx, env, pd, msn, mo as u64, payload, last)?;
                 if last {
-                    let r = rx.receiving.take().expect("receive in progress");
+                    // Invalidate before taking the receive out: if it fails,
+                    // the receive stays in progress and the flush completes
+                    // it (it must not vanish without a completion).
+                    let invalidates =
+                        matches!(kind, SendKind::SendInvalidate | SendKind::SendSeInvalidate);
+                    if invalidates {
+                        env.mem.remote_invalidate(invalidate_stag, pd)?;
+                    }
+                    let Some(r) = rx.receiving.take() else {
+                        return Err(Error::Catastrophic.into());
+                    };
                     let mut wc = rx.wc(r.wr.wr_id, WcOpcode::Recv, r.len as u32);
                     wc.solicited = matches!(kind, SendKind::SendSe | SendKind::SendSeInvalidate);
-                    if matches!(kind, SendKind::SendInvalidate | SendKind::SendSeInvalidate) {
-                        env.mem.remote_invalidate(invalidate_stag, pd)?;
+                    if invalidates {
                         wc.invalidated_rkey = Some(invalidate_stag);
                     }
                     rx.completions.push_back((CqSide::Recv, wc));

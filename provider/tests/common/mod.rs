@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod pair;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -17,6 +17,14 @@ pub struct EventChannel {
     ch: *mut ffi::rdma_event_channel,
 }
 
+impl std::fmt::Debug for EventChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventChannel")
+            .field("ch", &self.ch)
+            .finish()
+    }
+}
+
 // SAFETY: librdmacm event channels may be used from any thread; the
 // handle is immutable.
 unsafe impl Send for EventChannel {}

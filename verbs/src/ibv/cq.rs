@@ -318,6 +318,14 @@ impl CompletionChannel {
     }
 }
 
+impl std::os::fd::AsFd for CompletionChannel {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        // SAFETY: the channel's fd stays open until the channel is dropped,
+        // which the borrow of `self` prevents.
+        unsafe { std::os::fd::BorrowedFd::borrow_raw(self.as_raw_fd()) }
+    }
+}
+
 impl AsRawFd for CompletionChannel {
     fn as_raw_fd(&self) -> RawFd {
         // SAFETY: ch is live; fd is immutable after creation.
@@ -341,6 +349,14 @@ pub struct CompletionQueue {
     pub(crate) cq: *mut ffi::ibv_cq,
     ctx: Arc<Context>,
     channel: Option<Arc<CompletionChannel>>,
+}
+
+impl std::fmt::Debug for CompletionQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompletionQueue")
+            .field("cq", &self.cq)
+            .finish_non_exhaustive()
+    }
 }
 
 // SAFETY: providers serialise ibv_poll_cq / ibv_req_notify_cq internally;

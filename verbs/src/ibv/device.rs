@@ -313,6 +313,39 @@ impl Context {
         })
     }
 
+    /// The context librdmacm itself uses for device `name`
+    /// (`rdma_get_devices`): PDs, CQs and MRs made on it can be used with
+    /// QPs that rdma_cm creates on its ids, which a context from
+    /// [`Context::open`] cannot.
+    pub fn open_for_cm(name: &str) -> Result<Arc<Context>> {
+        let mut n: i32 = 0;
+        // SAFETY: rdma_get_devices writes the count and returns a
+        // NULL-terminated array it owns until rdma_free_devices.
+        let list = unsafe { ffi::rdma_get_devices(&mut n) };
+        if list.is_null() {
+            return Err(IbvError::last("rdma_get_devices"));
+        }
+        let owner = Arc::new(CmDeviceList(list));
+        for i in 0..n.max(0) as usize {
+            // SAFETY: i < n entries of the array.
+            let ctx = unsafe { *list.add(i) };
+            if ctx.is_null() {
+                break;
+            }
+            // SAFETY: librdmacm keeps its contexts open while the list is
+            // referenced (and for the life of the library); `owner` keeps
+            // the list.
+            let c = unsafe { Context::borrowed(ctx, owner.clone()) };
+            if c.name() == name {
+                return Ok(c);
+            }
+        }
+        Err(IbvError {
+            call: "rdma_get_devices",
+            errno: libc::ENODEV,
+        })
+    }
+
     /// Device name.
     pub fn name(&self) -> &str {
         &self.name
@@ -403,6 +436,22 @@ impl Drop for Context {
         if ret != 0 {
             tracing::warn!(device = %self.name, ret, "ibv_close_device failed");
         }
+    }
+}
+
+/// The array `rdma_get_devices` returned, freed when the last context
+/// borrowed from it goes.
+struct CmDeviceList(*mut *mut ffi::ibv_context);
+
+// SAFETY: the array is only read (at creation) and freed once, on drop.
+unsafe impl Send for CmDeviceList {}
+// SAFETY: as for Send.
+unsafe impl Sync for CmDeviceList {}
+
+impl Drop for CmDeviceList {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from rdma_get_devices and is freed once.
+        unsafe { ffi::rdma_free_devices(self.0) };
     }
 }
 

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Smoke test of the VM's RDMA devices; run inside the VM by `scripts/vm.sh
+# --check`. Lists the devices, dumps their capabilities, and moves real data on
+# each of rxe0 and siw0 with perftest (server and client both in the VM, over
+# rdma_cm on the device's own address). Exits non-zero if anything failed.
+set -uo pipefail
+
+: "${STAG_IN_VM:?run this through scripts/vm.sh --check}"
+RXE_DEV=${STAG_RXE_DEV:-rxe0} RXE_ADDR=${STAG_RXE_ADDR:?}
+SIW_DEV=${STAG_SIW_DEV:-siw0} SIW_ADDR=${STAG_SIW_ADDR:?}
+failed=()
+passed=()
+
+step() { printf '\n=== %s\n' "$*"; }
+t_start=${EPOCHREALTIME/./}
+elapsed() { local d=$((${EPOCHREALTIME/./} - $1)); printf '%d.%02ds' $((d / 1000000)) $((d % 1000000 / 10000)); }
+
+step "kernel $(uname -r)"
+step "rdma link"
+rdma link show || failed+=("rdma link")
+step "ibv_devices"
+ibv_devices || failed+=(ibv_devices)
+for dev in "$RXE_DEV" "$SIW_DEV"; do
+    step "ibv_devinfo -v -d $dev"
+    if ! ibv_devinfo -v -d "$dev"; then
+        failed+=("ibv_devinfo $dev")
+    fi
+done
+
+# One perftest run: server in the background, client against the device's
+# address. The client retries while the server is still coming up (TCG is slow).
+perf() { # <tool> <dev> <addr> <port> [extra args...]
+    local tool=$1 dev=$2 addr=$3 port=$4 t0 i rc=1
+    shift 4
+    command -v "$tool" >/dev/null || { echo "$tool: not installed (perftest)"; failed+=("$tool $dev"); return; }
+    step "$tool -d $dev -R $* (server + client on $addr)"
+    t0=${EPOCHREALTIME/./}
+    timeout 90 "$tool" -d "$dev" -R -p "$port" "$@" >"/tmp/$tool-$dev.server" 2>&1 &
+    local spid=$!
+    for i in 1 2 3 4 5 6 7 8 9 10; do
+        sleep 0.5
+        timeout 90 "$tool" -d "$dev" -R -p "$port" "$@" "$addr" && { rc=0; break; }
+        rc=$?
+        kill -0 "$spid" 2>/dev/null || break # server gave up
+        echo "(client attempt $i failed with $rc, retrying)"
+    done
+    wait "$spid"
+    local src=$?
+    if ((rc == 0 && src == 0)); then
+        passed+=("$tool $dev ($(elapsed "$t0"))")
+    else
+        echo "--- server output:"
+        cat "/tmp/$tool-$dev.server"
+        failed+=("$tool $dev (client $rc, server $src)")
+    fi
+}
+
+perf ib_write_lat "$RXE_DEV" "$RXE_ADDR" 18515 -n 1000
+perf ib_write_bw "$RXE_DEV" "$RXE_ADDR" 18516 -n 1000 -s 65536
+perf ib_atomic_lat "$RXE_DEV" "$RXE_ADDR" 18517 -n 1000
+perf ib_write_lat "$SIW_DEV" "$SIW_ADDR" 18518 -n 1000
+perf ib_write_bw "$SIW_DEV" "$SIW_ADDR" 18519 -n 1000 -s 65536
+perf ib_read_lat "$SIW_DEV" "$SIW_ADDR" 18520 -n 1000
+
+step "summary ($(elapsed "$t_start") in the VM)"
+for p in "${passed[@]}"; do echo "PASS $p"; done
+for f in "${failed[@]}"; do echo "FAIL $f"; done
+echo "${#passed[@]} passed, ${#failed[@]} failed"
+((${#failed[@]} == 0))

@@ -1,0 +1,261 @@
+//! The capability matrix: for every operation on a device, whether it runs
+//! natively, through stag's emulation layer (and how, at what cost), or not
+//! at all (and why).
+
+use std::fmt;
+
+use serde::Serialize;
+
+use crate::ibv::{AtomicCap, DeviceAttr};
+
+/// An operation the API offers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
+#[serde(rename_all = "kebab-case")]
+pub enum OpKind {
+    /// Send (and Send with Solicited Event).
+    Send,
+    /// Send with Invalidate.
+    SendInvalidate,
+    /// RDMA Write.
+    Write,
+    /// RDMA Read.
+    Read,
+    /// RDMA Write followed by 8-byte Immediate Data (RFC 7306 §6).
+    WriteImm,
+    /// 8-byte Immediate Data, with or without Solicited Event (RFC 7306).
+    Imm,
+    /// 64-bit FetchAdd.
+    FetchAdd,
+    /// FetchAdd with an Add Mask (RFC 7306 §5.1.1).
+    MaskedFetchAdd,
+    /// 64-bit CmpSwap.
+    CmpSwap,
+    /// CmpSwap with Compare and Swap Masks (RFC 7306 §5.1.2).
+    MaskedCmpSwap,
+    /// Swap (draft-ietf-storm-rdmap-ext-03).
+    Swap,
+    /// RDMA Commit (draft-talpey-rdma-commit).
+    Commit,
+}
+
+impl OpKind {
+    /// Every operation, in display order.
+    pub const ALL: [OpKind; 12] = [
+        OpKind::Send,
+        OpKind::SendInvalidate,
+        OpKind::Write,
+        OpKind::Read,
+        OpKind::WriteImm,
+        OpKind::Imm,
+        OpKind::FetchAdd,
+        OpKind::MaskedFetchAdd,
+        OpKind::CmpSwap,
+        OpKind::MaskedCmpSwap,
+        OpKind::Swap,
+        OpKind::Commit,
+    ];
+
+    /// The name used on the command line and in JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::Send => "send",
+            OpKind::SendInvalidate => "send-inv",
+            OpKind::Write => "write",
+            OpKind::Read => "read",
+            OpKind::WriteImm => "write-imm",
+            OpKind::Imm => "imm",
+            OpKind::FetchAdd => "fetch-add",
+            OpKind::MaskedFetchAdd => "masked-fetch-add",
+            OpKind::CmpSwap => "cmp-swap",
+            OpKind::MaskedCmpSwap => "masked-cmp-swap",
+            OpKind::Swap => "swap",
+            OpKind::Commit => "commit",
+        }
+    }
+
+    /// Parse a command-line name.
+    pub fn from_name(name: &str) -> Option<OpKind> {
+        OpKind::ALL.into_iter().find(|k| k.name() == name)
+    }
+}
+
+impl fmt::Display for OpKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How an operation runs on a device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "support", rename_all = "kebab-case")]
+pub enum Support {
+    /// The device does it.
+    Native,
+    /// stag does it with other operations.
+    Emulated {
+        /// How.
+        how: String,
+        /// Network round trips it costs, best case.
+        round_trips: u32,
+    },
+    /// Neither.
+    Unsupported {
+        /// Why.
+        why: String,
+    },
+}
+
+impl Support {
+    /// Whether the operation can be posted at all.
+    pub fn is_available(&self) -> bool {
+        !matches!(self, Support::Unsupported { .. })
+    }
+}
+
+impl fmt::Display for Support {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Support::Native => f.write_str("native"),
+            Support::Emulated { how, round_trips } => {
+                write!(f, "emulated ({how}; ≥{round_trips} RTT)")
+            }
+            Support::Unsupported { why } => write!(f, "unsupported ({why})"),
+        }
+    }
+}
+
+/// The matrix for one device.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Capabilities {
+    /// Device name.
+    pub device: String,
+    /// Transport, e.g. "iWARP (userspace)", "iWARP", "RoCE".
+    pub transport: String,
+    /// One entry per operation, in [`OpKind::ALL`] order.
+    pub ops: Vec<(OpKind, Support)>,
+}
+
+/// How a CmpSwap retry loop emulates an atomic: read the target, then
+/// CmpSwap the computed value until it sticks.
+pub(crate) const CAS_LOOP: &str = "RDMA Read, then CmpSwap retries until the value sticks";
+
+impl Capabilities {
+    /// The support for `op`.
+    pub fn get(&self, op: OpKind) -> &Support {
+        self.ops
+            .iter()
+            .find(|(k, _)| *k == op)
+            .map(|(_, s)| s)
+            .expect("every OpKind has an entry")
+    }
+
+    /// The userspace provider: everything is native.
+    pub fn userspace(device: &str) -> Capabilities {
+        Capabilities {
+            device: device.to_owned(),
+            transport: "iWARP (stag userspace provider over TCP)".to_owned(),
+            ops: OpKind::ALL.iter().map(|&k| (k, Support::Native)).collect(),
+        }
+    }
+
+    /// A libibverbs device, from what it reports.
+    pub fn ibverbs(device: &str, attr: &DeviceAttr) -> Capabilities {
+        let iwarp = attr.is_iwarp();
+        let atomics = attr.atomic_cap != AtomicCap::None;
+        let flush = attr.flush_global || attr.flush_persistent;
+        let mut ops = Vec::new();
+        for k in OpKind::ALL {
+            let s = match k {
+                OpKind::Send | OpKind::Write | OpKind::Read => Support::Native,
+                OpKind::SendInvalidate => Support::Unsupported {
+                    why: "Send with Invalidate is not wired to the libibverbs backend yet".into(),
+                },
+                OpKind::WriteImm | OpKind::Imm => Support::Unsupported {
+                    why: if iwarp {
+                        "iWARP devices carry no immediate data; the 8-byte Send emulation is not built yet".into()
+                    } else {
+                        "verbs immediate data is 4 bytes; the 8-byte emulation is not built yet".into()
+                    },
+                },
+                OpKind::FetchAdd | OpKind::CmpSwap if atomics => Support::Native,
+                OpKind::MaskedFetchAdd | OpKind::MaskedCmpSwap | OpKind::Swap if atomics => Support::Emulated {
+                    how: CAS_LOOP.into(),
+                    round_trips: 2,
+                },
+                OpKind::FetchAdd
+                | OpKind::CmpSwap
+                | OpKind::MaskedFetchAdd
+                | OpKind::MaskedCmpSwap
+                | OpKind::Swap => Support::Unsupported {
+                    why: "the device has no atomics (atomic_cap NONE) and the responder-side agent is not built yet"
+                        .into(),
+                },
+                OpKind::Commit if flush => Support::Unsupported {
+                    why: "the device has IBV_WR_FLUSH but the installed rdma-core headers lack ibv_wr_flush"
+                        .into(),
+                },
+                OpKind::Commit => Support::Unsupported {
+                    why: "no FLUSH on the device and the responder-side msync agent is not built yet".into(),
+                },
+            };
+            ops.push((k, s));
+        }
+        Capabilities {
+            device: device.to_owned(),
+            transport: format!("{:?}", attr.transport),
+            ops,
+        }
+    }
+
+    /// Replace native support for `ops` by their emulation where one
+    /// exists (to test or measure the emulation layer on a device that does
+    /// not need it).
+    pub fn force_emulation(&mut self, ops: &[OpKind]) {
+        for (k, s) in self.ops.iter_mut() {
+            if !ops.contains(k) || *s != Support::Native {
+                continue;
+            }
+            if matches!(
+                k,
+                OpKind::MaskedFetchAdd | OpKind::MaskedCmpSwap | OpKind::Swap
+            ) {
+                *s = Support::Emulated {
+                    how: CAS_LOOP.into(),
+                    round_trips: 2,
+                };
+            }
+        }
+    }
+}
+
+impl fmt::Display for Capabilities {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "{} — {}", self.device, self.transport)?;
+        for (k, s) in &self.ops {
+            writeln!(f, "  {:<17} {}", k.name(), s)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for k in OpKind::ALL {
+            assert_eq!(OpKind::from_name(k.name()), Some(k));
+        }
+        assert_eq!(OpKind::from_name("nope"), None);
+    }
+
+    #[test]
+    fn forced_emulation_only_touches_emulatable_ops() {
+        let mut c = Capabilities::userspace("stag0");
+        c.force_emulation(&[OpKind::Swap, OpKind::Write]);
+        assert!(matches!(c.get(OpKind::Swap), Support::Emulated { .. }));
+        assert_eq!(c.get(OpKind::Write), &Support::Native);
+        assert_eq!(c.get(OpKind::MaskedFetchAdd), &Support::Native);
+    }
+}

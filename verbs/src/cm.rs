@@ -1,0 +1,341 @@
+//! Connection setup with one shape for every device: [`connect`] on the
+//! active side, [`Listener::bind`] + [`Listener::accept`] on the passive
+//! side. On libibverbs devices this is librdmacm (iWARP needs it; RoCE
+//! uses it too); on the userspace provider it is its own TCP listener with
+//! the MPA exchange.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use crate::cq::{CompletionQueue, CqBackend};
+use crate::device::{ContextBackend, PdBackend, ProtectionDomain};
+use crate::error::{Error, Result};
+use crate::ibv;
+use crate::qp::{QpBackend, QpCaps, QueuePair};
+
+/// How long address and route resolution may take.
+const RESOLVE_MS: i32 = 5000;
+
+/// What a connection asks for.
+#[derive(Debug, Clone)]
+pub struct ConnectOptions {
+    /// Queue sizes.
+    pub caps: QpCaps,
+    /// Private data for the peer.
+    pub private_data: Vec<u8>,
+    /// Inbound Read/atomic/Commit requests we accept at once (IRD).
+    pub responder_resources: u8,
+    /// Outbound such requests we keep outstanding (ORD).
+    pub initiator_depth: u8,
+    /// Userspace provider only: ask for CRC32c on every FPDU.
+    pub crc: bool,
+    /// Userspace provider only: peer-to-peer setup with these RTR models.
+    pub peer_to_peer: Option<provider::setup::RtrModes>,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            caps: QpCaps::default(),
+            private_data: Vec::new(),
+            responder_resources: 16,
+            initiator_depth: 16,
+            crc: true,
+            peer_to_peer: None,
+        }
+    }
+}
+
+impl ConnectOptions {
+    fn mpa(&self) -> provider::setup::MpaParams {
+        provider::setup::MpaParams {
+            ird: self.responder_resources as u16,
+            ord: self.initiator_depth as u16,
+            crc: self.crc,
+            p2p: self.peer_to_peer,
+            private_data: self.private_data.clone(),
+            ..provider::setup::MpaParams::default()
+        }
+    }
+
+    fn ibv_caps(&self) -> ibv::QpCaps {
+        ibv::QpCaps {
+            max_send_wr: self.caps.max_send_wr,
+            max_recv_wr: self.caps.max_recv_wr,
+            max_send_sge: self.caps.max_sge,
+            max_recv_sge: self.caps.max_sge,
+            ..ibv::QpCaps::default()
+        }
+    }
+
+    fn conn_param(&self) -> ibv::ConnParam {
+        ibv::ConnParam {
+            private_data: self.private_data.clone(),
+            responder_resources: self.responder_resources,
+            initiator_depth: self.initiator_depth,
+            ..ibv::ConnParam::default()
+        }
+    }
+}
+
+fn user_qp_caps(c: &QpCaps) -> provider::qp::QpCaps {
+    provider::qp::QpCaps {
+        max_send_wr: c.max_send_wr,
+        max_recv_wr: c.max_recv_wr,
+        max_send_sge: c.max_sge,
+        max_recv_sge: c.max_sge,
+        ..provider::qp::QpCaps::default()
+    }
+}
+
+fn check_same_device(pd: &ProtectionDomain, cq: &CompletionQueue) -> Result<()> {
+    if pd.context().same(cq.context()) {
+        Ok(())
+    } else {
+        Err(Error::Mismatch)
+    }
+}
+
+/// Connect to a listener at `addr`; returns the QP and the peer's private
+/// data.
+pub fn connect(
+    pd: &ProtectionDomain,
+    cq: &CompletionQueue,
+    addr: SocketAddr,
+    opts: &ConnectOptions,
+) -> Result<(QueuePair, Vec<u8>)> {
+    connect_with(pd, cq, addr, opts, |_| Ok(()))
+}
+
+/// Connect, running `pre_post` on the QP before the connection exists (to
+/// post the receives the peer's first messages need: it may send as soon
+/// as it accepts).
+pub fn connect_with(
+    pd: &ProtectionDomain,
+    cq: &CompletionQueue,
+    addr: SocketAddr,
+    opts: &ConnectOptions,
+    pre_post: impl FnOnce(&QueuePair) -> Result<()>,
+) -> Result<(QueuePair, Vec<u8>)> {
+    check_same_device(pd, cq)?;
+    let ctx = pd.context();
+    match (pd.backend(), &cq.inner.backend) {
+        (PdBackend::User(upd), CqBackend::User(ucq)) => {
+            let uqp = upd.create_qp(user_qp_caps(&opts.caps), ucq, ucq, None);
+            let qp_num = uqp.qp_num();
+            let qp = QueuePair::from_backend(ctx, pd, cq, cq, QpBackend::User(uqp), qp_num)?;
+            pre_post(&qp)?;
+            let QpBackend::User(uqp) = qp.inner_backend() else {
+                unreachable!("built as a userspace QP above")
+            };
+            let private = uqp.connect(addr, &opts.mpa()).map_err(|e| match e {
+                provider::device::DeviceError::Rejected(pd) => Error::Rejected(pd),
+                other => other.into(),
+            })?;
+            Ok((qp, private))
+        }
+        (PdBackend::Ibv(ipd), CqBackend::Ibv(icq)) => {
+            let channel = ibv::EventChannel::new()?;
+            let id = ibv::CmId::new(&channel)?;
+            id.resolve_addr(None, addr, RESOLVE_MS)?;
+            channel.expect(ibv::CmEventType::AddrResolved)?;
+            id.resolve_route(RESOLVE_MS)?;
+            channel.expect(ibv::CmEventType::RouteResolved)?;
+            let iqp = id.create_qp(ipd, icq, icq, &opts.ibv_caps())?;
+            let qp_num = iqp.qp_num();
+            let qp =
+                QueuePair::from_backend(ctx, pd, cq, cq, QpBackend::Ibv { qp: iqp, id }, qp_num)?;
+            pre_post(&qp)?;
+            let id = qp.cm_id().expect("built as an ibv QP above");
+            id.connect(&opts.conn_param())?;
+            let ev = channel.get_event()?;
+            match ev.kind {
+                ibv::CmEventType::Established => Ok((qp, ev.private_data)),
+                ibv::CmEventType::Rejected => Err(Error::Rejected(ev.private_data)),
+                other => Err(Error::Connect(format!(
+                    "rdma_cm event {other:?} instead of ESTABLISHED"
+                ))),
+            }
+        }
+        _ => Err(Error::Mismatch),
+    }
+}
+
+/// A passive endpoint.
+#[derive(Debug)]
+pub struct Listener {
+    backend: ListenerBackend,
+}
+
+#[derive(Debug)]
+enum ListenerBackend {
+    User(provider::device::Listener),
+    Ibv {
+        channel: Arc<ibv::EventChannel>,
+        id: ibv::CmId,
+    },
+}
+
+/// A connection request, for the application to accept or reject.
+#[derive(Debug)]
+pub struct Incoming {
+    backend: IncomingBackend,
+    private_data: Vec<u8>,
+}
+
+#[derive(Debug)]
+enum IncomingBackend {
+    User(provider::device::ConnRequest),
+    Ibv {
+        id: ibv::CmId,
+        channel: Arc<ibv::EventChannel>,
+    },
+}
+
+impl Listener {
+    /// Listen on `addr` for the device of `ctx` (port 0 picks one on the
+    /// userspace provider).
+    pub fn bind(ctx: &crate::device::Context, addr: SocketAddr) -> Result<Listener> {
+        let backend = match ctx.backend() {
+            ContextBackend::User(_) => {
+                ListenerBackend::User(provider::device::Listener::bind(addr)?)
+            }
+            ContextBackend::Ibv(_) => {
+                let channel = ibv::EventChannel::new()?;
+                let id = ibv::CmId::new(&channel)?;
+                id.bind_addr(addr)?;
+                id.listen(16)?;
+                ListenerBackend::Ibv { channel, id }
+            }
+        };
+        Ok(Listener { backend })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        match &self.backend {
+            ListenerBackend::User(l) => Ok(l.local_addr()?),
+            ListenerBackend::Ibv { id, .. } => id
+                .local_addr()
+                .ok_or_else(|| Error::Connect("listener has no local address".into())),
+        }
+    }
+
+    /// Wait for the next connection request.
+    pub fn get_request(&self) -> Result<Incoming> {
+        match &self.backend {
+            ListenerBackend::User(l) => {
+                let req = l.accept()?;
+                let private_data = req.request().private_data.clone();
+                Ok(Incoming {
+                    backend: IncomingBackend::User(req),
+                    private_data,
+                })
+            }
+            ListenerBackend::Ibv { channel, .. } => {
+                let ev = channel.expect(ibv::CmEventType::ConnectRequest)?;
+                let id = ev
+                    .new_id
+                    .ok_or_else(|| Error::Connect("connect request without an id".into()))?;
+                Ok(Incoming {
+                    backend: IncomingBackend::Ibv {
+                        id,
+                        channel: channel.clone(),
+                    },
+                    private_data: ev.private_data,
+                })
+            }
+        }
+    }
+
+    /// Accept the next request with `opts`: the QP and the initiator's
+    /// private data.
+    pub fn accept(
+        &self,
+        pd: &ProtectionDomain,
+        cq: &CompletionQueue,
+        opts: &ConnectOptions,
+    ) -> Result<(QueuePair, Vec<u8>)> {
+        let incoming = self.get_request()?;
+        let private = incoming.private_data().to_vec();
+        Ok((incoming.accept(pd, cq, opts)?, private))
+    }
+}
+
+impl Incoming {
+    /// The initiator's private data.
+    pub fn private_data(&self) -> &[u8] {
+        &self.private_data
+    }
+
+    /// Accept onto a new QP. Receives posted on the returned QP before the
+    /// peer sends are guaranteed to be there for its first message only if
+    /// `pre_post` posts them, since the peer may send as soon as it learns
+    /// of the acceptance.
+    pub fn accept(
+        self,
+        pd: &ProtectionDomain,
+        cq: &CompletionQueue,
+        opts: &ConnectOptions,
+    ) -> Result<QueuePair> {
+        self.accept_with(pd, cq, opts, |_| Ok(()))
+    }
+
+    /// Accept, running `pre_post` on the QP before the peer learns of the
+    /// acceptance (to post the receives its first messages need).
+    pub fn accept_with(
+        self,
+        pd: &ProtectionDomain,
+        cq: &CompletionQueue,
+        opts: &ConnectOptions,
+        pre_post: impl FnOnce(&QueuePair) -> Result<()>,
+    ) -> Result<QueuePair> {
+        check_same_device(pd, cq)?;
+        let ctx = pd.context();
+        match (self.backend, pd.backend(), &cq.inner.backend) {
+            (IncomingBackend::User(req), PdBackend::User(upd), CqBackend::User(ucq)) => {
+                let uqp = upd.create_qp(user_qp_caps(&opts.caps), ucq, ucq, None);
+                let qp_num = uqp.qp_num();
+                let qp = QueuePair::from_backend(ctx, pd, cq, cq, QpBackend::User(uqp), qp_num)?;
+                pre_post(&qp)?;
+                let QpBackend::User(uqp) = qp.inner_backend() else {
+                    unreachable!("built as a userspace QP above")
+                };
+                req.accept(uqp, &opts.mpa())?;
+                Ok(qp)
+            }
+            (IncomingBackend::Ibv { id, channel }, PdBackend::Ibv(ipd), CqBackend::Ibv(icq)) => {
+                let iqp = id.create_qp(ipd, icq, icq, &opts.ibv_caps())?;
+                let qp_num = iqp.qp_num();
+                let qp = QueuePair::from_backend(
+                    ctx,
+                    pd,
+                    cq,
+                    cq,
+                    QpBackend::Ibv { qp: iqp, id },
+                    qp_num,
+                )?;
+                pre_post(&qp)?;
+                let id = qp.cm_id().expect("built as an ibv QP above");
+                id.accept(&opts.conn_param())?;
+                let ev = channel.get_event()?;
+                if ev.kind != ibv::CmEventType::Established {
+                    return Err(Error::Connect(format!(
+                        "rdma_cm event {:?} instead of ESTABLISHED",
+                        ev.kind
+                    )));
+                }
+                Ok(qp)
+            }
+            _ => Err(Error::Mismatch),
+        }
+    }
+
+    /// Reject with private data.
+    pub fn reject(self, private_data: &[u8]) -> Result<()> {
+        match self.backend {
+            IncomingBackend::User(req) => Ok(req.reject(private_data)?),
+            IncomingBackend::Ibv { id, .. } => Ok(id.reject(private_data)?),
+        }
+    }
+}

@@ -1,0 +1,357 @@
+//! Completion queues and typed completions.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use tracing::warn;
+
+use crate::device::{Context, ContextBackend};
+use crate::error::Result;
+use crate::ibv;
+use crate::qp::QpInner;
+
+pub use provider::wr::WcStatus;
+
+/// What a completion reports, by operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompletionKind {
+    /// A Send went out.
+    Send,
+    /// An RDMA Write completed (also Write with Immediate).
+    Write,
+    /// An RDMA Read completed; its bytes are in the local slices.
+    Read,
+    /// Immediate Data went out.
+    Imm,
+    /// FetchAdd (plain or masked) and the value before it.
+    FetchAdd {
+        /// The target's original value.
+        original: u64,
+    },
+    /// CmpSwap (plain or masked), the original value and whether it swapped.
+    CmpSwap {
+        /// The target's original value.
+        original: u64,
+        /// The compare matched and the swap was written.
+        swapped: bool,
+    },
+    /// Swap and the value it replaced.
+    Swap {
+        /// The target's original value.
+        original: u64,
+    },
+    /// A Commit completed: the responder made the range durable.
+    Commit,
+    /// A message arrived in a posted receive.
+    Recv {
+        /// Bytes placed.
+        len: u32,
+        /// The 8-byte Immediate Data, for Immediate Data and Write with
+        /// Immediate (RFC 7306 §6; both look alike at the receiver).
+        imm: Option<u64>,
+        /// The STag the peer's Send with Invalidate invalidated.
+        invalidated: Option<u32>,
+        /// The sender asked for a solicited event.
+        solicited: bool,
+    },
+}
+
+/// A typed work completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    /// The work request's id.
+    pub wr_id: u64,
+    /// Outcome; when not `Success`, `kind` still says which operation failed.
+    pub status: WcStatus,
+    /// The QP.
+    pub qp_num: u32,
+    /// What completed, with its results.
+    pub kind: CompletionKind,
+    /// Device detail: a failed Commit's status, or the Terminate cause.
+    pub vendor_err: u32,
+}
+
+impl Completion {
+    /// `status == Success`.
+    pub fn is_ok(&self) -> bool {
+        self.status == WcStatus::Success
+    }
+}
+
+/// A completion as a backend reports it, before the QP gives it meaning.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RawCompletion {
+    pub token: u64,
+    pub status: WcStatus,
+    pub byte_len: u32,
+    pub imm: Option<u64>,
+    pub qp_num: u32,
+    pub vendor_err: u32,
+    pub solicited: bool,
+    pub invalidated: Option<u32>,
+}
+
+impl From<&provider::wr::WorkCompletion> for RawCompletion {
+    fn from(wc: &provider::wr::WorkCompletion) -> Self {
+        RawCompletion {
+            token: wc.wr_id,
+            status: wc.status,
+            byte_len: wc.byte_len,
+            imm: wc.imm,
+            qp_num: wc.qp_num,
+            vendor_err: wc.vendor_err,
+            solicited: wc.solicited,
+            invalidated: wc.invalidated_rkey,
+        }
+    }
+}
+
+/// libibverbs status codes (same values as `enum ibv_wc_status`).
+fn status_from_ibv(raw: u32) -> WcStatus {
+    match raw {
+        0 => WcStatus::Success,
+        1 => WcStatus::LocLenErr,
+        2 => WcStatus::LocQpOpErr,
+        4 => WcStatus::LocProtErr,
+        5 => WcStatus::WrFlushErr,
+        9 => WcStatus::RemInvReqErr,
+        10 => WcStatus::RemAccessErr,
+        11 => WcStatus::RemOpErr,
+        14 => WcStatus::FatalErr,
+        _ => WcStatus::GeneralErr,
+    }
+}
+
+impl From<&ibv::WorkCompletion> for RawCompletion {
+    fn from(wc: &ibv::WorkCompletion) -> Self {
+        RawCompletion {
+            token: wc.wr_id,
+            status: status_from_ibv(wc.raw_status),
+            byte_len: wc.byte_len,
+            imm: wc.imm.map(u64::from),
+            qp_num: wc.qp_num,
+            vendor_err: wc.vendor_err,
+            solicited: false,
+            invalidated: None,
+        }
+    }
+}
+
+/// A completion queue, shared by any number of QPs of one device.
+#[derive(Debug, Clone)]
+pub struct CompletionQueue {
+    pub(crate) inner: Arc<CqInner>,
+}
+
+#[derive(Debug)]
+pub(crate) struct CqInner {
+    ctx: Context,
+    pub(crate) backend: CqBackend,
+    qps: Mutex<HashMap<u32, Weak<QpInner>>>,
+    /// Completions given meaning but not yet handed out (a raw batch can
+    /// hold more than the caller asked for).
+    ready: Mutex<VecDeque<Completion>>,
+}
+
+#[derive(Debug)]
+pub(crate) enum CqBackend {
+    User(Arc<provider::cq::CompletionQueue>),
+    Ibv(Arc<ibv::CompletionQueue>),
+}
+
+/// Raw completions taken from the backend per round.
+const BATCH: usize = 32;
+
+impl CompletionQueue {
+    pub(crate) fn new(ctx: &Context, depth: u32) -> Result<CompletionQueue> {
+        let backend = match ctx.backend() {
+            ContextBackend::User(_) => {
+                CqBackend::User(provider::cq::CompletionQueue::new(depth as usize)?)
+            }
+            ContextBackend::Ibv(ictx) => {
+                let channel = ictx.create_comp_channel()?;
+                CqBackend::Ibv(ictx.create_cq(depth, Some(&channel), 0)?)
+            }
+        };
+        Ok(CompletionQueue {
+            inner: Arc::new(CqInner {
+                ctx: ctx.clone(),
+                backend,
+                qps: Mutex::new(HashMap::new()),
+                ready: Mutex::new(VecDeque::new()),
+            }),
+        })
+    }
+
+    /// The device context.
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    pub(crate) fn attach(&self, qp_num: u32, qp: Weak<QpInner>) {
+        let mut qps = self.inner.qps.lock().unwrap_or_else(|p| p.into_inner());
+        qps.retain(|_, w| w.strong_count() > 0);
+        qps.insert(qp_num, qp);
+    }
+
+    /// Take raw completions from the backend (driving the userspace
+    /// provider's QPs from this thread when none is waiting).
+    fn poll_raw(&self, out: &mut Vec<RawCompletion>) -> Result<()> {
+        match &self.inner.backend {
+            CqBackend::User(cq) => {
+                let mut buf = [blank(); BATCH];
+                let n = cq.poll(&mut buf);
+                out.extend(buf[..n].iter().map(RawCompletion::from));
+            }
+            CqBackend::Ibv(cq) => {
+                while out.len() < BATCH {
+                    match cq.poll_one()? {
+                        Some(wc) => out.push(RawCompletion::from(&wc)),
+                        None => break,
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Turn raw completions into the application's, running emulation
+    /// steps on the way (they may post follow-up work and yield nothing),
+    /// onto the ready queue.
+    fn process(&self, raw: Vec<RawCompletion>) {
+        for rc in raw {
+            let qp = {
+                let qps = self.inner.qps.lock().unwrap_or_else(|p| p.into_inner());
+                qps.get(&rc.qp_num).and_then(Weak::upgrade)
+            };
+            match qp {
+                Some(qp) => {
+                    if let Some(c) = qp.complete(rc) {
+                        self.inner
+                            .ready
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push_back(c);
+                    }
+                }
+                None => warn!(qp = rc.qp_num, "completion for an unknown QP dropped"),
+            }
+        }
+    }
+
+    /// Move up to `max` ready completions to `out`.
+    fn take_ready(&self, out: &mut Vec<Completion>, max: usize) -> usize {
+        let mut ready = self.inner.ready.lock().unwrap_or_else(|p| p.into_inner());
+        let n = max.min(ready.len());
+        out.extend(ready.drain(..n));
+        n
+    }
+
+    /// `ibv_poll_cq`: append up to `max` completions to `out`; returns how
+    /// many. Never blocks; on the userspace provider the calling thread
+    /// also makes progress on this CQ's QPs.
+    pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        let mut n = self.take_ready(out, max);
+        // Emulated operations may consume several raw completions before
+        // one surfaces; a few rounds keep a busy poller's latency low
+        // without looping unboundedly.
+        for _ in 0..4 {
+            if n >= max {
+                break;
+            }
+            let mut raw = Vec::new();
+            self.poll_raw(&mut raw)?;
+            if raw.is_empty() {
+                break;
+            }
+            self.process(raw);
+            n += self.take_ready(out, max - n);
+        }
+        Ok(n)
+    }
+
+    /// Poll until one completion arrives or `timeout` passes, busy-polling.
+    pub fn poll_one(&self, timeout: Duration) -> Result<Option<Completion>> {
+        let deadline = Instant::now() + timeout;
+        let mut out = Vec::with_capacity(1);
+        loop {
+            if self.poll(&mut out, 1)? > 0 {
+                return Ok(out.into_iter().next());
+            }
+            if Instant::now() >= deadline {
+                return Ok(None);
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Block (without spinning) until completions arrive or `timeout`
+    /// passes; then poll like [`poll`](Self::poll).
+    pub fn wait(&self, out: &mut Vec<Completion>, max: usize, timeout: Duration) -> Result<usize> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let n = self.poll(out, max)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(0);
+            }
+            match &self.inner.backend {
+                CqBackend::User(cq) => {
+                    let mut buf = [blank(); BATCH];
+                    let k = cq.wait(&mut buf[..max.clamp(1, BATCH)], left);
+                    let raw: Vec<RawCompletion> =
+                        buf[..k].iter().map(RawCompletion::from).collect();
+                    self.process(raw);
+                    let n = self.take_ready(out, max);
+                    if n > 0 {
+                        return Ok(n);
+                    }
+                }
+                CqBackend::Ibv(cq) => {
+                    cq.req_notify(false)?;
+                    // A completion that arrived before arming is polled
+                    // first; then sleep on the channel.
+                    let n = self.poll(out, max)?;
+                    if n > 0 {
+                        return Ok(n);
+                    }
+                    if let Some(ch) = cq.channel() {
+                        if wait_readable(std::os::fd::AsFd::as_fd(&**ch), left)? {
+                            let _ = ch.get_event();
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// poll(2) one fd for readability.
+fn wait_readable(fd: std::os::fd::BorrowedFd<'_>, timeout: Duration) -> Result<bool> {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
+    let ms = PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX);
+    match poll(&mut fds, ms) {
+        Ok(n) => Ok(n > 0),
+        Err(nix::errno::Errno::EINTR) => Ok(false),
+        Err(e) => Err(std::io::Error::from(e).into()),
+    }
+}
+
+fn blank() -> provider::wr::WorkCompletion {
+    provider::wr::WorkCompletion {
+        wr_id: 0,
+        status: WcStatus::GeneralErr,
+        opcode: provider::wr::WcOpcode::Send,
+        byte_len: 0,
+        imm: None,
+        invalidated_rkey: None,
+        qp_num: 0,
+        vendor_err: 0,
+        solicited: false,
+    }
+}

@@ -1,0 +1,224 @@
+//! Devices, contexts and protection domains over both backends.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::Serialize;
+use tracing::debug;
+
+use crate::caps::{Capabilities, OpKind};
+use crate::cq::CompletionQueue;
+use crate::error::{Error, Result};
+use crate::ibv;
+use crate::mr::{Access, MemoryRegion};
+
+/// The name of the userspace provider's device.
+pub const USERSPACE_DEVICE: &str = "stag0";
+
+/// The environment variable that names the default device.
+pub const DEVICE_ENV: &str = "STAG_DEVICE";
+
+/// Which implementation runs a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Backend {
+    /// stag's userspace iWARP provider over TCP.
+    Userspace,
+    /// A libibverbs device (physical RNIC, rxe, siw, …).
+    Ibverbs,
+}
+
+/// A device as listed by [`devices`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeviceInfo {
+    /// Name to open it by.
+    pub name: String,
+    /// Who runs it.
+    pub backend: Backend,
+    /// Transport as the device reports it.
+    pub transport: String,
+}
+
+/// Every device: libibverbs devices first, then the userspace provider.
+pub fn devices() -> Vec<DeviceInfo> {
+    let mut out: Vec<DeviceInfo> = match ibv::devices() {
+        Ok(list) => list
+            .into_iter()
+            .map(|d| DeviceInfo {
+                name: d.name,
+                backend: Backend::Ibverbs,
+                transport: format!("{:?}", d.transport),
+            })
+            .collect(),
+        Err(e) => {
+            debug!(error = %e, "no libibverbs devices");
+            Vec::new()
+        }
+    };
+    out.push(DeviceInfo {
+        name: USERSPACE_DEVICE.to_owned(),
+        backend: Backend::Userspace,
+        transport: "iWARP (userspace)".to_owned(),
+    });
+    out
+}
+
+/// The device to use when none is named: `$STAG_DEVICE`, else the first
+/// libibverbs device, else the userspace provider.
+pub fn default_device() -> String {
+    if let Ok(name) = std::env::var(DEVICE_ENV) {
+        if !name.is_empty() {
+            return name;
+        }
+    }
+    devices()
+        .into_iter()
+        .next()
+        .map(|d| d.name)
+        .unwrap_or_else(|| USERSPACE_DEVICE.to_owned())
+}
+
+/// Options for opening a device.
+#[derive(Debug, Clone, Default)]
+pub struct ContextOptions {
+    /// Run these operations through the emulation layer even where the
+    /// device has them natively (for tests and cost measurements).
+    pub force_emulation: Vec<OpKind>,
+}
+
+/// An open device.
+#[derive(Debug, Clone)]
+pub struct Context {
+    inner: Arc<ContextInner>,
+}
+
+#[derive(Debug)]
+struct ContextInner {
+    name: String,
+    backend: ContextBackend,
+    caps: Capabilities,
+}
+
+#[derive(Debug)]
+pub(crate) enum ContextBackend {
+    User(provider::device::Device),
+    Ibv(Arc<ibv::Context>),
+}
+
+impl Context {
+    /// Open a device by name.
+    pub fn open(name: &str) -> Result<Context> {
+        Self::open_with(name, &ContextOptions::default())
+    }
+
+    /// Open the default device ([`default_device`]).
+    pub fn open_default() -> Result<Context> {
+        Self::open(&default_device())
+    }
+
+    /// Open a device with options.
+    pub fn open_with(name: &str, options: &ContextOptions) -> Result<Context> {
+        let (backend, mut caps) = if name == USERSPACE_DEVICE {
+            let dev = provider::device::Device::open(name)?;
+            (ContextBackend::User(dev), Capabilities::userspace(name))
+        } else {
+            // librdmacm's own context, so that QPs created on rdma_cm ids
+            // share it with our PDs and CQs.
+            let ctx = ibv::Context::open_for_cm(name).map_err(|e| {
+                if e.errno == libc::ENODEV {
+                    Error::NoDevice(name.to_owned())
+                } else {
+                    e.into()
+                }
+            })?;
+            let attr = ctx.query_device()?;
+            let caps = Capabilities::ibverbs(name, &attr);
+            (ContextBackend::Ibv(ctx), caps)
+        };
+        caps.force_emulation(&options.force_emulation);
+        Ok(Context {
+            inner: Arc::new(ContextInner {
+                name: name.to_owned(),
+                backend,
+                caps,
+            }),
+        })
+    }
+
+    /// The device name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// What the device can do, natively or emulated.
+    pub fn capabilities(&self) -> &Capabilities {
+        &self.inner.caps
+    }
+
+    /// Which backend runs it.
+    pub fn backend_kind(&self) -> Backend {
+        match self.inner.backend {
+            ContextBackend::User(_) => Backend::Userspace,
+            ContextBackend::Ibv(_) => Backend::Ibverbs,
+        }
+    }
+
+    pub(crate) fn backend(&self) -> &ContextBackend {
+        &self.inner.backend
+    }
+
+    /// `ibv_alloc_pd`.
+    pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
+        let backend = match &self.inner.backend {
+            ContextBackend::User(dev) => PdBackend::User(dev.alloc_pd()),
+            ContextBackend::Ibv(ctx) => PdBackend::Ibv(ctx.alloc_pd()?),
+        };
+        Ok(ProtectionDomain {
+            ctx: self.clone(),
+            backend: Arc::new(backend),
+        })
+    }
+
+    /// `ibv_create_cq` with room for `depth` completions.
+    pub fn create_cq(&self, depth: u32) -> Result<CompletionQueue> {
+        CompletionQueue::new(self, depth)
+    }
+
+    pub(crate) fn same(&self, other: &Context) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+/// A protection domain.
+#[derive(Debug, Clone)]
+pub struct ProtectionDomain {
+    ctx: Context,
+    backend: Arc<PdBackend>,
+}
+
+#[derive(Debug)]
+pub(crate) enum PdBackend {
+    User(provider::device::ProtectionDomain),
+    Ibv(Arc<ibv::ProtectionDomain>),
+}
+
+impl ProtectionDomain {
+    /// The device context.
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    pub(crate) fn backend(&self) -> &PdBackend {
+        &self.backend
+    }
+
+    /// Allocate and register `len` zeroed bytes.
+    pub fn alloc_mr(&self, len: usize, access: Access) -> Result<MemoryRegion> {
+        MemoryRegion::alloc(self, len, access)
+    }
+
+    /// Map and register `len` bytes of a file: a durable region.
+    pub fn alloc_file_mr(&self, path: &Path, len: usize, access: Access) -> Result<MemoryRegion> {
+        MemoryRegion::alloc_file(self, path, len, access)
+    }
+}

@@ -1,0 +1,641 @@
+//! Queue pairs: posting work and giving completions their meaning, with
+//! the emulation layer for what a device lacks.
+//!
+//! Every posted WR gets an internal token as its device wr_id; the token
+//! maps to the application's wr_id, the operation and the slices it names.
+//! The slices (and so their regions) stay alive in that table until the
+//! completion is polled, so safe code can never unmap memory the device may
+//! still touch.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tracing::warn;
+
+use provider::wr::{Remote, SendOp, Sge, WcStatus};
+
+use crate::caps::{OpKind, Support};
+use crate::cq::{Completion, CompletionKind, CompletionQueue, RawCompletion};
+use crate::device::{Context, ProtectionDomain};
+use crate::error::{Error, Result};
+use crate::ibv;
+use crate::mr::{Access, MemoryRegion, Slice};
+
+/// A send work request.
+#[derive(Debug, Clone)]
+pub struct WorkRequest {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// What to do.
+    pub op: SendOp,
+    /// Local buffers: gathered for Send/Write, scattered for Read, one
+    /// 8-byte slice for an atomic's original value, none for Immediate
+    /// Data and Commit.
+    pub local: Vec<Slice>,
+    /// Produce a completion on success (errors always complete).
+    pub signaled: bool,
+    /// Wait for earlier Reads and atomics before this one starts.
+    pub fence: bool,
+}
+
+impl WorkRequest {
+    /// A signaled WR without fence.
+    pub fn new(wr_id: u64, op: SendOp, local: Vec<Slice>) -> WorkRequest {
+        WorkRequest {
+            wr_id,
+            op,
+            local,
+            signaled: true,
+            fence: false,
+        }
+    }
+}
+
+/// Which row of the capability matrix an operation falls in.
+pub fn op_kind(op: &SendOp) -> OpKind {
+    match *op {
+        SendOp::Send {
+            invalidate: None, ..
+        } => OpKind::Send,
+        SendOp::Send {
+            invalidate: Some(_),
+            ..
+        } => OpKind::SendInvalidate,
+        SendOp::Write { .. } => OpKind::Write,
+        SendOp::WriteImm { .. } => OpKind::WriteImm,
+        SendOp::Read { .. } => OpKind::Read,
+        SendOp::Imm { .. } => OpKind::Imm,
+        SendOp::FetchAdd { mask: 0, .. } => OpKind::FetchAdd,
+        SendOp::FetchAdd { .. } => OpKind::MaskedFetchAdd,
+        SendOp::CmpSwap {
+            compare_mask: u64::MAX,
+            swap_mask: u64::MAX,
+            ..
+        } => OpKind::CmpSwap,
+        SendOp::CmpSwap { .. } => OpKind::MaskedCmpSwap,
+        SendOp::Swap { .. } => OpKind::Swap,
+        SendOp::Commit { .. } => OpKind::Commit,
+    }
+}
+
+/// Limits of a QP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpCaps {
+    /// Send queue depth.
+    pub max_send_wr: u32,
+    /// Receive queue depth.
+    pub max_recv_wr: u32,
+    /// SGEs per WR.
+    pub max_sge: u32,
+}
+
+impl Default for QpCaps {
+    fn default() -> Self {
+        QpCaps {
+            max_send_wr: 256,
+            max_recv_wr: 256,
+            max_sge: 4,
+        }
+    }
+}
+
+/// An RC queue pair.
+#[derive(Debug, Clone)]
+pub struct QueuePair {
+    pub(crate) inner: Arc<QpInner>,
+}
+
+pub(crate) struct QpInner {
+    ctx: Context,
+    backend: QpBackend,
+    qp_num: u32,
+    pending: Mutex<HashMap<u64, Pending>>,
+    next_token: AtomicU64,
+    /// 8-byte slots for emulation steps' results.
+    scratch: MemoryRegion,
+    free_slots: Mutex<Vec<usize>>,
+}
+
+impl std::fmt::Debug for QpInner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QpInner")
+            .field("qp_num", &self.qp_num)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(crate) enum QpBackend {
+    User(provider::device::QueuePair),
+    Ibv {
+        qp: ibv::QueuePair,
+        // Kept for the connection's lifetime (the QP lives on the id).
+        id: ibv::CmId,
+    },
+}
+
+/// Emulation slots per QP (outstanding emulated atomics).
+const SCRATCH_SLOTS: usize = 64;
+
+/// A posted WR awaiting its completion.
+struct Pending {
+    wr_id: u64,
+    /// `None` for a receive.
+    op: Option<SendOp>,
+    local: Vec<Slice>,
+    signaled: bool,
+    emulation: Option<CasLoop>,
+}
+
+/// An atomic emulated by a CmpSwap retry loop: read the target, compute
+/// the new value, CmpSwap it in; if another writer got there first, the
+/// CmpSwap returns the newer value and the loop goes again.
+#[derive(Debug, Clone, Copy)]
+struct CasLoop {
+    remote: Remote,
+    slot: usize,
+    /// The value the last CmpSwap expected (None while the Read is out).
+    expected: Option<u64>,
+}
+
+impl QpInner {
+    fn new(
+        ctx: &Context,
+        pd: &ProtectionDomain,
+        backend: QpBackend,
+        qp_num: u32,
+    ) -> Result<QpInner> {
+        let scratch = pd.alloc_mr(SCRATCH_SLOTS * 8, Access::LOCAL_WRITE)?;
+        Ok(QpInner {
+            ctx: ctx.clone(),
+            backend,
+            qp_num,
+            pending: Mutex::new(HashMap::new()),
+            next_token: AtomicU64::new(1),
+            scratch,
+            free_slots: Mutex::new((0..SCRATCH_SLOTS).rev().collect()),
+        })
+    }
+
+    fn token(&self) -> u64 {
+        self.next_token.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Post one WR to the device under `token` (the pending entry must
+    /// already be in the table: the completion may beat this call back).
+    fn post_raw(&self, token: u64, op: SendOp, sges: &[Sge], fence: bool) -> Result<()> {
+        match &self.backend {
+            QpBackend::User(qp) => {
+                qp.post_send(provider::wr::SendWr {
+                    wr_id: token,
+                    op,
+                    sg_list: sges.to_vec(),
+                    // Always signaled underneath: the table entry (and the
+                    // memory it keeps alive) is released by the completion.
+                    signaled: true,
+                    fence,
+                })?;
+            }
+            QpBackend::Ibv { qp, .. } => {
+                let iop = ibv_op(&op)
+                    .ok_or(Error::InvalidRequest("operation has no libibverbs opcode"))?;
+                let isges: Vec<ibv::Sge> = sges
+                    .iter()
+                    .map(|s| ibv::Sge {
+                        addr: s.addr,
+                        length: s.length,
+                        lkey: s.lkey,
+                    })
+                    .collect();
+                let mut flags = ibv::SendFlags::SIGNALED;
+                if fence {
+                    flags = ibv::SendFlags(flags.0 | ibv::SendFlags::FENCE.0);
+                }
+                let wr = ibv::SendWr {
+                    wr_id: token,
+                    op: iop,
+                    sges: &isges,
+                    flags,
+                };
+                // SAFETY: every SGE names a slice of a registered region
+                // that the pending table keeps alive until this WR's
+                // completion is polled.
+                unsafe { qp.post_send(&[wr]) }.map_err(|(e, _)| e)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn insert(&self, token: u64, p: Pending) {
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(token, p);
+    }
+
+    fn remove(&self, token: u64) -> Option<Pending> {
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&token)
+    }
+
+    fn post_send(&self, wr: WorkRequest) -> Result<()> {
+        let kind = op_kind(&wr.op);
+        let support = self.ctx.capabilities().get(kind).clone();
+        match support {
+            Support::Native => {
+                let token = self.token();
+                let sges: Vec<Sge> = wr.local.iter().map(Slice::sge).collect();
+                self.insert(
+                    token,
+                    Pending {
+                        wr_id: wr.wr_id,
+                        op: Some(wr.op),
+                        local: wr.local,
+                        signaled: wr.signaled,
+                        emulation: None,
+                    },
+                );
+                if let Err(e) = self.post_raw(token, wr.op, &sges, wr.fence) {
+                    self.remove(token);
+                    return Err(e);
+                }
+                Ok(())
+            }
+            Support::Emulated { .. } => self.start_cas_loop(wr),
+            Support::Unsupported { why } => Err(Error::Unsupported {
+                op: kind,
+                device: self.ctx.name().to_owned(),
+                why,
+            }),
+        }
+    }
+
+    fn start_cas_loop(&self, wr: WorkRequest) -> Result<()> {
+        let remote = match wr.op {
+            SendOp::FetchAdd { remote, .. }
+            | SendOp::CmpSwap { remote, .. }
+            | SendOp::Swap { remote, .. } => remote,
+            _ => {
+                return Err(Error::InvalidRequest(
+                    "only atomics are emulated by a CmpSwap loop",
+                ))
+            }
+        };
+        if wr.local.len() != 1 || wr.local[0].len() != 8 {
+            return Err(Error::InvalidRequest(
+                "an atomic needs one 8-byte local slice",
+            ));
+        }
+        let slot = self
+            .free_slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .ok_or(Error::InvalidRequest(
+                "too many emulated atomics outstanding on this QP",
+            ))?;
+        let token = self.token();
+        let sge = self.scratch.slice(slot * 8, 8)?.sge();
+        self.insert(
+            token,
+            Pending {
+                wr_id: wr.wr_id,
+                op: Some(wr.op),
+                local: wr.local,
+                signaled: wr.signaled,
+                emulation: Some(CasLoop {
+                    remote,
+                    slot,
+                    expected: None,
+                }),
+            },
+        );
+        if let Err(e) = self.post_raw(token, SendOp::Read { remote }, &[sge], wr.fence) {
+            self.remove(token);
+            self.free_slot(slot);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn free_slot(&self, slot: usize) {
+        self.free_slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(slot);
+    }
+
+    fn post_recv(&self, wr_id: u64, local: Vec<Slice>) -> Result<()> {
+        let token = self.token();
+        let sges: Vec<Sge> = local.iter().map(Slice::sge).collect();
+        self.insert(
+            token,
+            Pending {
+                wr_id,
+                op: None,
+                local,
+                signaled: true,
+                emulation: None,
+            },
+        );
+        let res = match &self.backend {
+            QpBackend::User(qp) => qp
+                .post_recv(provider::wr::RecvWr {
+                    wr_id: token,
+                    sg_list: sges,
+                })
+                .map_err(Error::from),
+            QpBackend::Ibv { qp, .. } => {
+                let isges: Vec<ibv::Sge> = sges
+                    .iter()
+                    .map(|s| ibv::Sge {
+                        addr: s.addr,
+                        length: s.length,
+                        lkey: s.lkey,
+                    })
+                    .collect();
+                let wr = ibv::RecvWr {
+                    wr_id: token,
+                    sges: &isges,
+                };
+                // SAFETY: the slices stay alive in the pending table until
+                // the receive completes.
+                unsafe { qp.post_recv(&[wr]) }.map_err(|(e, _)| Error::from(e))
+            }
+        };
+        if res.is_err() {
+            self.remove(token);
+        }
+        res
+    }
+
+    /// Give a raw completion its meaning; `None` when it was an internal
+    /// step or an unsignaled success.
+    pub(crate) fn complete(&self, rc: RawCompletion) -> Option<Completion> {
+        let Some(p) = self.remove(rc.token) else {
+            warn!(
+                qp = self.qp_num,
+                token = rc.token,
+                "completion for an unknown WR"
+            );
+            return None;
+        };
+        if let Some(cas) = p.emulation {
+            return self.cas_step(rc, p, cas);
+        }
+        let ok = rc.status == WcStatus::Success;
+        let kind = match p.op {
+            None => CompletionKind::Recv {
+                len: rc.byte_len,
+                imm: rc.imm,
+                invalidated: rc.invalidated,
+                solicited: rc.solicited,
+            },
+            Some(op) => self.send_kind(&op, &p.local, ok),
+        };
+        (p.signaled || !ok || p.op.is_none()).then_some(Completion {
+            wr_id: p.wr_id,
+            status: rc.status,
+            qp_num: self.qp_num,
+            kind,
+            vendor_err: rc.vendor_err,
+        })
+    }
+
+    fn original(local: &[Slice]) -> u64 {
+        let mut b = [0u8; 8];
+        if let Some(s) = local.first() {
+            let _ = s.mr().read_at(s.offset(), &mut b);
+        }
+        u64::from_ne_bytes(b)
+    }
+
+    fn send_kind(&self, op: &SendOp, local: &[Slice], ok: bool) -> CompletionKind {
+        let original = if ok { Self::original(local) } else { 0 };
+        match *op {
+            SendOp::Send { .. } => CompletionKind::Send,
+            SendOp::Write { .. } | SendOp::WriteImm { .. } => CompletionKind::Write,
+            SendOp::Read { .. } => CompletionKind::Read,
+            SendOp::Imm { .. } => CompletionKind::Imm,
+            SendOp::FetchAdd { .. } => CompletionKind::FetchAdd { original },
+            SendOp::CmpSwap {
+                compare,
+                compare_mask,
+                ..
+            } => CompletionKind::CmpSwap {
+                original,
+                swapped: ok && original & compare_mask == compare & compare_mask,
+            },
+            SendOp::Swap { .. } => CompletionKind::Swap { original },
+            SendOp::Commit { .. } => CompletionKind::Commit,
+        }
+    }
+
+    /// One step of a CmpSwap loop.
+    fn cas_step(&self, rc: RawCompletion, p: Pending, mut cas: CasLoop) -> Option<Completion> {
+        let op = p.op.expect("emulated WRs are sends");
+        let fail = |status| {
+            Some(Completion {
+                wr_id: p.wr_id,
+                status,
+                qp_num: self.qp_num,
+                kind: self.send_kind(&op, &p.local, false),
+                vendor_err: rc.vendor_err,
+            })
+        };
+        if rc.status != WcStatus::Success {
+            self.free_slot(cas.slot);
+            return fail(rc.status);
+        }
+        let current = self.scratch.load_u64(cas.slot * 8).unwrap_or(0);
+        if let Some(expected) = cas.expected {
+            if current == expected {
+                // The CmpSwap stuck: `expected` was the original value.
+                return self.cas_done(p, op, cas.slot, expected);
+            }
+        }
+        let new = match op {
+            SendOp::FetchAdd { add, mask, .. } => {
+                provider::wire::atomic::fetch_add(current, add, mask)
+            }
+            SendOp::CmpSwap {
+                compare,
+                compare_mask,
+                swap,
+                swap_mask,
+                ..
+            } => provider::wire::atomic::cmp_swap(current, compare, compare_mask, swap, swap_mask),
+            SendOp::Swap { swap, .. } => swap,
+            _ => current,
+        };
+        if new == current {
+            // Nothing to write (a failed masked compare, or an add of
+            // zero): the value read is a valid linearisation point.
+            return self.cas_done(p, op, cas.slot, current);
+        }
+        cas.expected = Some(current);
+        let token = self.token();
+        let sge = match self.scratch.slice(cas.slot * 8, 8) {
+            Ok(s) => s.sge(),
+            Err(_) => return fail(WcStatus::GeneralErr),
+        };
+        let remote = cas.remote;
+        let slot = cas.slot;
+        let (wr_id, local, signaled) = (p.wr_id, p.local.clone(), p.signaled);
+        self.insert(
+            token,
+            Pending {
+                wr_id,
+                op: Some(op),
+                local,
+                signaled,
+                emulation: Some(cas),
+            },
+        );
+        let step = SendOp::CmpSwap {
+            remote,
+            compare: current,
+            compare_mask: u64::MAX,
+            swap: new,
+            swap_mask: u64::MAX,
+        };
+        if let Err(e) = self.post_raw(token, step, &[sge], false) {
+            warn!(qp = self.qp_num, error = %e, "emulation step could not be posted");
+            self.remove(token);
+            self.free_slot(slot);
+            return fail(WcStatus::LocQpOpErr);
+        }
+        None
+    }
+
+    fn cas_done(&self, p: Pending, op: SendOp, slot: usize, original: u64) -> Option<Completion> {
+        self.free_slot(slot);
+        if let Some(s) = p.local.first() {
+            let _ = s.mr().write_at(s.offset(), &original.to_ne_bytes());
+        }
+        let kind = self.send_kind(&op, &p.local, true);
+        p.signaled.then_some(Completion {
+            wr_id: p.wr_id,
+            status: WcStatus::Success,
+            qp_num: self.qp_num,
+            kind,
+            vendor_err: 0,
+        })
+    }
+}
+
+/// The libibverbs opcode for an operation the device runs natively.
+fn ibv_op(op: &SendOp) -> Option<ibv::SendOp> {
+    Some(match *op {
+        SendOp::Send {
+            invalidate: None, ..
+        } => ibv::SendOp::Send,
+        SendOp::Write { remote } => ibv::SendOp::RdmaWrite {
+            rkey: remote.rkey,
+            remote_addr: remote.addr,
+        },
+        SendOp::Read { remote } => ibv::SendOp::RdmaRead {
+            rkey: remote.rkey,
+            remote_addr: remote.addr,
+        },
+        SendOp::FetchAdd {
+            remote,
+            add,
+            mask: 0,
+        } => ibv::SendOp::FetchAdd {
+            rkey: remote.rkey,
+            remote_addr: remote.addr,
+            add,
+        },
+        SendOp::CmpSwap {
+            remote,
+            compare,
+            swap,
+            compare_mask: u64::MAX,
+            swap_mask: u64::MAX,
+        } => ibv::SendOp::CmpSwap {
+            rkey: remote.rkey,
+            remote_addr: remote.addr,
+            compare,
+            swap,
+        },
+        _ => return None,
+    })
+}
+
+impl QueuePair {
+    pub(crate) fn from_backend(
+        ctx: &Context,
+        pd: &ProtectionDomain,
+        send_cq: &CompletionQueue,
+        recv_cq: &CompletionQueue,
+        backend: QpBackend,
+        qp_num: u32,
+    ) -> Result<QueuePair> {
+        let inner = Arc::new(QpInner::new(ctx, pd, backend, qp_num)?);
+        send_cq.attach(qp_num, Arc::downgrade(&inner));
+        recv_cq.attach(qp_num, Arc::downgrade(&inner));
+        Ok(QueuePair { inner })
+    }
+
+    /// The QP number.
+    pub fn qp_num(&self) -> u32 {
+        self.inner.qp_num
+    }
+
+    /// `ibv_post_send`, natively or through the emulation layer as the
+    /// capability matrix says; an operation the device cannot do at all
+    /// fails here with [`Error::Unsupported`].
+    pub fn post_send(&self, wr: WorkRequest) -> Result<()> {
+        self.inner.post_send(wr)
+    }
+
+    /// `ibv_post_recv`.
+    pub fn post_recv(&self, wr_id: u64, local: Vec<Slice>) -> Result<()> {
+        self.inner.post_recv(wr_id, local)
+    }
+
+    /// Move to Error: every outstanding WR completes with a flush error.
+    pub fn set_error(&self) -> Result<()> {
+        match &self.inner.backend {
+            QpBackend::User(qp) => qp.set_error(),
+            QpBackend::Ibv { qp, .. } => qp.to_error()?,
+        }
+        Ok(())
+    }
+
+    /// Drive the QP from this thread (userspace provider; a no-op on
+    /// libibverbs devices, where the hardware or kernel makes progress).
+    pub fn progress(&self) {
+        if let QpBackend::User(qp) = &self.inner.backend {
+            qp.progress();
+        }
+    }
+
+    /// WRs posted and not yet completed.
+    pub fn outstanding(&self) -> usize {
+        self.inner
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
+
+    /// The device context.
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    pub(crate) fn inner_backend(&self) -> &QpBackend {
+        &self.inner.backend
+    }
+
+    pub(crate) fn cm_id(&self) -> Option<&ibv::CmId> {
+        match &self.inner.backend {
+            QpBackend::Ibv { id, .. } => Some(id),
+            QpBackend::User(_) => None,
+        }
+    }
+}

@@ -1,0 +1,180 @@
+//! A connected pair on the device named by `$STAG_DEVICE` (default: the
+//! userspace provider), so the same tests run on rxe0/siw0 in the VM.
+//! `$STAG_ADDR` gives the address to listen on for libibverbs devices
+//! (the device's netdev address); the userspace provider uses loopback.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use verbs::{
+    Access, Completion, CompletionQueue, ConnectOptions, Context, ContextOptions, Listener,
+    MemoryRegion, OpKind, ProtectionDomain, QueuePair, SendOp, WorkRequest,
+};
+
+pub const ALL: Access = Access::LOCAL_WRITE
+    .union(Access::REMOTE_WRITE)
+    .union(Access::REMOTE_READ)
+    .union(Access::REMOTE_ATOMIC)
+    .union(Access::FLUSH_PERSISTENT);
+
+pub fn device() -> String {
+    std::env::var("STAG_DEVICE").unwrap_or_else(|_| verbs::device::USERSPACE_DEVICE.to_owned())
+}
+
+fn listen_addr() -> SocketAddr {
+    match std::env::var("STAG_ADDR") {
+        Ok(a) => format!("{a}:0")
+            .parse()
+            .expect("STAG_ADDR is an IP address"),
+        Err(_) => "127.0.0.1:0".parse().unwrap(),
+    }
+}
+
+pub struct End {
+    pub ctx: Context,
+    pub pd: ProtectionDomain,
+    pub cq: CompletionQueue,
+    pub mr: MemoryRegion,
+    pub qp: QueuePair,
+}
+
+impl End {
+    pub fn post(&self, wr_id: u64, op: SendOp, local: &[(usize, usize)]) {
+        let local = local
+            .iter()
+            .map(|&(o, l)| self.mr.slice(o, l).unwrap())
+            .collect();
+        self.qp
+            .post_send(WorkRequest::new(wr_id, op, local))
+            .unwrap();
+    }
+
+    pub fn recv(&self, wr_id: u64, offset: usize, len: usize) {
+        self.qp
+            .post_recv(wr_id, vec![self.mr.slice(offset, len).unwrap()])
+            .unwrap();
+    }
+
+    pub fn wait(&self) -> Completion {
+        wait_one(&self.cq)
+    }
+}
+
+pub fn wait_one(cq: &CompletionQueue) -> Completion {
+    cq.poll_one(Duration::from_secs(20))
+        .unwrap()
+        .expect("a completion within 20 s")
+}
+
+/// Two connected ends; `recvs` receives are posted on each before the
+/// connection exists.
+pub fn pair_with(options: &ContextOptions, recvs: usize) -> (End, End) {
+    let name = device();
+    let make = || {
+        let ctx = Context::open_with(&name, options).unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(1024).unwrap();
+        let mr = pd.alloc_mr(1 << 20, ALL).unwrap();
+        (ctx, pd, cq, mr)
+    };
+    let (sctx, spd, scq, smr) = make();
+    let (cctx, cpd, ccq, cmr) = make();
+    let listener = Listener::bind(&sctx, listen_addr()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let post = |mr: &MemoryRegion| {
+        let mr = mr.clone();
+        move |qp: &QueuePair| {
+            for i in 0..recvs {
+                qp.post_recv(
+                    1000 + i as u64,
+                    vec![mr.slice(512 * 1024 + 4096 * i, 4096)?],
+                )?;
+            }
+            Ok(())
+        }
+    };
+    let opts = ConnectOptions::default();
+    let (server_qp, client_qp) = std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            let req = listener.get_request().unwrap();
+            req.accept_with(&spd, &scq, &opts, post(&smr)).unwrap()
+        });
+        let (qp, _) = verbs::connect_with(&cpd, &ccq, addr, &opts, post(&cmr)).unwrap();
+        (h.join().unwrap(), qp)
+    });
+    (
+        End {
+            ctx: cctx,
+            pd: cpd,
+            cq: ccq,
+            mr: cmr,
+            qp: client_qp,
+        },
+        End {
+            ctx: sctx,
+            pd: spd,
+            cq: scq,
+            mr: smr,
+            qp: server_qp,
+        },
+    )
+}
+
+pub fn pair() -> (End, End) {
+    pair_with(&ContextOptions::default(), 4)
+}
+
+pub fn emulating(ops: &[OpKind]) -> ContextOptions {
+    ContextOptions {
+        force_emulation: ops.to_vec(),
+    }
+}
+
+/// One server region and `n` clients, each connected to the server over
+/// its own QP (and its own device context).
+pub struct Star {
+    pub server_mr: MemoryRegion,
+    pub server_qps: Vec<QueuePair>,
+    pub server_cq: CompletionQueue,
+    pub clients: Vec<End>,
+}
+
+pub fn star(options: &ContextOptions, n: usize) -> Star {
+    let name = device();
+    let sctx = Context::open_with(&name, options).unwrap();
+    let spd = sctx.alloc_pd().unwrap();
+    let scq = sctx.create_cq(4096).unwrap();
+    let smr = spd.alloc_mr(1 << 16, ALL).unwrap();
+    let listener = Listener::bind(&sctx, listen_addr()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let opts = ConnectOptions::default();
+    let mut server_qps = Vec::new();
+    let mut clients = Vec::new();
+    for _ in 0..n {
+        let ctx = Context::open_with(&name, options).unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(4096).unwrap();
+        let mr = pd.alloc_mr(1 << 16, ALL).unwrap();
+        let (sqp, cqp) = std::thread::scope(|s| {
+            let h = s.spawn(|| listener.accept(&spd, &scq, &opts).unwrap().0);
+            let (qp, _) = verbs::connect(&pd, &cq, addr, &opts).unwrap();
+            (h.join().unwrap(), qp)
+        });
+        server_qps.push(sqp);
+        clients.push(End {
+            ctx,
+            pd,
+            cq,
+            mr,
+            qp: cqp,
+        });
+    }
+    Star {
+        server_mr: smr,
+        server_qps,
+        server_cq: scq,
+        clients,
+    }
+}

@@ -1,0 +1,361 @@
+//! Every operation of the API once, on `$STAG_DEVICE`, through whatever
+//! the capability matrix says (native or emulated), with its result.
+
+mod common;
+
+use common::*;
+use verbs::{CompletionKind, OpKind, SendOp, Support, WcStatus};
+
+#[test]
+fn send_and_receive() {
+    let (c, s) = pair();
+    c.mr.write_at(0, b"hello verbs").unwrap();
+    c.post(
+        1,
+        SendOp::Send {
+            solicited: false,
+            invalidate: None,
+        },
+        &[(0, 11)],
+    );
+    let sent = c.wait();
+    assert_eq!(
+        (sent.wr_id, sent.status, sent.kind),
+        (1, WcStatus::Success, CompletionKind::Send)
+    );
+    let got = s.wait();
+    assert_eq!(got.wr_id, 1000);
+    assert!(
+        matches!(
+            got.kind,
+            CompletionKind::Recv {
+                len: 11,
+                imm: None,
+                ..
+            }
+        ),
+        "{got:?}"
+    );
+    assert_eq!(s.mr.to_vec(512 * 1024, 11).unwrap(), b"hello verbs");
+}
+
+#[test]
+fn write_and_read() {
+    let (c, s) = pair();
+    let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    c.mr.write_at(0, &data).unwrap();
+    c.post(
+        1,
+        SendOp::Write {
+            remote: s.mr.remote(4096),
+        },
+        &[(0, data.len())],
+    );
+    assert_eq!(c.wait().kind, CompletionKind::Write);
+    c.post(
+        2,
+        SendOp::Read {
+            remote: s.mr.remote(4096),
+        },
+        &[(200_000, data.len())],
+    );
+    let r = c.wait();
+    assert_eq!(
+        (r.wr_id, r.status, r.kind),
+        (2, WcStatus::Success, CompletionKind::Read)
+    );
+    assert_eq!(s.mr.to_vec(4096, data.len()).unwrap(), data);
+    assert_eq!(c.mr.to_vec(200_000, data.len()).unwrap(), data);
+}
+
+#[test]
+fn immediate_data_and_write_with_immediate() {
+    let (c, s) = pair();
+    c.mr.write_at(0, b"12345678").unwrap();
+    c.post(
+        1,
+        SendOp::WriteImm {
+            remote: s.mr.remote(64),
+            imm: 0xfeed_face_cafe_beef,
+        },
+        &[(0, 8)],
+    );
+    c.post(
+        2,
+        SendOp::Imm {
+            imm: 42,
+            solicited: true,
+        },
+        &[],
+    );
+    assert_eq!(c.wait().kind, CompletionKind::Write);
+    assert_eq!(c.wait().kind, CompletionKind::Imm);
+    let first = s.wait();
+    assert!(
+        matches!(
+            first.kind,
+            CompletionKind::Recv {
+                imm: Some(0xfeed_face_cafe_beef),
+                ..
+            }
+        ),
+        "{first:?}"
+    );
+    let second = s.wait();
+    assert!(
+        matches!(
+            second.kind,
+            CompletionKind::Recv {
+                imm: Some(42),
+                solicited: true,
+                ..
+            }
+        ),
+        "{second:?}"
+    );
+    assert_eq!(s.mr.to_vec(64, 8).unwrap(), b"12345678");
+}
+
+#[test]
+fn atomics_native_or_emulated() {
+    let (c, s) = pair();
+    s.mr.store_u64(0, 10).unwrap();
+    let r = s.mr.remote(0);
+    c.post(
+        1,
+        SendOp::FetchAdd {
+            remote: r,
+            add: 5,
+            mask: 0,
+        },
+        &[(0, 8)],
+    );
+    assert_eq!(c.wait().kind, CompletionKind::FetchAdd { original: 10 });
+    c.post(
+        2,
+        SendOp::CmpSwap {
+            remote: r,
+            compare: 15,
+            compare_mask: u64::MAX,
+            swap: 100,
+            swap_mask: u64::MAX,
+        },
+        &[(8, 8)],
+    );
+    assert_eq!(
+        c.wait().kind,
+        CompletionKind::CmpSwap {
+            original: 15,
+            swapped: true
+        }
+    );
+    c.post(
+        3,
+        SendOp::CmpSwap {
+            remote: r,
+            compare: 15,
+            compare_mask: u64::MAX,
+            swap: 7,
+            swap_mask: u64::MAX,
+        },
+        &[(16, 8)],
+    );
+    assert_eq!(
+        c.wait().kind,
+        CompletionKind::CmpSwap {
+            original: 100,
+            swapped: false
+        }
+    );
+    c.post(
+        4,
+        SendOp::Swap {
+            remote: r,
+            swap: 0x1_0000_0001,
+        },
+        &[(24, 8)],
+    );
+    assert_eq!(c.wait().kind, CompletionKind::Swap { original: 100 });
+    // Two 32-bit lanes: the low lane's carry must not reach the high one.
+    c.post(
+        5,
+        SendOp::FetchAdd {
+            remote: r,
+            add: 0xffff_ffff,
+            mask: 0x8000_0000_8000_0000,
+        },
+        &[(32, 8)],
+    );
+    assert_eq!(
+        c.wait().kind,
+        CompletionKind::FetchAdd {
+            original: 0x1_0000_0001
+        }
+    );
+    assert_eq!(s.mr.load_u64(0).unwrap(), 0x1_0000_0000);
+    // Masked CmpSwap: compare the high lane only, swap the low lane only.
+    c.post(
+        6,
+        SendOp::CmpSwap {
+            remote: r,
+            compare: 0x1_dead_beef,
+            compare_mask: 0xffff_ffff_0000_0000,
+            swap: 0x9999_0000_0000_0077,
+            swap_mask: 0xffff_ffff,
+        },
+        &[(40, 8)],
+    );
+    let done = c.wait();
+    assert!(
+        matches!(done.kind, CompletionKind::CmpSwap { swapped: true, .. }),
+        "{done:?}"
+    );
+    assert_eq!(s.mr.load_u64(0).unwrap(), 0x1_0000_0077);
+    // The original values also landed in the local slices, as in verbs.
+    assert_eq!(c.mr.load_u64(0).unwrap(), 10);
+    assert_eq!(c.mr.load_u64(24).unwrap(), 100);
+}
+
+#[test]
+fn commit_makes_written_bytes_durable() {
+    let (c, s) = pair();
+    let dir = std::env::temp_dir().join(format!("stag-verbs-commit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("durable.bin");
+    let durable = s.pd.alloc_file_mr(&path, 1 << 16, ALL).unwrap();
+    c.mr.write_at(0, b"on stable storage").unwrap();
+    c.post(
+        1,
+        SendOp::Write {
+            remote: durable.remote(100),
+        },
+        &[(0, 17)],
+    );
+    c.post(
+        2,
+        SendOp::Commit {
+            remote: durable.remote(100),
+            len: 17,
+        },
+        &[],
+    );
+    assert_eq!(c.wait().kind, CompletionKind::Write);
+    let done = c.wait();
+    assert_eq!(
+        (done.status, done.kind),
+        (WcStatus::Success, CompletionKind::Commit)
+    );
+    assert_eq!(
+        &std::fs::read(&path).unwrap()[100..117],
+        b"on stable storage"
+    );
+    drop(durable);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn every_operation_is_available() {
+    let ctx = verbs::Context::open(&device()).unwrap();
+    for (op, support) in &ctx.capabilities().ops {
+        assert!(support.is_available(), "{op} on {}: {support}", ctx.name());
+    }
+    if ctx.name() == verbs::device::USERSPACE_DEVICE {
+        assert!(ctx
+            .capabilities()
+            .ops
+            .iter()
+            .all(|(_, s)| *s == Support::Native));
+    }
+    assert_eq!(ctx.capabilities().ops.len(), OpKind::ALL.len());
+}
+
+#[test]
+fn unsignaled_success_is_silent_but_errors_are_not() {
+    let (c, s) = pair();
+    let mut wr = verbs::WorkRequest::new(
+        1,
+        SendOp::Write {
+            remote: s.mr.remote(0),
+        },
+        vec![c.mr.slice(0, 8).unwrap()],
+    );
+    wr.signaled = false;
+    // The receives posted at setup are outstanding too.
+    let before = c.qp.outstanding();
+    c.qp.post_send(wr).unwrap();
+    c.post(
+        2,
+        SendOp::Read {
+            remote: s.mr.remote(0),
+        },
+        &[(64, 8)],
+    );
+    assert_eq!(
+        c.wait().wr_id,
+        2,
+        "the unsignaled Write produced no completion"
+    );
+    assert_eq!(
+        c.qp.outstanding(),
+        before,
+        "its table entry was released all the same"
+    );
+    let mut out = Vec::new();
+    assert_eq!(c.cq.poll(&mut out, 8).unwrap(), 0);
+}
+
+#[test]
+fn buffers_outlive_their_handles_while_posted() {
+    let (c, s) = pair();
+    // Post a receive on a region and drop every handle to it: the posted
+    // WR keeps the memory mapped and registered until it completes.
+    let mr = s.pd.alloc_mr(4096, ALL).unwrap();
+    s.qp.post_recv(7, vec![mr.slice(0, 64).unwrap()]).unwrap();
+    drop(mr);
+    // The first four receives were posted at setup; use them up first.
+    for i in 0..4 {
+        c.post(
+            i,
+            SendOp::Send {
+                solicited: false,
+                invalidate: None,
+            },
+            &[(0, 1)],
+        );
+        c.wait();
+        s.wait();
+    }
+    c.mr.write_at(0, b"still here").unwrap();
+    c.post(
+        9,
+        SendOp::Send {
+            solicited: false,
+            invalidate: None,
+        },
+        &[(0, 10)],
+    );
+    c.wait();
+    let got = s.wait();
+    assert_eq!(got.wr_id, 7);
+    assert!(matches!(got.kind, CompletionKind::Recv { len: 10, .. }));
+}
+
+#[test]
+fn peer_error_flushes_outstanding_receives() {
+    let (c, s) = pair();
+    // A Write to an STag the peer never registered: the peer terminates.
+    let bogus = verbs::Remote {
+        addr: s.mr.remote(0).addr,
+        rkey: s.mr.rkey() ^ 0x5a,
+    };
+    c.post(1, SendOp::Write { remote: bogus }, &[(0, 8)]);
+    let mut flushed = 0;
+    for _ in 0..4 {
+        let w = s.wait();
+        assert_eq!(w.status, WcStatus::WrFlushErr, "{w:?}");
+        flushed += 1;
+    }
+    assert_eq!(flushed, 4);
+    let first = c.wait();
+    assert_eq!(first.wr_id, 1);
+}
