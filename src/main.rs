@@ -1,9 +1,97 @@
 //! The `stag` command line: `stag devices`, `stag lat …`, `stag bw …`.
 
+use clap::{Parser, Subcommand};
+
+use stag::verbs::{self, Backend, Capabilities, Context};
+
+/// stag: RDMA verbs over physical RNICs, soft-RoCE/soft-iWARP and a
+/// userspace iWARP provider.
+#[derive(Debug, Parser)]
+#[command(name = "stag", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// List devices and what each can do (native, emulated or unsupported).
+    Devices {
+        /// Also print each operation's emulation method and cost.
+        #[arg(short, long)]
+        verbose: bool,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, serde::Serialize)]
+struct DeviceReport {
+    name: String,
+    backend: Backend,
+    transport: String,
+    capabilities: Option<Capabilities>,
+    error: Option<String>,
+}
+
+fn devices(verbose: bool, json: bool) -> i32 {
+    let reports: Vec<DeviceReport> = verbs::devices()
+        .into_iter()
+        .map(|d| {
+            let (capabilities, error) = match Context::open(&d.name) {
+                Ok(ctx) => (Some(ctx.capabilities().clone()), None),
+                Err(e) => (None, Some(e.to_string())),
+            };
+            DeviceReport {
+                name: d.name,
+                backend: d.backend,
+                transport: d.transport,
+                capabilities,
+                error,
+            }
+        })
+        .collect();
+    if json {
+        match serde_json::to_string_pretty(&reports) {
+            Ok(s) => println!("{s}"),
+            Err(e) => {
+                eprintln!("stag: {e}");
+                return 1;
+            }
+        }
+        return 0;
+    }
+    for r in &reports {
+        println!("{} ({:?}, {})", r.name, r.backend, r.transport);
+        if let Some(e) = &r.error {
+            println!("  cannot open: {e}");
+            continue;
+        }
+        let Some(caps) = &r.capabilities else {
+            continue;
+        };
+        for (op, support) in &caps.ops {
+            let short = match support {
+                verbs::Support::Native => "native".to_owned(),
+                verbs::Support::Emulated { .. } if !verbose => "emulated".to_owned(),
+                verbs::Support::Unsupported { .. } if !verbose => "unsupported".to_owned(),
+                other => other.to_string(),
+            };
+            println!("  {:<17} {short}", op.name());
+        }
+    }
+    0
+}
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();
-    println!("stag {}", env!("CARGO_PKG_VERSION"));
+    let cli = Cli::parse();
+    let code = match cli.command {
+        Command::Devices { verbose, json } => devices(verbose, json),
+    };
+    std::process::exit(code);
 }

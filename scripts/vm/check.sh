@@ -22,9 +22,23 @@ step "ibv_devices"
 ibv_devices || failed+=(ibv_devices)
 for dev in "$RXE_DEV" "$SIW_DEV"; do
     step "ibv_devinfo -v -d $dev"
-    if ! ibv_devinfo -v -d "$dev"; then
+    if ! ibv_devinfo -v -d "$dev" | tee "/tmp/devinfo-$dev"; then
         failed+=("ibv_devinfo $dev")
     fi
+done
+
+# rdma-core 44's ibv_devinfo prints the newer capability bits as "Unknown
+# flags"; name the ones stag cares about (kernel uapi ib_user_verbs.h).
+step "device_cap_flags_ex, decoded"
+for dev in "$RXE_DEV" "$SIW_DEV"; do
+    ex=$(sed -n 's/.*device_cap_flags_ex:[[:space:]]*\(0x[0-9A-Fa-f]*\).*/\1/p' "/tmp/devinfo-$dev")
+    names=()
+    if [[ -n $ex ]]; then
+        (((ex >> 38) & 1)) && names+=(FLUSH_GLOBAL)
+        (((ex >> 39) & 1)) && names+=(FLUSH_PERSISTENT)
+        (((ex >> 40) & 1)) && names+=(ATOMIC_WRITE)
+    fi
+    echo "$dev: device_cap_flags_ex=${ex:-?} (bits 38-40: ${names[*]:-none of FLUSH_GLOBAL FLUSH_PERSISTENT ATOMIC_WRITE})"
 done
 
 # One perftest run: server in the background, client against the device's

@@ -96,9 +96,14 @@ impl Host {
 
     /// Register `len` zeroed bytes in `pd` with `access`.
     pub fn reg_in(&mut self, pd: PdId, len: usize, access: Access) -> Buf {
-        let region = Region::anonymous(len).unwrap();
         let iova = self.next_iova;
         self.next_iova += (len as u64).next_multiple_of(0x1_0000) + 0x1_0000;
+        self.reg_at(pd, iova, len, access)
+    }
+
+    /// Register `len` zeroed bytes visible at `iova`.
+    pub fn reg_at(&mut self, pd: PdId, iova: u64, len: usize, access: Access) -> Buf {
+        let region = Region::anonymous(len).unwrap();
         // SAFETY: the region is kept in `self.regions` until the Host drops,
         // and `self.mem` (declared first) drops before it, so the memory
         // outlives the registration.
@@ -197,6 +202,7 @@ impl Host {
             if !self.conn.poll_transmit(&env, &mut out, 1 << 20) {
                 break;
             }
+            assert!(out.len() < 64 << 20, "runaway transmit");
         }
         self.drain();
         if out.is_empty() {
