@@ -13,6 +13,19 @@ echo "== cargo test"
 cargo test --workspace --all-targets 2>&1 | tee target/test.log
 # The doc tests run separately (all-targets leaves them out).
 cargo test --workspace --doc
+echo "== examples (each checks its own result and fails loudly)"
+ex_pass=0
+for e in quickstart counter lock durable_log stream; do
+    if timeout 300 "target/debug/examples/$e" > "target/example-$e.log" 2>&1; then
+        ex_pass=$((ex_pass + 1))
+        tail -1 "target/example-$e.log"
+    else
+        cat "target/example-$e.log"
+        echo "example $e FAILED" >&2
+        exit 1
+    fi
+done
+echo "examples: $ex_pass passed, 0 failed"
 if command -v cargo-fuzz >/dev/null 2>&1; then
     echo "== fuzz (short)"
     bash scripts/fuzz.sh "${STAG_FUZZ_SECONDS:-10}"

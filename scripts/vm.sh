@@ -294,6 +294,9 @@ write_command() {
     {
         printf 'STAG_RXE_ADDR=%q\nSTAG_SIW_ADDR=%q\nSTAG_VM_SHARES=%q\n' \
             "$RXE_ADDR" "$SIW_ADDR" "${SHARES[*]}"
+        # Whether the command's stdout/stderr should be a terminal in the VM.
+        printf 'STAG_VM_TTY_OUT=%d\nSTAG_VM_TTY_ERR=%d\n' "$([[ -t 1 ]] && echo 1 || echo 0)" \
+            "$([[ -t 2 ]] && echo 1 || echo 0)"
     } >"$CTL/env.sh"
 }
 
@@ -311,6 +314,7 @@ pick_accel() {
 
 # ---------------------------------------------------------------------------
 QPID=
+# shellcheck disable=SC2317 # invoked by the EXIT trap
 cleanup() {
     [[ -n $QPID ]] && kill -9 "$QPID" 2>/dev/null
     [[ -n ${TAILPID:-} ]] && kill "$TAILPID" 2>/dev/null
@@ -328,6 +332,7 @@ run_vm() {
     append="console=ttyS0 panic=-1 tsc=reliable mitigations=off"
     ((VERBOSE)) || append+=" quiet loglevel=4"
     append+=" rdinit=/init 8250.nr_uarts=4"
+    # shellcheck disable=SC2054 # the commas are QEMU's, not array separators
     local args=(
         -accel "$accel" -M pc -cpu "$cpu" -smp "$CPUS" -m "$MEM"
         -nodefaults -no-user-config -display none -monitor none -no-reboot
@@ -354,7 +359,7 @@ run_vm() {
             -device "virtio-9p-pci,fsdev=share$i,mount_tag=share$i")
     done
 
-    local t0 t_ready= deadline=0 timed_out=0 qrc=0 rc
+    local t0 t_ready='' deadline=0 timed_out=0 qrc=0 rc
     t0=$(now_us)
     ((TIMEOUT > 0)) && deadline=$((t0 + TIMEOUT * 1000000))
     local outpid errpid
@@ -374,9 +379,9 @@ run_vm() {
         [[ -z $t_ready && -e $CTL/ready ]] && t_ready=$(now_us)
         if ((deadline && $(now_us) > deadline)); then
             timed_out=1
-            kill "$QPID" 2>/dev/null
+            kill "$QPID" 2>/dev/null || true
             sleep 1
-            kill -9 "$QPID" 2>/dev/null
+            kill -9 "$QPID" 2>/dev/null || true
             break
         fi
         sleep 0.1
@@ -388,9 +393,9 @@ run_vm() {
         wait "$TAILPID" 2>/dev/null || true
         TAILPID=
     fi
-    local t_end
+    local t_end timing
     t_end=$(now_us)
-    local timing="total $(secs $((t_end - t0)))s"
+    timing="total $(secs $((t_end - t0)))s"
     [[ -n $t_ready ]] && timing="boot+setup $(secs $((t_ready - t0)))s, $timing"
     [[ -n $t_ready ]] || [[ ! -e $CTL/ready ]] || timing="boot+setup ?, $timing"
 

@@ -1,13 +1,19 @@
 //! Completion queues: a bounded FIFO of work completions that any number of
 //! QPs feed, with an eventfd that is readable while completions are waiting
 //! and notifications are armed (for epoll users, like a completion channel).
+//!
+//! Polling an empty CQ drives its QPs from the polling thread; waiting on
+//! it sleeps in `poll(2)` on its QPs' sockets (and on an internal eventfd
+//! for completions that other threads deliver), so the thread that will
+//! consume the completion is the one the kernel wakes.
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
+use nix::poll::{PollFd, PollFlags, PollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use tracing::error;
 
@@ -23,13 +29,17 @@ const ARM_SOLICITED: u8 = 2;
 #[derive(Debug)]
 pub struct CompletionQueue {
     queue: Mutex<VecDeque<WorkCompletion>>,
-    ready: Condvar,
     capacity: usize,
     event_fd: EventFd,
     armed: AtomicU8,
     overrun: AtomicBool,
     /// QPs that feed this CQ, so that polling can drive them.
-    qps: Mutex<Vec<Weak<QpShared>>>,
+    qps: RwLock<Vec<Weak<QpShared>>>,
+    /// Readable when a completion arrived while a thread sleeps in
+    /// [`wait`](Self::wait).
+    wake: EventFd,
+    /// Threads asleep in [`wait`](Self::wait).
+    waiters: AtomicU32,
 }
 
 impl CompletionQueue {
@@ -37,19 +47,22 @@ impl CompletionQueue {
     pub fn new(capacity: usize) -> std::io::Result<Arc<CompletionQueue>> {
         let event_fd =
             EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)?;
+        let wake =
+            EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)?;
         Ok(Arc::new(CompletionQueue {
             queue: Mutex::new(VecDeque::with_capacity(capacity.min(65536))),
-            ready: Condvar::new(),
             capacity,
             event_fd,
             armed: AtomicU8::new(ARM_NONE),
             overrun: AtomicBool::new(false),
-            qps: Mutex::new(Vec::new()),
+            qps: RwLock::new(Vec::new()),
+            wake,
+            waiters: AtomicU32::new(0),
         }))
     }
 
     pub(crate) fn attach(&self, qp: Weak<QpShared>) {
-        let mut qps = self.qps.lock().unwrap_or_else(|p| p.into_inner());
+        let mut qps = self.qps.write().unwrap_or_else(|p| p.into_inner());
         qps.retain(|w| w.strong_count() > 0);
         qps.push(qp);
     }
@@ -67,7 +80,11 @@ impl CompletionQueue {
         let solicited = wc.solicited || wc.status != WcStatus::Success;
         q.push_back(wc);
         drop(q);
-        self.ready.notify_all();
+        // Pairs with the SeqCst increment in `wait` before its last look
+        // at the queue: either it sees this completion or we see it.
+        if self.waiters.load(Ordering::SeqCst) > 0 {
+            let _ = self.wake.write(1);
+        }
         let arm = self.armed.load(Ordering::Acquire);
         if arm == ARM_ANY || (arm == ARM_SOLICITED && solicited) {
             self.armed.store(ARM_NONE, Ordering::Release);
@@ -93,38 +110,83 @@ impl CompletionQueue {
         if n > 0 || out.is_empty() {
             return n;
         }
-        let qps: Vec<Arc<QpShared>> = {
-            let qps = self.qps.lock().unwrap_or_else(|p| p.into_inner());
-            qps.iter().filter_map(Weak::upgrade).collect()
-        };
-        for qp in qps {
-            qp.try_progress();
+        {
+            let qps = self.qps.read().unwrap_or_else(|p| p.into_inner());
+            for qp in qps.iter().filter_map(Weak::upgrade) {
+                qp.try_progress();
+            }
         }
         self.try_poll(out)
     }
 
     /// Block until a completion is waiting or `timeout` passes; then poll.
+    ///
+    /// The calling thread drives the CQ's QPs itself, sleeping in `poll(2)`
+    /// on their sockets in between, so a completion caused by the peer
+    /// costs one wake-up of this thread (the device's engine leaves those
+    /// sockets alone meanwhile).
     pub fn wait(&self, out: &mut [WorkCompletion], timeout: Duration) -> usize {
         let deadline = Instant::now() + timeout;
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        while q.is_empty() {
+        loop {
+            let n = self.poll(out);
+            if n > 0 || out.is_empty() {
+                return n;
+            }
             let now = Instant::now();
             if now >= deadline {
                 return 0;
             }
-            q = self
-                .ready
-                .wait_timeout(q, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+            let qps: Vec<Arc<QpShared>> = {
+                let qps = self.qps.read().unwrap_or_else(|p| p.into_inner());
+                qps.iter().filter_map(Weak::upgrade).collect()
+            };
+            let mut fds = Vec::with_capacity(qps.len() + 1);
+            fds.push(PollFd::new(self.wake.as_fd(), PollFlags::POLLIN));
+            let mut sleeping = Vec::with_capacity(qps.len());
+            for qp in &qps {
+                if let Some((fd, write)) = qp.wait_fd() {
+                    let mut ev = PollFlags::POLLIN;
+                    if write {
+                        ev |= PollFlags::POLLOUT;
+                    }
+                    fds.push(PollFd::new(fd, ev));
+                    sleeping.push(qp);
+                }
+            }
+            self.waiters.fetch_add(1, Ordering::SeqCst);
+            for qp in &sleeping {
+                qp.set_waiting(true);
+            }
+            // A completion pushed before we counted ourselves is in the
+            // queue now; one pushed after will write `wake`.
+            if self.is_empty() {
+                // Round up so that a short remainder still sleeps.
+                let left = deadline.saturating_duration_since(now) + Duration::from_micros(999);
+                let ms = PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX);
+                let _ = nix::poll::poll(&mut fds, ms);
+            }
+            for qp in &sleeping {
+                qp.set_waiting(false);
+            }
+            self.waiters.fetch_sub(1, Ordering::SeqCst);
+            if fds[0].any().unwrap_or(false) {
+                let _ = self.wake.read();
+            }
         }
-        drop(q);
-        self.try_poll(out)
     }
 
     /// `ibv_req_notify_cq`: make the event fd readable at the next
     /// completion (only solicited ones and errors if `solicited_only`).
+    ///
+    /// An application that arms notifications is about to sleep on them:
+    /// the device's engine takes over driving this CQ's QPs at once.
     pub fn req_notify(&self, solicited_only: bool) {
+        {
+            let qps = self.qps.read().unwrap_or_else(|p| p.into_inner());
+            for qp in qps.iter().filter_map(Weak::upgrade) {
+                qp.release_to_engine();
+            }
+        }
         self.armed.store(
             if solicited_only {
                 ARM_SOLICITED

@@ -2,22 +2,35 @@
 //! the TCP driver that moves bytes between sockets and the sans-IO
 //! [`Connection`].
 //!
-//! Progress happens in two places, whichever comes first: a per-device
-//! engine thread blocked in epoll (so responder-side work — Read Responses,
-//! atomics, commits, placement — goes on while the application does
-//! something else), and the application's own thread when it posts (the
-//! request leaves at once) or polls a CQ that is empty (it reads the
-//! sockets itself, so busy polling costs no thread hand-off). A QP's socket
-//! and connection sit behind one mutex, so the byte stream is processed in
-//! order whoever drives it.
+//! Progress happens in two places: a per-device engine thread blocked in
+//! epoll (so responder-side work — Read Responses, atomics, commits,
+//! placement — goes on while the application does something else), and the
+//! application's own thread when it posts (the request leaves at once),
+//! polls a CQ that is empty (it reads the sockets itself, so busy polling
+//! costs no thread hand-off) or blocks in [`CompletionQueue::wait`] (it
+//! sleeps in `poll(2)` on the sockets themselves, so a blocking round trip
+//! costs one wake-up, as on a plain socket). A QP's connection sits behind
+//! one mutex, so the byte stream is processed in order whoever drives it.
+//!
+//! The two must not fight over a socket: on two cores, an engine woken for
+//! every message that a spinning application thread then finds already
+//! handled costs a wake-up and a context switch per message. So each
+//! socket is in the engine's epoll set `EPOLLONESHOT`, and when an event
+//! fires while an application thread is driving that QP (it polled since
+//! the engine last looked, or it is blocked in `wait`), the engine leaves
+//! the socket disarmed ("parked") and looks again every
+//! [`PARK_RECHECK`]; once the application has stopped driving it, the
+//! engine drives the QP and re-arms. [`CompletionQueue::req_notify`] hands
+//! the QPs back at once, since an application that arms notifications is
+//! about to sleep.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsFd;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
@@ -71,6 +84,11 @@ const TX_BUDGET: usize = 512 * 1024;
 
 /// The epoll token of the engine's wake-up eventfd.
 const WAKE_TOKEN: u64 = u64::MAX;
+
+/// How often the engine looks at the QPs it left to application threads
+/// (the longest an inbound request waits when the application stops
+/// driving its QP without arming notifications).
+pub const PARK_RECHECK: Duration = Duration::from_millis(1);
 
 /// A userspace iWARP device.
 #[derive(Debug, Clone)]
@@ -132,8 +150,17 @@ impl Engine {
         stop: &AtomicBool,
     ) {
         let mut events = vec![EpollEvent::empty(); 64];
+        // QPs whose socket is disarmed because an application thread
+        // drives them.
+        let mut parked: Vec<Weak<QpShared>> = Vec::new();
+        let mut last_check = Instant::now();
         while !stop.load(Ordering::Acquire) {
-            let n = match epoll.wait(&mut events, EpollTimeout::NONE) {
+            let timeout = if parked.is_empty() {
+                EpollTimeout::NONE
+            } else {
+                EpollTimeout::try_from(PARK_RECHECK).unwrap_or(EpollTimeout::ZERO)
+            };
+            let n = match epoll.wait(&mut events, timeout) {
                 Ok(n) => n,
                 Err(nix::errno::Errno::EINTR) => continue,
                 Err(e) => {
@@ -141,10 +168,12 @@ impl Engine {
                     return;
                 }
             };
+            let mut recheck = false;
             for ev in &events[..n] {
                 let token = ev.data();
                 if token == WAKE_TOKEN {
                     let _ = wake.read();
+                    recheck = true;
                     continue;
                 }
                 let qp = qps
@@ -152,9 +181,30 @@ impl Engine {
                     .unwrap_or_else(|p| p.into_inner())
                     .get(&token)
                     .and_then(Weak::upgrade);
-                if let Some(qp) = qp {
-                    qp.progress();
+                let Some(qp) = qp else { continue };
+                // EPOLLONESHOT disarmed the socket.
+                qp.armed.store(false, Ordering::Relaxed);
+                if qp.app_active() {
+                    if !qp.parked.swap(true, Ordering::Relaxed) {
+                        parked.push(Arc::downgrade(&qp));
+                    }
+                } else {
+                    qp.engine_drive();
                 }
+            }
+            if !parked.is_empty() && (recheck || last_check.elapsed() >= PARK_RECHECK) {
+                last_check = Instant::now();
+                parked.retain(|w| {
+                    let Some(qp) = w.upgrade() else {
+                        return false;
+                    };
+                    if qp.app_active() {
+                        return true;
+                    }
+                    qp.parked.store(false, Ordering::Relaxed);
+                    qp.engine_drive();
+                    false
+                });
             }
         }
     }
@@ -165,23 +215,32 @@ impl Engine {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(token, Arc::downgrade(qp));
-        self.epoll.add(
-            sock.as_fd(),
-            EpollEvent::new(EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP, token),
-        )?;
+        qp.armed.store(true, Ordering::Relaxed);
+        self.epoll
+            .add(sock.as_fd(), EpollEvent::new(Self::flags(false), token))?;
         Ok(())
     }
 
-    /// Ask for (or stop asking for) writability of a QP's socket.
-    fn want_write(&self, qpn: u32, sock: &TcpStream, on: bool) {
-        let mut flags = EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP;
-        if on {
+    fn flags(write: bool) -> EpollFlags {
+        let mut flags = EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP | EpollFlags::EPOLLONESHOT;
+        if write {
             flags |= EpollFlags::EPOLLOUT;
         }
-        let mut ev = EpollEvent::new(flags, qpn as u64);
+        flags
+    }
+
+    /// (Re-)arm a QP's socket, with writability if `write`. Called with the
+    /// QP's io lock held, so the flags match its state.
+    fn arm(&self, qpn: u32, sock: &TcpStream, write: bool) {
+        let mut ev = EpollEvent::new(Self::flags(write), qpn as u64);
         if let Err(e) = self.epoll.modify(sock.as_fd(), &mut ev) {
             debug!(qpn, error = %e, "epoll modify failed");
         }
+    }
+
+    /// Make the engine look at its parked QPs now.
+    fn kick(&self) {
+        let _ = self.wake.write(1);
     }
 
     fn deregister(&self, qpn: u32, sock: &TcpStream) {
@@ -304,6 +363,15 @@ impl ProtectionDomain {
             recv_cq: recv_cq.clone(),
             srq: srq.cloned(),
             io: Mutex::new(QpIo::default()),
+            sock: OnceLock::new(),
+            app_polls: AtomicU64::new(0),
+            app_waiters: AtomicU32::new(0),
+            released: AtomicBool::new(false),
+            engine_seen: AtomicU64::new(0),
+            parked: AtomicBool::new(false),
+            armed: AtomicBool::new(false),
+            tx_blocked: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
         });
         send_cq.attach(Arc::downgrade(&shared));
         if !Arc::ptr_eq(send_cq, recv_cq) {
@@ -320,7 +388,6 @@ impl ProtectionDomain {
 #[derive(Debug, Default)]
 struct QpIo {
     conn: Option<Connection>,
-    sock: Option<TcpStream>,
     /// Framed bytes not yet written, from `out_pos`.
     out: Vec<u8>,
     out_pos: usize,
@@ -343,20 +410,105 @@ pub struct QpShared {
     recv_cq: Arc<CompletionQueue>,
     srq: Option<Arc<Srq>>,
     io: Mutex<QpIo>,
+    /// The stream, once connected. Reads and writes go through `&TcpStream`
+    /// under the `io` lock; outside it the socket is only polled.
+    sock: OnceLock<TcpStream>,
+    /// Bumped each time an application thread drives the QP.
+    app_polls: AtomicU64,
+    /// Application threads asleep in `poll(2)` on this QP's socket.
+    app_waiters: AtomicU32,
+    /// The application handed the QP to the engine (it armed a CQ).
+    released: AtomicBool,
+    /// Engine only: `app_polls` when the engine last looked.
+    engine_seen: AtomicU64,
+    /// Engine only: in the engine's parked list.
+    parked: AtomicBool,
+    /// The socket's epoll registration is armed. Set only under the `io`
+    /// lock; cleared by the engine when the one-shot fires.
+    armed: AtomicBool,
+    /// Framed output waits for the socket to become writable.
+    tx_blocked: AtomicBool,
+    /// The stream is closed: nothing more to read.
+    closed: AtomicBool,
 }
 
 impl QpShared {
     /// Drive the QP: read what the socket has, process it, write what is
     /// due, deliver completions.
     pub(crate) fn progress(&self) {
+        self.note_app();
         let mut io = self.io.lock().unwrap_or_else(|p| p.into_inner());
         self.drive(&mut io);
     }
 
     /// Like [`progress`](Self::progress), unless another thread is at it.
     pub(crate) fn try_progress(&self) {
+        self.note_app();
         if let Ok(mut io) = self.io.try_lock() {
             self.drive(&mut io);
+        }
+    }
+
+    /// An application thread is driving this QP: the engine keeps off.
+    fn note_app(&self) {
+        self.app_polls.fetch_add(1, Ordering::Relaxed);
+        if self.released.load(Ordering::Relaxed) {
+            self.released.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// Engine only: whether an application thread drove the QP since the
+    /// engine last looked, or sleeps on its socket.
+    fn app_active(&self) -> bool {
+        let polls = self.app_polls.load(Ordering::Relaxed);
+        let seen = self.engine_seen.swap(polls, Ordering::Relaxed);
+        self.app_waiters.load(Ordering::SeqCst) > 0
+            || (polls != seen && !self.released.load(Ordering::Relaxed))
+    }
+
+    /// Hand the QP to the engine now (the application is going to sleep
+    /// on a completion channel).
+    pub(crate) fn release_to_engine(&self) {
+        self.released.store(true, Ordering::Relaxed);
+        if self.parked.load(Ordering::Relaxed) {
+            if let Some(dev) = self.device.upgrade() {
+                dev.engine.kick();
+            }
+        }
+    }
+
+    /// Engine only: drive, then re-arm the socket.
+    fn engine_drive(&self) {
+        let mut io = self.io.lock().unwrap_or_else(|p| p.into_inner());
+        self.drive(&mut io);
+        if io.closed {
+            return;
+        }
+        let (Some(dev), Some(sock)) = (self.device.upgrade(), self.sock.get()) else {
+            return;
+        };
+        self.armed.store(true, Ordering::Relaxed);
+        dev.engine.arm(self.qpn, sock, io.writable_wanted);
+    }
+
+    /// The socket to sleep on in [`CompletionQueue::wait`], with whether
+    /// to wait for writability too; `None` before connection and after
+    /// close.
+    pub(crate) fn wait_fd(&self) -> Option<(std::os::fd::BorrowedFd<'_>, bool)> {
+        if self.closed.load(Ordering::Acquire) {
+            return None;
+        }
+        let sock = self.sock.get()?;
+        Some((sock.as_fd(), self.tx_blocked.load(Ordering::Acquire)))
+    }
+
+    /// An application thread starts (`true`) or stops sleeping on the
+    /// socket.
+    pub(crate) fn set_waiting(&self, on: bool) {
+        if on {
+            self.app_waiters.fetch_add(1, Ordering::SeqCst);
+        } else {
+            self.app_waiters.fetch_sub(1, Ordering::SeqCst);
         }
     }
 
@@ -370,7 +522,6 @@ impl QpShared {
         };
         let QpIo {
             conn,
-            sock,
             out,
             out_pos,
             rbuf,
@@ -379,11 +530,16 @@ impl QpShared {
             events,
             ..
         } = io;
-        let (Some(conn), Some(sock)) = (conn.as_mut(), sock.as_mut()) else {
+        let (Some(conn), Some(mut sock)) = (conn.as_mut(), self.sock.get()) else {
             return;
         };
         if rbuf.is_empty() {
             rbuf.resize(READ_CHUNK, 0);
+        }
+        // What was posted leaves before we look for input: a post's
+        // request is on the wire one read syscall sooner.
+        if !*writable_wanted && (*out_pos < out.len() || conn.has_pending_tx()) {
+            Self::flush(conn, &mut sock, out, out_pos, &env);
         }
         // Bounded so that one busy QP cannot starve the others.
         for _ in 0..64 {
@@ -398,7 +554,7 @@ impl QpShared {
                 Ok(n) => {
                     conn.handle_bytes(&rbuf[..n], &env);
                     // Let responses and new requests out between reads.
-                    Self::flush(conn, sock, out, out_pos, &env);
+                    Self::flush(conn, &mut sock, out, out_pos, &env);
                     if n < rbuf.len() {
                         break;
                     }
@@ -412,10 +568,16 @@ impl QpShared {
                 }
             }
         }
-        let pending = Self::flush(conn, sock, out, out_pos, &env);
+        let pending = Self::flush(conn, &mut sock, out, out_pos, &env);
         if pending != *writable_wanted {
             *writable_wanted = pending;
-            dev.engine.want_write(self.qpn, sock, pending);
+            self.tx_blocked.store(pending, Ordering::Release);
+            // A parked socket is re-armed with the right flags when the
+            // engine takes it back; application waiters poll for output
+            // through `tx_blocked`.
+            if self.armed.load(Ordering::Relaxed) {
+                dev.engine.arm(self.qpn, sock, pending);
+            }
         }
         while let Some((side, wc)) = conn.poll_completion() {
             match side {
@@ -431,6 +593,7 @@ impl QpShared {
             let _ = sock.shutdown(Shutdown::Both);
             dev.engine.deregister(self.qpn, sock);
             *closed = true;
+            self.closed.store(true, Ordering::Release);
         }
     }
 
@@ -438,7 +601,7 @@ impl QpShared {
     /// still waiting for the socket.
     fn flush(
         conn: &mut Connection,
-        sock: &mut TcpStream,
+        sock: &mut &TcpStream,
         out: &mut Vec<u8>,
         out_pos: &mut usize,
         env: &Env,
@@ -515,6 +678,7 @@ impl QueuePair {
             return Err(DeviceError::InvalidState);
         };
         conn.post_send(wr, &env)?;
+        self.shared.note_app();
         self.shared.drive(&mut io);
         Ok(())
     }
@@ -628,9 +792,9 @@ impl QueuePair {
             };
             conn.handle_bytes(leftover, &env);
         }
-        dev.engine.register(&self.shared, &sock)?;
+        let sock = self.shared.sock.get_or_init(|| sock);
+        dev.engine.register(&self.shared, sock)?;
         io.conn = Some(conn);
-        io.sock = Some(sock);
         self.shared.drive(&mut io);
         Ok(())
     }
@@ -639,10 +803,12 @@ impl QueuePair {
 impl Drop for QueuePair {
     fn drop(&mut self) {
         let mut io = self.shared.io.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(sock) = io.sock.take() {
+        if let Some(sock) = self.shared.sock.get() {
             let _ = sock.shutdown(Shutdown::Both);
-            self.device.inner.engine.deregister(self.shared.qpn, &sock);
+            self.device.inner.engine.deregister(self.shared.qpn, sock);
         }
+        io.closed = true;
+        self.shared.closed.store(true, Ordering::Release);
         io.conn = None;
     }
 }

@@ -17,5 +17,7 @@ pub mod qp;
 pub mod region;
 pub mod setup;
 pub mod srq;
+#[doc(hidden)]
+pub mod testing;
 pub mod wire;
 pub mod wr;

@@ -1245,11 +1245,13 @@ impl Connection {
                 env.mem.place_tagged(stag, pd, to, payload)?;
             }
             RdmapRepr::ReadResponse { last, stag, to } => {
-                if *rx.rtr_read_pending
-                    && last
-                    && payload.is_empty()
-                    && rx.response_head().is_none()
-                {
+                if *rx.rtr_read_pending {
+                    // The RTR Read went out before any WR, so the first
+                    // Read Response answers it, whatever the application
+                    // has posted since (responses come in request order).
+                    if !(last && payload.is_empty()) {
+                        return Err(Error::DdpBaseBounds.into());
+                    }
                     *rx.rtr_read_pending = false;
                     *rx.ord_used = rx.ord_used.saturating_sub(1);
                     return Ok(());

@@ -1,4 +1,5 @@
 #!/bin/busybox sh
+# shellcheck shell=sh
 # /init of the stag test VM (runs as PID 1 under busybox, see scripts/vm.sh).
 #
 # Boot flow:
@@ -51,6 +52,7 @@ mkdir -p /ctl /host /rw /newroot
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 stagctl /ctl ||
     fail "cannot mount the control share"
 # env.sh is written by vm.sh: STAG_VM_SHARES, STAG_RXE_ADDR, STAG_SIW_ADDR, ...
+# shellcheck source=/dev/null
 . /ctl/env.sh
 
 # The host's / (read-only). cache=loose: the guest never writes it and the host
@@ -91,8 +93,9 @@ setup_dev() { # <netdev> <addr> <rdma dev> <type>
 }
 setup_dev dummy0 "$STAG_RXE_ADDR" rxe0 rxe
 setup_dev dummy1 "$STAG_SIW_ADDR" siw0 siw
-[ -e $R/dev/infiniband/uverbs0 ] && [ -e $R/dev/infiniband/uverbs1 ] ||
+if [ ! -e $R/dev/infiniband/uverbs0 ] || [ ! -e $R/dev/infiniband/uverbs1 ]; then
     fail "no /dev/infiniband/uverbs0 and uverbs1"
+fi
 read -r up _ </proc/uptime
 log "ready after ${up}s (kernel $(uname -r))"
 echo "$up" >/ctl/ready
@@ -101,9 +104,33 @@ echo "$up" >/ctl/ready
 stty -F /dev/ttyS1 raw -echo
 stty -F /dev/ttyS2 raw -echo
 cp /ctl/cmd.sh $R/run/stag-vm-cmd.sh
-chroot $R /usr/bin/env -i /bin/bash /run/stag-vm-cmd.sh \
-    </dev/null >/dev/ttyS1 2>/dev/ttyS2
+# The command sees a terminal only where vm.sh's own stdout/stderr is one;
+# otherwise (CI, pipes, files) it writes into a pipe, so that tools do not
+# colour or animate their output. STAG_VM_TTY_OUT/ERR come from env.sh.
+pids=
+out=/dev/ttyS1 err=/dev/ttyS2
+if [ "$STAG_VM_TTY_OUT" != 1 ]; then
+    mkfifo /tmp/out
+    cat /tmp/out >/dev/ttyS1 &
+    pids="$pids $!" out=/tmp/out
+fi
+if [ "$STAG_VM_TTY_ERR" != 1 ]; then
+    mkfifo /tmp/err
+    cat /tmp/err >/dev/ttyS2 &
+    pids="$pids $!" err=/tmp/err
+fi
+chroot $R /usr/bin/env -i /bin/bash /run/stag-vm-cmd.sh </dev/null >$out 2>$err
 rc=$?
+if [ -n "$pids" ]; then
+    # The copies end once every writer is gone; a daemon the command left
+    # behind may hold the pipe open, so give up on it after 3 s.
+    # shellcheck disable=SC2086 # $pids is a list
+    (sleep 3; kill $pids) 2>/dev/null &
+    timer=$!
+    # shellcheck disable=SC2086
+    wait $pids
+    kill $timer 2>/dev/null
+fi
 
 # 5. Report. The last close of ttyS1/ttyS2 (when the command exited) waited
 # for the UARTs to drain, so all output has reached the host by now.

@@ -1,0 +1,1150 @@
+//! perftest-style microbenchmarks: `stag lat <op> [HOST]` and
+//! `stag bw <op> [HOST]`.
+//!
+//! Without HOST a process is the server (it waits for one client, serves
+//! one test and exits); with HOST it is the client, which chooses the
+//! parameters, measures and reports. `--loopback` runs both in one process.
+//!
+//! The two sides agree through the connection's private data (a
+//! [`Hello`]: test, operation, sizes, iterations, and each side's target
+//! buffer as address + rkey) and then synchronise every message size with
+//! small control Sends on the same QP (`READY` from the client, `GO` from
+//! the server, `CREDIT`s for receive-consuming bandwidth tests, `DONE` at
+//! the end). Every receive lands in one landing buffer and is reposted as
+//! soon as its completion is taken, so the peer never finds the receive
+//! queue empty.
+
+pub mod bw;
+pub mod lat;
+pub mod plot;
+pub mod stats;
+
+use std::collections::VecDeque;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tracing::{debug, info, warn};
+
+use stag::{
+    Access, Completion, CompletionKind, CompletionQueue, ConnectOptions, Context, ContextOptions,
+    Listener, MemoryRegion, OpKind, ProtectionDomain, QpCaps, QueuePair, Remote, SendOp, Support,
+    WorkRequest,
+};
+
+pub use bw::run_bw;
+pub use lat::run_lat;
+
+/// perftest's default port.
+pub const DEFAULT_PORT: u16 = 18515;
+
+/// Largest message of `-a/--all` (perftest: 2^23).
+pub const MAX_ALL_SIZE: u32 = 1 << 23;
+
+/// Receives each side keeps posted.
+pub(crate) const RX_DEPTH: u32 = 128;
+
+/// A receive-consuming bandwidth test's server returns credit after this
+/// many receives.
+pub(crate) const CREDIT_BATCH: u32 = RX_DEPTH / 2;
+
+/// Outstanding Reads/atomics/Commits a side allows (IRD = ORD).
+pub(crate) const RD_ATOMIC: u8 = 16;
+
+/// How long a side waits for the peer before giving up.
+pub(crate) const STALL: Duration = Duration::from_secs(30);
+
+/// How long a server waits for the client to finish one size.
+pub(crate) const PASSIVE_STALL: Duration = Duration::from_secs(600);
+
+/// Everything a benchmark can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// A verbs call failed.
+    #[error(transparent)]
+    Verbs(#[from] stag::Error),
+    /// The command line does not make sense.
+    #[error("invalid arguments: {0}")]
+    Args(String),
+    /// The device cannot run the operation.
+    #[error("{op} cannot run on {device}: {why}")]
+    Unsupported {
+        /// The operation.
+        op: OpKind,
+        /// The device.
+        device: String,
+        /// Why.
+        why: String,
+    },
+    /// The peer said something unexpected.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// A work request completed with an error.
+    #[error("work request {wr_id:#x} ({kind:?}) failed: {status}")]
+    Completion {
+        /// Its id.
+        wr_id: u64,
+        /// What it was.
+        kind: CompletionKind,
+        /// Status text.
+        status: &'static str,
+    },
+    /// The peer went silent.
+    #[error("no progress for {0:?} while {1}")]
+    Stalled(Duration, &'static str),
+    /// The peer address does not resolve.
+    #[error("cannot resolve {0}: {1}")]
+    Resolve(String, String),
+    /// Writing output failed.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    /// JSON output failed.
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    /// Drawing the plot failed.
+    #[error("plot: {0}")]
+    Plot(String),
+    /// The in-process server of `--loopback` failed or panicked.
+    #[error("loopback server: {0}")]
+    Loopback(String),
+}
+
+/// Result of the benchmark code.
+pub type Result<T> = std::result::Result<T, BenchError>;
+
+fn parse_op(s: &str) -> std::result::Result<OpKind, String> {
+    match OpKind::from_name(s) {
+        Some(OpKind::SendInvalidate) => {
+            Err("send-inv is not benchmarked (it is a Send plus an invalidation)".into())
+        }
+        Some(k) => Ok(k),
+        None => Err(format!(
+            "unknown operation {s:?}; one of: {}",
+            BENCH_OPS.map(OpKind::name).join(", ")
+        )),
+    }
+}
+
+fn parse_op_kind(s: &str) -> std::result::Result<OpKind, String> {
+    OpKind::from_name(s).ok_or_else(|| {
+        format!(
+            "unknown operation {s:?}; one of: {}",
+            OpKind::ALL.map(OpKind::name).join(", ")
+        )
+    })
+}
+
+/// The operations `lat` and `bw` measure.
+pub const BENCH_OPS: [OpKind; 11] = [
+    OpKind::Send,
+    OpKind::Write,
+    OpKind::Read,
+    OpKind::WriteImm,
+    OpKind::Imm,
+    OpKind::FetchAdd,
+    OpKind::CmpSwap,
+    OpKind::Swap,
+    OpKind::MaskedFetchAdd,
+    OpKind::MaskedCmpSwap,
+    OpKind::Commit,
+];
+
+/// Flags both `lat` and `bw` take (perftest's common ones and ours).
+#[derive(Debug, Clone, clap::Args)]
+pub struct CommonArgs {
+    /// Operation: send, write, read, write-imm, imm, fetch-add, cmp-swap,
+    /// swap, masked-fetch-add, masked-cmp-swap, commit.
+    #[arg(value_parser = parse_op)]
+    pub op: OpKind,
+    /// Server to connect to (client mode). Without it, wait for one client
+    /// (server mode).
+    pub host: Option<String>,
+    /// Device name (default: $STAG_DEVICE, else the first libibverbs
+    /// device, else the userspace provider stag0).
+    #[arg(short = 'd', long = "ib-dev")]
+    pub ib_dev: Option<String>,
+    /// Message size in bytes (atomics and imm: always 8).
+    #[arg(short = 's', long)]
+    pub size: Option<u32>,
+    /// Run sizes 2 to 2^23 (powers of two).
+    #[arg(short = 'a', long)]
+    pub all: bool,
+    /// Iterations per size.
+    #[arg(short = 'n', long)]
+    pub iters: Option<u32>,
+    /// TCP/CM port to listen on or connect to.
+    #[arg(short = 'p', long, default_value_t = DEFAULT_PORT)]
+    pub port: u16,
+    /// Accepted for perftest compatibility: connections always go through
+    /// the connection manager.
+    #[arg(short = 'R', long = "rdma_cm", alias = "rdma-cm")]
+    pub rdma_cm: bool,
+    /// Print results as JSON instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Wait for completions with cq.wait (event-driven) instead of
+    /// busy-polling.
+    #[arg(long)]
+    pub blocking: bool,
+    /// Force these operations through the emulation layer
+    /// (comma-separated), to compare native and emulated cost.
+    #[arg(long, value_delimiter = ',', value_parser = parse_op_kind)]
+    pub emulate: Vec<OpKind>,
+    /// Run server and client in this process (two threads).
+    #[arg(long)]
+    pub loopback: bool,
+    /// Address the server listens on (default 0.0.0.0; 127.0.0.1 with
+    /// --loopback). libibverbs devices need the device's own address.
+    #[arg(long)]
+    pub bind: Option<IpAddr>,
+}
+
+/// The test kind, as carried in the [`Hello`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Test {
+    /// Latency.
+    Lat,
+    /// Bandwidth.
+    Bw,
+}
+
+/// How an operation's latency is taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Shape {
+    /// Both sides send; one-way latency is half the round trip.
+    PingPong,
+    /// Only the client posts; the responder answers in its RNIC/provider.
+    RoundTrip,
+}
+
+/// Whether `op` carries Immediate Data or is a Send (consumes a receive).
+pub(crate) fn consumes_recv(op: OpKind) -> bool {
+    matches!(op, OpKind::Send | OpKind::Imm | OpKind::WriteImm)
+}
+
+/// Whether `op` has a fixed 8-byte size.
+pub(crate) fn fixed_eight(op: OpKind) -> bool {
+    matches!(
+        op,
+        OpKind::Imm
+            | OpKind::FetchAdd
+            | OpKind::MaskedFetchAdd
+            | OpKind::CmpSwap
+            | OpKind::MaskedCmpSwap
+            | OpKind::Swap
+    )
+}
+
+pub(crate) fn shape(op: OpKind) -> Shape {
+    match op {
+        OpKind::Send | OpKind::Write | OpKind::WriteImm | OpKind::Imm => Shape::PingPong,
+        _ => Shape::RoundTrip,
+    }
+}
+
+/// perftest-style title of a test.
+pub(crate) fn title(op: OpKind) -> &'static str {
+    match op {
+        OpKind::Send | OpKind::SendInvalidate => "Send",
+        OpKind::Write => "RDMA_Write",
+        OpKind::Read => "RDMA_Read",
+        OpKind::WriteImm => "RDMA_Write_with_Immediate",
+        OpKind::Imm => "Immediate_Data",
+        OpKind::FetchAdd => "Atomic_FetchAdd",
+        OpKind::MaskedFetchAdd => "Atomic_Masked_FetchAdd",
+        OpKind::CmpSwap => "Atomic_CmpSwap",
+        OpKind::MaskedCmpSwap => "Atomic_Masked_CmpSwap",
+        OpKind::Swap => "Atomic_Swap",
+        OpKind::Commit => "RDMA_Commit",
+    }
+}
+
+/// The sizes a run covers.
+pub(crate) fn sizes(op: OpKind, size: Option<u32>, all: bool, default: u32) -> Result<Vec<u32>> {
+    if fixed_eight(op) {
+        if size.is_some_and(|s| s != 8) {
+            warn!(%op, "{op} always moves 8 bytes; -s ignored");
+        }
+        return Ok(vec![8]);
+    }
+    if all {
+        if size.is_some() {
+            return Err(BenchError::Args("-s and -a exclude each other".into()));
+        }
+        return Ok((1..=23).map(|e| 1u32 << e).collect());
+    }
+    let s = size.unwrap_or(default);
+    if s == 0 || s > (1 << 30) {
+        return Err(BenchError::Args(format!("size {s} is not in 1..=2^30")));
+    }
+    Ok(vec![s])
+}
+
+/// Validated settings shared by both sides (the client's choice wins).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Plan {
+    pub test: Test,
+    pub op: OpKind,
+    pub sizes: Vec<u32>,
+    pub iters: u32,
+    /// Outstanding WRs for bandwidth tests.
+    pub tx_depth: u32,
+}
+
+impl Plan {
+    pub fn max_size(&self) -> u32 {
+        self.sizes.iter().copied().max().unwrap_or(8)
+    }
+
+    /// Unmeasured warm-up iterations before each size (latency).
+    pub fn warmup(&self) -> u32 {
+        match self.test {
+            Test::Lat => self.iters.min(100),
+            Test::Bw => 0,
+        }
+    }
+
+    /// Bytes of each side's target/source buffers.
+    pub fn buf_len(&self) -> usize {
+        (self.max_size() as usize)
+            .max(8 * self.tx_depth as usize)
+            .max(4096)
+            .next_multiple_of(4096)
+    }
+}
+
+/// What the two sides tell each other in the connection's private data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Hello {
+    pub test: Test,
+    pub op: OpKind,
+    pub all: bool,
+    pub size: u32,
+    pub iters: u32,
+    pub tx_depth: u16,
+    /// The sender's target buffer.
+    pub target: Remote,
+}
+
+const HELLO_MAGIC: &[u8; 4] = b"STGB";
+const HELLO_VERSION: u8 = 1;
+/// Fits librdmacm's 56-byte limit for an RC connect's private data.
+pub(crate) const HELLO_LEN: usize = 32;
+
+impl Hello {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(HELLO_LEN);
+        b.extend_from_slice(HELLO_MAGIC);
+        b.push(HELLO_VERSION);
+        b.push(match self.test {
+            Test::Lat => 0,
+            Test::Bw => 1,
+        });
+        b.push(
+            OpKind::ALL
+                .iter()
+                .position(|&k| k == self.op)
+                .expect("every op is in ALL") as u8,
+        );
+        b.push(u8::from(self.all));
+        b.extend_from_slice(&self.size.to_be_bytes());
+        b.extend_from_slice(&self.iters.to_be_bytes());
+        b.extend_from_slice(&self.tx_depth.to_be_bytes());
+        b.extend_from_slice(&[0, 0]);
+        b.extend_from_slice(&self.target.addr.to_be_bytes());
+        b.extend_from_slice(&self.target.rkey.to_be_bytes());
+        debug_assert_eq!(b.len(), HELLO_LEN);
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Hello> {
+        let bad = |why: &str| BenchError::Protocol(format!("bad hello from the peer: {why}"));
+        if b.len() < HELLO_LEN || &b[..4] != HELLO_MAGIC {
+            return Err(bad("not a stag benchmark peer"));
+        }
+        if b[4] != HELLO_VERSION {
+            return Err(bad(&format!("version {} (ours {HELLO_VERSION})", b[4])));
+        }
+        let test = match b[5] {
+            0 => Test::Lat,
+            1 => Test::Bw,
+            t => return Err(bad(&format!("test {t}"))),
+        };
+        let op = *OpKind::ALL
+            .get(b[6] as usize)
+            .ok_or_else(|| bad("operation"))?;
+        let u32_at = |o: usize| u32::from_be_bytes(b[o..o + 4].try_into().expect("4 bytes"));
+        Ok(Hello {
+            test,
+            op,
+            all: b[7] != 0,
+            size: u32_at(8),
+            iters: u32_at(12),
+            tx_depth: u16::from_be_bytes([b[16], b[17]]),
+            target: Remote {
+                addr: u64::from_be_bytes(b[20..28].try_into().expect("8 bytes")),
+                rkey: u32_at(28),
+            },
+        })
+    }
+}
+
+/// Control messages (16 bytes: magic, kind, argument).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ctrl {
+    /// Client: ready for size index `n`.
+    Ready = 1,
+    /// Server: go ahead.
+    Go = 2,
+    /// Server: `n` more receives are posted.
+    Credit = 3,
+    /// Client: finished.
+    Done = 4,
+}
+
+const CTRL_MAGIC: &[u8; 4] = b"STGC";
+pub(crate) const CTRL_LEN: usize = 16;
+
+/// wr_id bit of control Sends (never reported to the benchmark loops).
+const CTRL_WR: u64 = 1 << 63;
+/// wr_id of every receive.
+pub(crate) const RECV_WR: u64 = 1 << 62;
+
+pub(crate) const ALL_ACCESS: Access = Access::LOCAL_WRITE
+    .union(Access::REMOTE_WRITE)
+    .union(Access::REMOTE_READ)
+    .union(Access::REMOTE_ATOMIC)
+    .union(Access::FLUSH_PERSISTENT);
+
+/// Which side of the test a process is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    Server,
+    Client,
+}
+
+/// One connected side with its buffers.
+pub(crate) struct Endpoint {
+    pub role: Role,
+    pub ctx: Context,
+    pub cq: CompletionQueue,
+    pub qp: QueuePair,
+    /// The buffer the peer writes/reads/targets (file-backed for Commit).
+    pub data: MemoryRegion,
+    /// Source of Writes/Sends, destination of Reads and atomic results.
+    pub local: MemoryRegion,
+    /// Where every receive lands.
+    rx: MemoryRegion,
+    /// Outgoing control messages.
+    ctl: MemoryRegion,
+    /// The peer's `data`.
+    pub peer: Remote,
+    pub blocking: bool,
+    stash: VecDeque<Completion>,
+    batch: Vec<Completion>,
+    durable: Option<PathBuf>,
+    // Held so the PD outlives the QP and regions.
+    _pd: ProtectionDomain,
+}
+
+/// Buffers made before the connection exists.
+struct Buffers {
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    data: MemoryRegion,
+    local: MemoryRegion,
+    rx: MemoryRegion,
+    ctl: MemoryRegion,
+    durable: Option<PathBuf>,
+}
+
+impl Buffers {
+    fn new(ctx: &Context, plan: &Plan, role: Role) -> Result<Buffers> {
+        let pd = ctx.alloc_pd()?;
+        let cq = ctx.create_cq(4 * (RX_DEPTH + 2 * plan.tx_depth) + 64)?;
+        let len = plan.buf_len();
+        let (data, durable) = if plan.op == OpKind::Commit && role == Role::Server {
+            let path = std::env::temp_dir().join(format!(
+                "stag-bench-commit-{}-{}.bin",
+                std::process::id(),
+                ctx.name()
+            ));
+            let mr = pd.alloc_file_mr(&path, len, ALL_ACCESS)?;
+            (mr, Some(path))
+        } else {
+            (pd.alloc_mr(len, ALL_ACCESS)?, None)
+        };
+        let local = pd.alloc_mr(len, ALL_ACCESS)?;
+        let rx = pd.alloc_mr((plan.max_size() as usize).max(64), ALL_ACCESS)?;
+        let ctl = pd.alloc_mr(64, ALL_ACCESS)?;
+        Ok(Buffers {
+            pd,
+            cq,
+            data,
+            local,
+            rx,
+            ctl,
+            durable,
+        })
+    }
+
+    /// Post the receive queue full (before the peer can send).
+    fn pre_post(&self) -> impl FnOnce(&QueuePair) -> stag::Result<()> {
+        let rx = self.rx.clone();
+        move |qp: &QueuePair| {
+            for _ in 0..RX_DEPTH {
+                qp.post_recv(RECV_WR, vec![rx.slice(0, rx.len())?])?;
+            }
+            Ok(())
+        }
+    }
+
+    fn into_endpoint(
+        self,
+        role: Role,
+        ctx: Context,
+        qp: QueuePair,
+        peer: Remote,
+        blocking: bool,
+    ) -> Endpoint {
+        Endpoint {
+            role,
+            ctx,
+            cq: self.cq,
+            qp,
+            data: self.data,
+            local: self.local,
+            rx: self.rx,
+            ctl: self.ctl,
+            peer,
+            blocking,
+            stash: VecDeque::new(),
+            batch: Vec::with_capacity(32),
+            durable: self.durable,
+            _pd: self.pd,
+        }
+    }
+}
+
+fn connect_options(plan: &Plan, private_data: Vec<u8>) -> ConnectOptions {
+    ConnectOptions {
+        caps: QpCaps {
+            max_send_wr: 2 * plan.tx_depth + 16,
+            max_recv_wr: RX_DEPTH + 16,
+            max_sge: 1,
+        },
+        private_data,
+        responder_resources: RD_ATOMIC,
+        initiator_depth: RD_ATOMIC,
+        ..ConnectOptions::default()
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        if let Some(p) = self.durable.take() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+impl Endpoint {
+    /// Take the next completion (other than a control Send's), reposting
+    /// receives as they are taken. Busy-polls, or blocks in `cq.wait` with
+    /// `--blocking`. Fails after [`STALL`] without one.
+    pub fn next(&mut self, what: &'static str) -> Result<Completion> {
+        self.next_within(what, STALL)
+    }
+
+    /// [`next`](Self::next) with a custom limit.
+    pub fn next_within(&mut self, what: &'static str, limit: Duration) -> Result<Completion> {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            if let Some(c) = self.take_stashed()? {
+                return Ok(c);
+            }
+            self.fill(self.blocking)?;
+            if !self.stash.is_empty() {
+                continue;
+            }
+            spins = spins.wrapping_add(1);
+            if (self.blocking || spins % 1024 == 0) && start.elapsed() > limit {
+                return Err(BenchError::Stalled(limit, what));
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Move completions from the CQ to the stash (waiting a little when
+    /// `block`).
+    fn fill(&mut self, block: bool) -> Result<()> {
+        self.batch.clear();
+        if block {
+            self.cq
+                .wait(&mut self.batch, 32, Duration::from_millis(200))?;
+        } else {
+            self.cq.poll(&mut self.batch, 32)?;
+        }
+        self.stash.extend(self.batch.drain(..));
+        Ok(())
+    }
+
+    /// The next stashed completion that is not a control Send's, checked
+    /// and with its receive reposted.
+    fn take_stashed(&mut self) -> Result<Option<Completion>> {
+        while let Some(c) = self.stash.pop_front() {
+            if !c.is_ok() {
+                return Err(BenchError::Completion {
+                    wr_id: c.wr_id,
+                    kind: c.kind,
+                    status: c.status.as_str(),
+                });
+            }
+            if let CompletionKind::Recv { .. } = c.kind {
+                self.qp
+                    .post_recv(RECV_WR, vec![self.rx.slice(0, self.rx.len())?])?;
+            }
+            if c.wr_id & CTRL_WR != 0 {
+                continue;
+            }
+            return Ok(Some(c));
+        }
+        Ok(None)
+    }
+
+    /// Take the completions already there without waiting, handing data
+    /// completions to `f`.
+    pub fn reap(&mut self, mut f: impl FnMut(&Completion)) -> Result<()> {
+        self.fill(false)?;
+        while let Some(c) = self.take_stashed()? {
+            f(&c);
+        }
+        Ok(())
+    }
+
+    /// Send a control message.
+    pub fn send_ctrl(&mut self, kind: Ctrl, arg: u32) -> Result<()> {
+        let mut m = [0u8; CTRL_LEN];
+        m[..4].copy_from_slice(CTRL_MAGIC);
+        m[4..8].copy_from_slice(&(kind as u32).to_be_bytes());
+        m[8..12].copy_from_slice(&arg.to_be_bytes());
+        self.ctl.write_at(0, &m)?;
+        self.qp.post_send(WorkRequest::new(
+            CTRL_WR | kind as u64,
+            SendOp::Send {
+                solicited: false,
+                invalidate: None,
+            },
+            vec![self.ctl.slice(0, CTRL_LEN)?],
+        ))?;
+        Ok(())
+    }
+
+    /// Whether a receive completion is a control message of `kind`; its
+    /// argument if so.
+    pub fn ctrl_of(&self, c: &Completion, kind: Ctrl) -> Result<Option<u32>> {
+        let CompletionKind::Recv { len, .. } = c.kind else {
+            return Ok(None);
+        };
+        if len as usize != CTRL_LEN {
+            return Ok(None);
+        }
+        let mut m = [0u8; CTRL_LEN];
+        self.rx.read_at(0, &mut m)?;
+        if &m[..4] != CTRL_MAGIC {
+            return Ok(None);
+        }
+        let got = u32::from_be_bytes(m[4..8].try_into().expect("4 bytes"));
+        if got != kind as u32 {
+            return Err(BenchError::Protocol(format!(
+                "expected control message {kind:?}, got kind {got}"
+            )));
+        }
+        Ok(Some(u32::from_be_bytes(
+            m[8..12].try_into().expect("4 bytes"),
+        )))
+    }
+
+    /// Wait for the control message `kind`, reaping data completions on the
+    /// way; a data receive here is a protocol error.
+    pub fn expect_ctrl(&mut self, kind: Ctrl, what: &'static str) -> Result<u32> {
+        // The server waits as long as the client's run of one size takes.
+        let limit = match self.role {
+            Role::Client => STALL,
+            Role::Server => PASSIVE_STALL,
+        };
+        loop {
+            let c = self.next_within(what, limit)?;
+            if let Some(arg) = self.ctrl_of(&c, kind)? {
+                return Ok(arg);
+            }
+            if let CompletionKind::Recv { len, .. } = c.kind {
+                return Err(BenchError::Protocol(format!(
+                    "a {len}-byte message while {what}"
+                )));
+            }
+        }
+    }
+
+    /// Per-size barrier: the client says READY(i), the server answers GO.
+    pub fn barrier(&mut self, index: u32) -> Result<()> {
+        match self.role {
+            Role::Client => {
+                self.send_ctrl(Ctrl::Ready, index)?;
+                self.expect_ctrl(Ctrl::Go, "waiting for the server's GO")?;
+            }
+            Role::Server => {
+                let got = self.expect_ctrl(Ctrl::Ready, "waiting for the client's READY")?;
+                if got != index {
+                    return Err(BenchError::Protocol(format!(
+                        "client is at size #{got}, server at #{index}"
+                    )));
+                }
+                self.send_ctrl(Ctrl::Go, index)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// End of the test: the client says DONE once its last operation has
+    /// completed; the server waits for it (so its buffers stay registered
+    /// until then).
+    pub fn finish(&mut self) -> Result<()> {
+        match self.role {
+            Role::Client => {
+                self.send_ctrl(Ctrl::Done, 0)?;
+                // Let the DONE leave before the QP goes away.
+                let deadline = Instant::now() + Duration::from_secs(2);
+                while self.qp.outstanding() > 0 && Instant::now() < deadline {
+                    self.reap(|_| {})?;
+                    self.qp.progress();
+                }
+            }
+            Role::Server => {
+                self.expect_ctrl(Ctrl::Done, "waiting for the client's DONE")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Post a signaled WR on `local` bytes.
+    pub fn post(&self, wr_id: u64, op: SendOp, local: Option<(usize, usize)>) -> Result<()> {
+        let slices = match local {
+            Some((off, len)) => vec![self.local.slice(off, len)?],
+            None => Vec::new(),
+        };
+        self.qp.post_send(WorkRequest::new(wr_id, op, slices))?;
+        Ok(())
+    }
+}
+
+/// Open the device with the requested emulation.
+pub(crate) fn open_context(common: &CommonArgs) -> Result<Context> {
+    let name = common
+        .ib_dev
+        .clone()
+        .unwrap_or_else(stag::default_device);
+    let opts = ContextOptions {
+        force_emulation: common.emulate.clone(),
+    };
+    Ok(Context::open_with(&name, &opts)?)
+}
+
+/// Fail early when the device cannot run `op` at all.
+pub(crate) fn check_support(ctx: &Context, op: OpKind) -> Result<Support> {
+    let s = ctx.capabilities().get(op).clone();
+    if let Support::Unsupported { why } = &s {
+        return Err(BenchError::Unsupported {
+            op,
+            device: ctx.name().to_owned(),
+            why: why.clone(),
+        });
+    }
+    Ok(s)
+}
+
+fn resolve(host: &str, port: u16) -> Result<SocketAddr> {
+    let addrs: Vec<SocketAddr> = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| BenchError::Resolve(host.to_owned(), e.to_string()))?
+        .collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(addrs.first())
+        .copied()
+        .ok_or_else(|| BenchError::Resolve(host.to_owned(), "no addresses".into()))
+}
+
+/// The client side: connect, offering the plan and our target buffer.
+pub(crate) fn connect_client(
+    ctx: &Context,
+    plan: &Plan,
+    all: bool,
+    addr: SocketAddr,
+    blocking: bool,
+) -> Result<Endpoint> {
+    let bufs = Buffers::new(ctx, plan, Role::Client)?;
+    let hello = Hello {
+        test: plan.test,
+        op: plan.op,
+        all,
+        size: if all { 0 } else { plan.sizes[0] },
+        iters: plan.iters,
+        tx_depth: plan.tx_depth as u16,
+        target: bufs.data.remote(0),
+    };
+    let opts = connect_options(plan, hello.encode());
+    info!(%addr, op = %plan.op, "connecting");
+    let (qp, private) = stag::connect_with(&bufs.pd, &bufs.cq, addr, &opts, bufs.pre_post())?;
+    let reply = Hello::decode(&private)?;
+    debug!(?reply, "server hello");
+    Ok(bufs.into_endpoint(Role::Client, ctx.clone(), qp, reply.target, blocking))
+}
+
+/// The server side: take one connection request, adopt the client's plan
+/// (the operation and test must match ours), accept with our buffer.
+pub(crate) fn accept_server(
+    ctx: &Context,
+    listener: &Listener,
+    test: Test,
+    op: OpKind,
+    blocking: bool,
+) -> Result<(Endpoint, Plan)> {
+    let req = listener.get_request()?;
+    let hello = match Hello::decode(req.private_data()) {
+        Ok(h) => h,
+        Err(e) => {
+            let _ = req.reject(b"not a stag benchmark");
+            return Err(e);
+        }
+    };
+    if hello.test != test || hello.op != op {
+        let _ = req.reject(b"test mismatch");
+        return Err(BenchError::Protocol(format!(
+            "client runs {:?} {}, this server {:?} {}",
+            hello.test, hello.op, test, op
+        )));
+    }
+    let default = hello.size.max(1);
+    let plan = Plan {
+        test,
+        op,
+        sizes: sizes(op, (!hello.all).then_some(default), hello.all, default)?,
+        iters: hello.iters,
+        tx_depth: u32::from(hello.tx_depth).max(1),
+    };
+    let bufs = Buffers::new(ctx, &plan, Role::Server)?;
+    let ours = Hello {
+        target: bufs.data.remote(0),
+        ..hello
+    };
+    let opts = connect_options(&plan, ours.encode());
+    let qp = req.accept_with(&bufs.pd, &bufs.cq, &opts, bufs.pre_post())?;
+    info!(op = %op, sizes = ?plan.sizes, iters = plan.iters, "client connected");
+    Ok((
+        bufs.into_endpoint(Role::Server, ctx.clone(), qp, hello.target, blocking),
+        plan,
+    ))
+}
+
+/// Where the server listens.
+pub(crate) fn bind_addr(common: &CommonArgs) -> SocketAddr {
+    let ip = common.bind.unwrap_or(if common.loopback {
+        IpAddr::V4(Ipv4Addr::LOCALHOST)
+    } else {
+        IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+    });
+    // Loopback picks a free port so that parallel runs do not collide.
+    let port = if common.loopback { 0 } else { common.port };
+    SocketAddr::new(ip, port)
+}
+
+/// The common shape of `run_lat`/`run_bw`: server, client or both.
+pub(crate) fn run_roles<R: Send + 'static>(
+    common: &CommonArgs,
+    server: impl FnOnce(Context, Listener) -> Result<()> + Send + 'static,
+    client: impl FnOnce(Context, SocketAddr) -> Result<R>,
+) -> Result<Option<R>> {
+    if common.loopback && common.host.is_some() {
+        return Err(BenchError::Args(
+            "--loopback runs both sides here; drop HOST".into(),
+        ));
+    }
+    if common.loopback {
+        let sctx = open_context(common)?;
+        check_support(&sctx, common_op(common))?;
+        let listener = Listener::bind(&sctx, bind_addr(common))?;
+        let mut addr = listener.local_addr()?;
+        if addr.ip().is_unspecified() {
+            addr.set_ip(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        }
+        let cctx = open_context(common)?;
+        // Not scoped: if the client fails before connecting, the server
+        // thread stays blocked in get_request and must not be joined.
+        let h = std::thread::Builder::new()
+            .name("stag-bench-server".into())
+            .spawn(move || server(sctx, listener))?;
+        let r = client(cctx, addr)?;
+        match h.join() {
+            Ok(Ok(())) => Ok(Some(r)),
+            Ok(Err(e)) => Err(BenchError::Loopback(e.to_string())),
+            Err(_) => Err(BenchError::Loopback("panicked".into())),
+        }
+    } else if let Some(host) = &common.host {
+        let ctx = open_context(common)?;
+        check_support(&ctx, common_op(common))?;
+        let addr = resolve(host, common.port)?;
+        Ok(Some(client(ctx, addr)?))
+    } else {
+        let ctx = open_context(common)?;
+        check_support(&ctx, common_op(common))?;
+        let listener = Listener::bind(&ctx, bind_addr(common))?;
+        eprintln!(
+            "# waiting for a client on {} ({} {} on {})",
+            listener.local_addr()?,
+            title(common.op),
+            common.op,
+            ctx.name()
+        );
+        server(ctx, listener)?;
+        Ok(None)
+    }
+}
+
+fn common_op(common: &CommonArgs) -> OpKind {
+    common.op
+}
+
+/// How the operation runs on this device, for the report.
+pub(crate) fn support_label(ctx: &Context, op: OpKind) -> String {
+    match ctx.capabilities().get(op) {
+        Support::Native => "native".into(),
+        Support::Emulated { .. } => "emulated".into(),
+        Support::Unsupported { .. } => "unsupported".into(),
+    }
+}
+
+/// The run's description, printed above the table and put in the JSON.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunInfo {
+    /// "lat" or "bw".
+    pub test: Test,
+    /// Operation name.
+    pub op: String,
+    /// Device.
+    pub device: String,
+    /// "userspace" or "ibverbs".
+    pub backend: stag::Backend,
+    /// "native" or "emulated".
+    pub support: String,
+    /// Operations forced through emulation.
+    pub emulate: Vec<String>,
+    /// "busy-poll" or "blocking".
+    pub completions: &'static str,
+    /// 2 when one-way latency is half the round trip, else 1.
+    pub latency_factor: u32,
+}
+
+impl RunInfo {
+    pub(crate) fn new(ctx: &Context, common: &CommonArgs, test: Test) -> RunInfo {
+        RunInfo {
+            test,
+            op: common.op.name().to_owned(),
+            device: ctx.name().to_owned(),
+            backend: ctx.backend_kind(),
+            support: support_label(ctx, common.op),
+            emulate: common.emulate.iter().map(|k| k.name().to_owned()).collect(),
+            completions: if common.blocking {
+                "blocking"
+            } else {
+                "busy-poll"
+            },
+            latency_factor: match shape(common.op) {
+                Shape::PingPong => 2,
+                Shape::RoundTrip => 1,
+            },
+        }
+    }
+
+    pub(crate) fn banner(&self, iters: u32, extra: &str) -> String {
+        let line = "-".repeat(95);
+        let kind = match self.test {
+            Test::Lat => "Latency",
+            Test::Bw => "BW",
+        };
+        let op = OpKind::from_name(&self.op).map(title).unwrap_or("?");
+        let mut s = format!("{line}\n{:>30}{op} {kind} Test\n", "");
+        s += &format!(
+            " Device         : {} ({:?})\n",
+            self.device, self.backend
+        );
+        s += &format!(" Operation      : {} ({})\n", self.op, self.support);
+        s += &format!(" Completions    : {}\n", self.completions);
+        s += &format!(" Iterations     : {iters}\n");
+        if self.test == Test::Lat {
+            s += &format!(
+                " Latency        : {}\n",
+                if self.latency_factor == 2 {
+                    "one-way (round trip / 2)"
+                } else {
+                    "round trip"
+                }
+            );
+        }
+        s += extra;
+        s += &line;
+        s.push('\n');
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        cmd: Cmd,
+    }
+
+    #[derive(Debug, clap::Subcommand)]
+    enum Cmd {
+        Lat(lat::LatArgs),
+        Bw(bw::BwArgs),
+    }
+
+    fn parse(args: &[&str]) -> std::result::Result<Cmd, clap::Error> {
+        Cli::try_parse_from(std::iter::once("stag").chain(args.iter().copied())).map(|c| c.cmd)
+    }
+
+    #[test]
+    fn lat_defaults_and_perftest_flags() {
+        let Cmd::Lat(a) = parse(&["lat", "write"]).unwrap() else {
+            panic!()
+        };
+        assert_eq!(a.common.op, OpKind::Write);
+        assert_eq!(a.common.host, None);
+        assert_eq!(a.common.port, DEFAULT_PORT);
+        assert!(!a.common.blocking && !a.common.json && !a.common.loopback);
+        assert!(a.common.emulate.is_empty());
+        assert!(a.plot.is_none());
+
+        let Cmd::Lat(a) = parse(&[
+            "lat",
+            "read",
+            "10.0.0.2",
+            "-d",
+            "rxe0",
+            "-s",
+            "64",
+            "-n",
+            "50",
+            "-p",
+            "9000",
+            "-R",
+            "--json",
+            "--blocking",
+            "--plot",
+            "out.png",
+        ])
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(a.common.op, OpKind::Read);
+        assert_eq!(a.common.host.as_deref(), Some("10.0.0.2"));
+        assert_eq!(a.common.ib_dev.as_deref(), Some("rxe0"));
+        assert_eq!(a.common.size, Some(64));
+        assert_eq!(a.common.iters, Some(50));
+        assert_eq!(a.common.port, 9000);
+        assert!(a.common.rdma_cm && a.common.json && a.common.blocking);
+        assert_eq!(a.plot, Some(PathBuf::from("out.png")));
+    }
+
+    #[test]
+    fn bw_flags_and_emulate_list() {
+        let Cmd::Bw(a) = parse(&[
+            "bw",
+            "swap",
+            "--emulate",
+            "swap,masked-fetch-add",
+            "--report_gbits",
+            "-a",
+            "--loopback",
+            "-t",
+            "32",
+        ])
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(a.common.op, OpKind::Swap);
+        assert_eq!(
+            a.common.emulate,
+            vec![OpKind::Swap, OpKind::MaskedFetchAdd]
+        );
+        assert!(a.report_gbits && a.common.all && a.common.loopback);
+        assert_eq!(a.tx_depth, 32);
+        let Cmd::Bw(a) = parse(&["bw", "write", "--rdma_cm", "--report-gbits"]).unwrap() else {
+            panic!()
+        };
+        assert!(a.common.rdma_cm && a.report_gbits);
+        assert_eq!(a.tx_depth, 128);
+    }
+
+    #[test]
+    fn bad_ops_are_refused() {
+        assert!(parse(&["lat", "frobnicate"]).is_err());
+        assert!(parse(&["lat", "send-inv"]).is_err());
+        assert!(parse(&["bw", "write", "--emulate", "nope"]).is_err());
+        assert!(parse(&["lat", "write", "-s", "-3"]).is_err());
+    }
+
+    #[test]
+    fn every_bench_op_parses() {
+        for op in BENCH_OPS {
+            assert_eq!(parse_op(op.name()), Ok(op));
+        }
+    }
+
+    #[test]
+    fn size_lists() {
+        assert_eq!(sizes(OpKind::Write, None, false, 2).unwrap(), vec![2]);
+        assert_eq!(
+            sizes(OpKind::Write, Some(4096), false, 2).unwrap(),
+            vec![4096]
+        );
+        let all = sizes(OpKind::Read, None, true, 2).unwrap();
+        assert_eq!(all.len(), 23);
+        assert_eq!((all[0], all[22]), (2, MAX_ALL_SIZE));
+        assert_eq!(sizes(OpKind::FetchAdd, Some(4096), true, 2).unwrap(), [8]);
+        assert_eq!(sizes(OpKind::Imm, None, false, 2).unwrap(), [8]);
+        assert!(sizes(OpKind::Write, Some(0), false, 2).is_err());
+        assert!(sizes(OpKind::Write, Some(64), true, 2).is_err());
+    }
+
+    #[test]
+    fn hello_round_trips() {
+        let h = Hello {
+            test: Test::Bw,
+            op: OpKind::MaskedCmpSwap,
+            all: true,
+            size: 0,
+            iters: 5000,
+            tx_depth: 128,
+            target: Remote {
+                addr: 0x7f00_dead_beef_0000,
+                rkey: 0x1234_5678,
+            },
+        };
+        let b = h.encode();
+        assert_eq!(b.len(), HELLO_LEN);
+        assert_eq!(Hello::decode(&b).unwrap(), h);
+        assert!(Hello::decode(&b[..20]).is_err());
+        assert!(Hello::decode(b"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx").is_err());
+    }
+}
