@@ -120,10 +120,25 @@ select_kernel() {
     [[ -e $K_DIR/.ready ]] && return 0 # cached: no apt needed
 
     apt_lists_present || apt_update_once
-    if ! pinned_available; then
-        apt_update_once
-        pinned_available || fall_back_to_newest
-    fi
+    pinned_available && return 0
+    cached_fallback && return 0 # an earlier fallback; no apt-get update each run
+    apt_update_once
+    pinned_available || fall_back_to_newest
+}
+
+# A kernel of the same series that an earlier run fell back to, if cached.
+cached_fallback() {
+    local d s abi ver kbuild
+    for d in "$CACHE"/linux-*/; do
+        [[ -e $d/.ready && -f $d/pin ]] || continue
+        read -r s abi ver kbuild <"$d/pin"
+        [[ $s == "$K_SERIES" ]] || continue
+        log "WARNING: pinned kernel $K_ABI ($K_VERSION) is not in the archive; using the cached $abi ($ver)"
+        [[ ${STAG_VM_STRICT:-0} == 1 ]] && die "STAG_VM_STRICT=1: not falling back"
+        set_kernel "$abi" "$ver" "$kbuild"
+        return 0
+    done
+    return 1
 }
 
 set_kernel() {
@@ -180,7 +195,7 @@ prepare_kernel() {
     (cd "$debs" && apt-get download -q \
         "linux-image-$K_REL=$K_VERSION" "linux-headers-$K_REL=$K_VERSION" \
         "linux-headers-$K_ABI-common=$K_VERSION" "$K_KBUILD=$K_VERSION" \
-        "linux-source-$K_SERIES=$K_VERSION" 2>&1 | grep -v 'unsandboxed' >&2) ||
+        "linux-source-$K_SERIES=$K_VERSION" 2>&1 | { grep -v 'unsandboxed' >&2 || true; }) ||
         die "downloading the $K_REL kernel packages failed"
     local deb
     for deb in "$debs"/linux-{image,headers,kbuild}-*.deb; do
@@ -190,6 +205,7 @@ prepare_kernel() {
     build_siw
     depmod -b "$root" "$K_REL" || die "depmod failed"
     rm -rf "$debs" # ~270 MB; the unpacked tree is all later runs need
+    echo "$K_SERIES $K_ABI $K_VERSION $K_KBUILD" >"$K_DIR/pin"
     touch "$K_DIR/.ready"
     log "kernel $K_REL prepared in $(secs $(($(now_us) - t0)))s"
 }
@@ -291,12 +307,14 @@ write_command() {
         printf ' %q' "${CMD[@]}"
         echo
     } >"$CTL/cmd.sh"
+    # Whether the command's stdout/stderr should be a terminal in the VM.
+    local tty_out=0 tty_err=0
+    [[ -t 1 ]] && tty_out=1
+    [[ -t 2 ]] && tty_err=1
     {
         printf 'STAG_RXE_ADDR=%q\nSTAG_SIW_ADDR=%q\nSTAG_VM_SHARES=%q\n' \
             "$RXE_ADDR" "$SIW_ADDR" "${SHARES[*]}"
-        # Whether the command's stdout/stderr should be a terminal in the VM.
-        printf 'STAG_VM_TTY_OUT=%d\nSTAG_VM_TTY_ERR=%d\n' "$([[ -t 1 ]] && echo 1 || echo 0)" \
-            "$([[ -t 2 ]] && echo 1 || echo 0)"
+        printf 'STAG_VM_TTY_OUT=%d\nSTAG_VM_TTY_ERR=%d\n' "$tty_out" "$tty_err"
     } >"$CTL/env.sh"
 }
 
@@ -367,7 +385,7 @@ run_vm() {
     outpid=$!
     exec 6> >(exec cat >&2)
     errpid=$!
-    qemu-system-x86_64 "${args[@]}" </dev/null &
+    "$QEMU" "${args[@]}" </dev/null &
     QPID=$!
     exec 5>&- 6>&- # QEMU holds them now: the cats end when QEMU does
     if ((VERBOSE)); then
@@ -396,8 +414,10 @@ run_vm() {
     local t_end timing
     t_end=$(now_us)
     timing="total $(secs $((t_end - t0)))s"
-    [[ -n $t_ready ]] && timing="boot+setup $(secs $((t_ready - t0)))s, $timing"
-    [[ -n $t_ready ]] || [[ ! -e $CTL/ready ]] || timing="boot+setup ?, $timing"
+    if [[ -n $t_ready ]]; then
+        # The guest's own uptime at "ready" excludes QEMU start and firmware.
+        timing="boot+setup $(secs $((t_ready - t0)))s (guest uptime $(<"$CTL/ready")s), $timing"
+    fi
 
     if ((timed_out)); then
         log "TIMEOUT: killed the VM after ${TIMEOUT}s ($timing)"
@@ -407,7 +427,7 @@ run_vm() {
     if [[ -f $CTL/rc ]]; then
         rc=$(<"$CTL/rc")
     else
-        rc=$(sed -n 's/^STAG_VM_EXIT=\([0-9]*\).*/\1/p' "$CTL/console.log" 2>/dev/null | tail -n1)
+        rc=$(sed -n 's/^STAG_VM_EXIT=\([0-9]*\).*/\1/p' "$CTL/console.log" 2>/dev/null | tail -n1) || rc=
     fi
     if [[ ! $rc =~ ^[0-9]+$ ]]; then
         if [[ -f $CTL/fail ]]; then
@@ -448,14 +468,14 @@ main() {
         --prepare) prepare=1; shift ;;
         -h | --help) usage 0 ;;
         --) shift; CMD=("$@"); break ;;
-        -*) log "unknown option $1"; usage 2 >&2 ;;
+        -*) log "unknown option $1 (see --help)"; exit 2 ;;
         *) CMD=("$@"); break ;;
         esac
     done
     [[ $TIMEOUT =~ ^[0-9]+$ && $MEM =~ ^[0-9]+$ && $CPUS =~ ^[0-9]+$ ]] ||
         { log "--timeout, --mem and --cpus take whole numbers"; exit 2; }
     ((check)) && CMD=(bash "$VM_DIR/check.sh")
-    ((${#CMD[@]} || prepare)) || usage 2 >&2
+    ((${#CMD[@]} || prepare)) || { log "no command given (see --help)"; exit 2; }
     local i
     for i in "${!SHARES[@]}"; do
         mkdir -p "${SHARES[$i]}" || die "cannot create share ${SHARES[$i]}"
@@ -472,6 +492,9 @@ main() {
     exec 9>"$CACHE/.lock"
     flock 9 || die "cannot lock $CACHE/.lock"
     ensure_host_packages
+    QEMU=${STAG_VM_QEMU:-qemu-system-x86_64}
+    command -v "$QEMU" >/dev/null || die "QEMU ($QEMU) not found"
+    [[ -r /usr/share/qemu/qboot.rom ]] || die "QEMU's qboot.rom firmware is missing"
     select_kernel "$series"
     prepare_kernel
     prepare_initramfs

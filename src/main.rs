@@ -2,6 +2,8 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench;
+
 use stag::verbs::{self, Backend, Capabilities, Context};
 
 /// stag: RDMA verbs over physical RNICs, soft-RoCE/soft-iWARP and a
@@ -24,6 +26,12 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Latency microbenchmark (perftest-style): server without HOST,
+    /// client with it, or both with --loopback.
+    Lat(bench::lat::LatArgs),
+    /// Bandwidth microbenchmark (perftest-style): server without HOST,
+    /// client with it, or both with --loopback.
+    Bw(bench::bw::BwArgs),
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -84,6 +92,16 @@ fn devices(verbose: bool, json: bool) -> i32 {
     0
 }
 
+fn bench_exit(r: Result<(), bench::BenchError>) -> i32 {
+    match r {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("stag: {e}");
+            1
+        }
+    }
+}
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -92,6 +110,8 @@ fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
         Command::Devices { verbose, json } => devices(verbose, json),
+        Command::Lat(args) => bench_exit(bench::run_lat(args)),
+        Command::Bw(args) => bench_exit(bench::run_bw(args)),
     };
     std::process::exit(code);
 }

@@ -127,8 +127,16 @@ impl CompletionQueue {
     /// sockets alone meanwhile).
     pub fn wait(&self, out: &mut [WorkCompletion], timeout: Duration) -> usize {
         let deadline = Instant::now() + timeout;
+        // Drive only after a socket woke us: input already waiting makes
+        // `poll(2)` return at once, so a read beforehand would be a wasted
+        // syscall in the common case (the peer has not answered yet).
+        let mut drive = false;
         loop {
-            let n = self.poll(out);
+            let n = if drive {
+                self.poll(out)
+            } else {
+                self.try_poll(out)
+            };
             if n > 0 || out.is_empty() {
                 return n;
             }
@@ -172,6 +180,7 @@ impl CompletionQueue {
             if fds[0].any().unwrap_or(false) {
                 let _ = self.wake.read();
             }
+            drive = fds[1..].iter().any(|f| f.any().unwrap_or(false));
         }
     }
 

@@ -14,15 +14,15 @@
 //!
 //! The two must not fight over a socket: on two cores, an engine woken for
 //! every message that a spinning application thread then finds already
-//! handled costs a wake-up and a context switch per message. So each
-//! socket is in the engine's epoll set `EPOLLONESHOT`, and when an event
-//! fires while an application thread is driving that QP (it polled since
-//! the engine last looked, or it is blocked in `wait`), the engine leaves
-//! the socket disarmed ("parked") and looks again every
+//! handled costs a wake-up and a context switch per message. So when an
+//! event fires while an application thread is driving that QP (it polled
+//! since the engine last looked, or it is blocked in `wait`), the engine
+//! disarms the socket in its epoll set ("parks" it) and looks again every
 //! [`PARK_RECHECK`]; once the application has stopped driving it, the
-//! engine drives the QP and re-arms. [`CompletionQueue::req_notify`] hands
-//! the QPs back at once, since an application that arms notifications is
-//! about to sleep.
+//! engine drives the QP and re-arms. While the engine owns a QP its socket
+//! stays armed, level-triggered: no epoll_ctl per message.
+//! [`CompletionQueue::req_notify`] hands the QPs back at once, since an
+//! application that arms notifications is about to sleep.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
@@ -182,14 +182,18 @@ impl Engine {
                     .get(&token)
                     .and_then(Weak::upgrade);
                 let Some(qp) = qp else { continue };
-                // EPOLLONESHOT disarmed the socket.
-                qp.armed.store(false, Ordering::Relaxed);
-                if qp.app_active() {
+                if qp.parked.load(Ordering::Relaxed) || qp.app_active() {
+                    // Disarmed here (again, if a racing application
+                    // thread re-armed it) until the recheck.
+                    qp.armed.store(false, Ordering::Relaxed);
+                    if let Some(sock) = qp.sock.get() {
+                        Self::disarm(epoll, qp.qpn, sock);
+                    }
                     if !qp.parked.swap(true, Ordering::Relaxed) {
                         parked.push(Arc::downgrade(&qp));
                     }
                 } else {
-                    qp.engine_drive();
+                    qp.engine_drive(false);
                 }
             }
             if !parked.is_empty() && (recheck || last_check.elapsed() >= PARK_RECHECK) {
@@ -202,7 +206,7 @@ impl Engine {
                         return true;
                     }
                     qp.parked.store(false, Ordering::Relaxed);
-                    qp.engine_drive();
+                    qp.engine_drive(true);
                     false
                 });
             }
@@ -222,11 +226,20 @@ impl Engine {
     }
 
     fn flags(write: bool) -> EpollFlags {
-        let mut flags = EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP | EpollFlags::EPOLLONESHOT;
+        let mut flags = EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP;
         if write {
             flags |= EpollFlags::EPOLLOUT;
         }
         flags
+    }
+
+    /// Stop watching a QP's socket. One-shot with no events: an error or
+    /// hang-up (always reported) wakes the engine once at most.
+    fn disarm(epoll: &Epoll, qpn: u32, sock: &TcpStream) {
+        let mut ev = EpollEvent::new(EpollFlags::EPOLLONESHOT, qpn as u64);
+        if let Err(e) = epoll.modify(sock.as_fd(), &mut ev) {
+            debug!(qpn, error = %e, "epoll modify failed");
+        }
     }
 
     /// (Re-)arm a QP's socket, with writability if `write`. Called with the
@@ -424,7 +437,7 @@ pub struct QpShared {
     /// Engine only: in the engine's parked list.
     parked: AtomicBool,
     /// The socket's epoll registration is armed. Set only under the `io`
-    /// lock; cleared by the engine when the one-shot fires.
+    /// lock; cleared by the engine when it parks the QP.
     armed: AtomicBool,
     /// Framed output waits for the socket to become writable.
     tx_blocked: AtomicBool,
@@ -477,11 +490,11 @@ impl QpShared {
         }
     }
 
-    /// Engine only: drive, then re-arm the socket.
-    fn engine_drive(&self) {
+    /// Engine only: drive, then re-arm the socket if `rearm`.
+    fn engine_drive(&self, rearm: bool) {
         let mut io = self.io.lock().unwrap_or_else(|p| p.into_inner());
         self.drive(&mut io);
-        if io.closed {
+        if io.closed || !rearm {
             return;
         }
         let (Some(dev), Some(sock)) = (self.device.upgrade(), self.sock.get()) else {
@@ -513,6 +526,13 @@ impl QpShared {
     }
 
     fn drive(&self, io: &mut QpIo) {
+        self.drive_with(io, true);
+    }
+
+    /// Drive; `read`: also read the socket (a post only writes: reading is
+    /// for whoever polls, so a thread that only posts never delays its
+    /// request behind a read syscall, nor keeps the engine off the QP).
+    fn drive_with(&self, io: &mut QpIo, read: bool) {
         let Some(dev) = self.device.upgrade() else {
             return;
         };
@@ -538,11 +558,11 @@ impl QpShared {
         }
         // What was posted leaves before we look for input: a post's
         // request is on the wire one read syscall sooner.
-        if !*writable_wanted && (*out_pos < out.len() || conn.has_pending_tx()) {
+        if read && !*writable_wanted && (*out_pos < out.len() || conn.has_pending_tx()) {
             Self::flush(conn, &mut sock, out, out_pos, &env);
         }
         // Bounded so that one busy QP cannot starve the others.
-        for _ in 0..64 {
+        for _ in 0..if read { 64 } else { 0 } {
             if *closed {
                 break;
             }
@@ -666,7 +686,8 @@ impl QueuePair {
     }
 
     /// `ibv_post_send`. The request is framed and written from the calling
-    /// thread.
+    /// thread (which does not read the socket: input is for whoever polls,
+    /// the device's engine when nobody does).
     pub fn post_send(&self, wr: SendWr) -> Result<(), DeviceError> {
         let dev = &self.device.inner;
         let env = Env {
@@ -678,8 +699,7 @@ impl QueuePair {
             return Err(DeviceError::InvalidState);
         };
         conn.post_send(wr, &env)?;
-        self.shared.note_app();
-        self.shared.drive(&mut io);
+        self.shared.drive_with(&mut io, false);
         Ok(())
     }
 

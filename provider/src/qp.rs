@@ -487,29 +487,34 @@ impl Connection {
     /// Returns whether anything was added.
     pub fn poll_transmit(&mut self, env: &Env, out: &mut Vec<u8>, max: usize) -> bool {
         let start = out.len();
-        if !self.tx.is_empty() {
-            out.append(&mut self.tx);
-        }
+        // Frame straight into the caller's buffer rather than copying out
+        // of `tx`: the two trade places for the call.
+        let mut own = std::mem::replace(&mut self.tx, std::mem::take(out));
+        self.tx.append(&mut own);
+        self.transmit_into(env, start, max);
+        *out = std::mem::replace(&mut self.tx, own);
+        out.len() > start
+    }
+
+    /// [`poll_transmit`](Self::poll_transmit)'s work, framing into `tx`
+    /// until it holds `max` bytes past `start`.
+    fn transmit_into(&mut self, env: &Env, start: usize, max: usize) {
         if self.state == QpState::Error {
-            return out.len() > start;
+            return;
         }
         if self.rtr_to_send {
             self.rtr_to_send = false;
             self.send_rtr();
-            out.append(&mut self.tx);
         }
         if self.await_rtr {
-            return out.len() > start;
+            return;
         }
-        while out.len() - start < max && self.state != QpState::Error {
-            let progressed = self.transmit_inbound(env) || self.transmit_sq(env);
-            out.append(&mut self.tx);
-            if !progressed {
+        while self.tx.len() - start < max && self.state != QpState::Error {
+            if !(self.transmit_inbound(env) || self.transmit_sq(env)) {
                 break;
             }
         }
         self.deliver_completions();
-        out.len() > start
     }
 
     /// The next completion, with the CQ it belongs on.
@@ -635,8 +640,7 @@ impl Connection {
                 );
                 *sent += chunk;
                 let mut payload = std::mem::take(&mut self.scratch);
-                payload.clear();
-                payload.resize(chunk as usize, 0);
+                fit(&mut payload, chunk as usize);
                 if let Err(e) = env.mem.read_remote(src_stag, self.pd, src, &mut payload) {
                     // Checked on arrival; it can only fail now if the region
                     // was deregistered meanwhile.
@@ -950,8 +954,7 @@ impl Connection {
     /// Gather `len` bytes at message offset `off` from the head WR's SGEs.
     fn gather(&mut self, env: &Env, mut off: u64, len: u64) -> Vec<u8> {
         let mut buf = std::mem::take(&mut self.scratch);
-        buf.clear();
-        buf.resize(len as usize, 0);
+        fit(&mut buf, len as usize);
         let Some(wr) = self.sq.front() else {
             return buf;
         };
@@ -975,6 +978,8 @@ impl Connection {
                 &mut buf[filled..filled + n],
             ) {
                 warn!(qp = self.qp_num, error = %e, "gather failed");
+                // `buf` is reused: never send a previous message's bytes.
+                buf[filled..filled + n].fill(0);
             }
             filled += n;
             off = 0;
@@ -1104,6 +1109,15 @@ impl Connection {
         self.inbound.clear();
         self.ord_used = 0;
     }
+}
+
+/// Make `buf` `len` bytes long, zeroing only bytes it never held: the
+/// caller overwrites all of them (a gather buffer need not be cleared).
+fn fit(buf: &mut Vec<u8>, len: usize) {
+    if buf.len() < len {
+        buf.resize(len, 0);
+    }
+    buf.truncate(len);
 }
 
 /// How a remote Terminate shows in the failed WR's status.

@@ -162,6 +162,38 @@ impl Region {
         Ok(())
     }
 
+    /// Atomically replace the `u64` at `offset` with `f(current)` (a CAS
+    /// loop; atomic with respect to every other atomic access to the word)
+    /// and return the value it replaced.
+    pub fn fetch_update_u64(
+        &self,
+        offset: usize,
+        f: impl Fn(u64) -> u64,
+    ) -> Result<u64, RegionError> {
+        let word = self.word(offset)?;
+        let mut current = word.load(Ordering::Acquire);
+        loop {
+            let new = f(current);
+            if new == current {
+                return Ok(current);
+            }
+            match word.compare_exchange_weak(current, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Ok(current),
+                Err(seen) => current = seen,
+            }
+        }
+    }
+
+    /// msync the pages covering `[offset, offset+len)` to the file.
+    pub fn sync_range(
+        &self,
+        offset: usize,
+        len: usize,
+    ) -> Result<std::io::Result<()>, RegionError> {
+        self.check(offset, len)?;
+        Ok(self.map.flush_range(offset, len))
+    }
+
     /// msync the whole region (durable regions) to its file.
     pub fn sync(&self) -> std::io::Result<()> {
         self.map.flush()

@@ -83,13 +83,14 @@ done
 
 # 3. RDMA devices. rdma_cm refuses 127.0.0.1 for both rxe and siw, and siw only
 # listens on its netdev's address, hence one dummy netdev + address per device.
-ch() { chroot $R "$@"; }
-ch ip link set lo up || fail "ip link set lo up"
+# busybox's ip does the netdevs (no 9p round trips); the rdma tool is the
+# host's (iproute2), run in the chroot.
+ip link set lo up || fail "ip link set lo up"
 setup_dev() { # <netdev> <addr> <rdma dev> <type>
-    ch ip link add "$1" type dummy 2>/dev/null   # exists if dummy made it
-    ch ip addr add "$2/24" dev "$1" || fail "ip addr add $2 dev $1"
-    ch ip link set "$1" up || fail "ip link set $1 up"
-    ch rdma link add "$3" type "$4" netdev "$1" || fail "rdma link add $3 type $4"
+    ip link add "$1" type dummy || fail "ip link add $1 type dummy"
+    ip addr add "$2/24" dev "$1" || fail "ip addr add $2 dev $1"
+    ip link set "$1" up || fail "ip link set $1 up"
+    chroot $R rdma link add "$3" type "$4" netdev "$1" || fail "rdma link add $3 type $4"
 }
 setup_dev dummy0 "$STAG_RXE_ADDR" rxe0 rxe
 setup_dev dummy1 "$STAG_SIW_ADDR" siw0 siw

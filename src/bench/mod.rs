@@ -273,7 +273,9 @@ pub(crate) fn sizes(op: OpKind, size: Option<u32>, all: bool, default: u32) -> R
         if size.is_some() {
             return Err(BenchError::Args("-s and -a exclude each other".into()));
         }
-        return Ok((1..=23).map(|e| 1u32 << e).collect());
+        return Ok((1..=MAX_ALL_SIZE.trailing_zeros())
+            .map(|e| 1u32 << e)
+            .collect());
     }
     let s = size.unwrap_or(default);
     if s == 0 || s > (1 << 30) {
@@ -428,7 +430,6 @@ pub(crate) enum Role {
 /// One connected side with its buffers.
 pub(crate) struct Endpoint {
     pub role: Role,
-    pub ctx: Context,
     pub cq: CompletionQueue,
     pub qp: QueuePair,
     /// The buffer the peer writes/reads/targets (file-backed for Commit).
@@ -501,17 +502,9 @@ impl Buffers {
         }
     }
 
-    fn into_endpoint(
-        self,
-        role: Role,
-        ctx: Context,
-        qp: QueuePair,
-        peer: Remote,
-        blocking: bool,
-    ) -> Endpoint {
+    fn into_endpoint(self, role: Role, qp: QueuePair, peer: Remote, blocking: bool) -> Endpoint {
         Endpoint {
             role,
-            ctx,
             cq: self.cq,
             qp,
             data: self.data,
@@ -571,7 +564,7 @@ impl Endpoint {
                 continue;
             }
             spins = spins.wrapping_add(1);
-            if (self.blocking || spins % 1024 == 0) && start.elapsed() > limit {
+            if (self.blocking || spins.is_multiple_of(1024)) && start.elapsed() > limit {
                 return Err(BenchError::Stalled(limit, what));
             }
             std::hint::spin_loop();
@@ -716,11 +709,19 @@ impl Endpoint {
         match self.role {
             Role::Client => {
                 self.send_ctrl(Ctrl::Done, 0)?;
-                // Let the DONE leave before the QP goes away.
-                let deadline = Instant::now() + Duration::from_secs(2);
-                while self.qp.outstanding() > 0 && Instant::now() < deadline {
-                    self.reap(|_| {})?;
-                    self.qp.progress();
+                // Let the DONE leave before the QP goes away. The server
+                // closes once it has it, which flushes our receives: from
+                // here on completions other than the DONE's do not matter.
+                let deadline = Instant::now() + Duration::from_secs(5);
+                let done_id = CTRL_WR | Ctrl::Done as u64;
+                'wait: while Instant::now() < deadline {
+                    self.fill(false)?;
+                    while let Some(c) = self.stash.pop_front() {
+                        if c.wr_id == done_id {
+                            break 'wait;
+                        }
+                    }
+                    std::hint::spin_loop();
                 }
             }
             Role::Server => {
@@ -743,14 +744,17 @@ impl Endpoint {
 
 /// Open the device with the requested emulation.
 pub(crate) fn open_context(common: &CommonArgs) -> Result<Context> {
-    let name = common
-        .ib_dev
-        .clone()
-        .unwrap_or_else(stag::default_device);
+    let name = common.ib_dev.clone().unwrap_or_else(stag::default_device);
     let opts = ContextOptions {
         force_emulation: common.emulate.clone(),
     };
-    Ok(Context::open_with(&name, &opts)?)
+    let ctx = Context::open_with(&name, &opts)?;
+    for &k in &common.emulate {
+        if *ctx.capabilities().get(k) == Support::Native {
+            warn!(op = %k, "no emulation exists for {k}; it stays native");
+        }
+    }
+    Ok(ctx)
 }
 
 /// Fail early when the device cannot run `op` at all.
@@ -802,7 +806,7 @@ pub(crate) fn connect_client(
     let (qp, private) = stag::connect_with(&bufs.pd, &bufs.cq, addr, &opts, bufs.pre_post())?;
     let reply = Hello::decode(&private)?;
     debug!(?reply, "server hello");
-    Ok(bufs.into_endpoint(Role::Client, ctx.clone(), qp, reply.target, blocking))
+    Ok(bufs.into_endpoint(Role::Client, qp, reply.target, blocking))
 }
 
 /// The server side: take one connection request, adopt the client's plan
@@ -846,7 +850,7 @@ pub(crate) fn accept_server(
     let qp = req.accept_with(&bufs.pd, &bufs.cq, &opts, bufs.pre_post())?;
     info!(op = %op, sizes = ?plan.sizes, iters = plan.iters, "client connected");
     Ok((
-        bufs.into_endpoint(Role::Server, ctx.clone(), qp, hello.target, blocking),
+        bufs.into_endpoint(Role::Server, qp, hello.target, blocking),
         plan,
     ))
 }
@@ -943,6 +947,9 @@ pub struct RunInfo {
     pub support: String,
     /// Operations forced through emulation.
     pub emulate: Vec<String>,
+    /// Of those, the ones that have no emulation (they ran natively).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub not_emulated: Vec<String>,
     /// "busy-poll" or "blocking".
     pub completions: &'static str,
     /// 2 when one-way latency is half the round trip, else 1.
@@ -958,6 +965,12 @@ impl RunInfo {
             backend: ctx.backend_kind(),
             support: support_label(ctx, common.op),
             emulate: common.emulate.iter().map(|k| k.name().to_owned()).collect(),
+            not_emulated: common
+                .emulate
+                .iter()
+                .filter(|&&k| *ctx.capabilities().get(k) == Support::Native)
+                .map(|k| k.name().to_owned())
+                .collect(),
             completions: if common.blocking {
                 "blocking"
             } else {
@@ -978,11 +991,14 @@ impl RunInfo {
         };
         let op = OpKind::from_name(&self.op).map(title).unwrap_or("?");
         let mut s = format!("{line}\n{:>30}{op} {kind} Test\n", "");
-        s += &format!(
-            " Device         : {} ({:?})\n",
-            self.device, self.backend
-        );
+        s += &format!(" Device         : {} ({:?})\n", self.device, self.backend);
         s += &format!(" Operation      : {} ({})\n", self.op, self.support);
+        if !self.not_emulated.is_empty() {
+            s += &format!(
+                " Note           : no emulation exists for {}; ran natively\n",
+                self.not_emulated.join(", ")
+            );
+        }
         s += &format!(" Completions    : {}\n", self.completions);
         s += &format!(" Iterations     : {iters}\n");
         if self.test == Test::Lat {
@@ -1083,10 +1099,7 @@ mod tests {
             panic!()
         };
         assert_eq!(a.common.op, OpKind::Swap);
-        assert_eq!(
-            a.common.emulate,
-            vec![OpKind::Swap, OpKind::MaskedFetchAdd]
-        );
+        assert_eq!(a.common.emulate, vec![OpKind::Swap, OpKind::MaskedFetchAdd]);
         assert!(a.report_gbits && a.common.all && a.common.loopback);
         assert_eq!(a.tx_depth, 32);
         let Cmd::Bw(a) = parse(&["bw", "write", "--rdma_cm", "--report-gbits"]).unwrap() else {

@@ -85,6 +85,47 @@ impl fmt::Display for OpKind {
     }
 }
 
+/// Which emulation runs an operation the device lacks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Emulation {
+    /// RDMA Read of the target, then CmpSwap retries until the value sticks
+    /// (needs native CmpSwap; works against any peer).
+    CasLoop,
+    /// The responder's stag library executes it on its memory: atomics
+    /// with its CPU's atomics, Commit as read-after-write for placement then
+    /// msync. Needs a stag peer (an agent channel set up at connect).
+    Agent,
+    /// 8-byte Immediate Data: an RDMA Write of the value into the peer's
+    /// mailbox, then a zero-length Send that consumes the receive; the
+    /// peer's library reports it as Immediate Data. Needs a stag peer.
+    ImmMailbox,
+}
+
+impl Emulation {
+    /// Whether the peer must run stag (an agent channel).
+    pub fn needs_peer(self) -> bool {
+        !matches!(self, Emulation::CasLoop)
+    }
+
+    fn describe(self) -> (&'static str, u32) {
+        match self {
+            Emulation::CasLoop => (CAS_LOOP, 2),
+            Emulation::Agent => ("the responder's stag agent executes it on its CPU", 1),
+            Emulation::ImmMailbox => ("RDMA Write into the peer's mailbox + zero-length Send", 1),
+        }
+    }
+
+    fn support(self) -> Support {
+        let (how, round_trips) = self.describe();
+        Support::Emulated {
+            method: self,
+            how: how.to_owned(),
+            round_trips,
+        }
+    }
+}
+
 /// How an operation runs on a device.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "support", rename_all = "kebab-case")]
@@ -93,7 +134,9 @@ pub enum Support {
     Native,
     /// stag does it with other operations.
     Emulated {
-        /// How.
+        /// Which emulation.
+        method: Emulation,
+        /// How, in words.
         how: String,
         /// Network round trips it costs, best case.
         round_trips: u32,
@@ -116,7 +159,9 @@ impl fmt::Display for Support {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Support::Native => f.write_str("native"),
-            Support::Emulated { how, round_trips } => {
+            Support::Emulated {
+                how, round_trips, ..
+            } => {
                 write!(f, "emulated ({how}; ≥{round_trips} RTT)")
             }
             Support::Unsupported { why } => write!(f, "unsupported ({why})"),
@@ -160,9 +205,7 @@ impl Capabilities {
 
     /// A libibverbs device, from what it reports.
     pub fn ibverbs(device: &str, attr: &DeviceAttr) -> Capabilities {
-        let iwarp = attr.is_iwarp();
         let atomics = attr.atomic_cap != AtomicCap::None;
-        let flush = attr.flush_global || attr.flush_persistent;
         let mut ops = Vec::new();
         for k in OpKind::ALL {
             let s = match k {
@@ -170,33 +213,24 @@ impl Capabilities {
                 OpKind::SendInvalidate => Support::Unsupported {
                     why: "Send with Invalidate is not wired to the libibverbs backend yet".into(),
                 },
-                OpKind::WriteImm | OpKind::Imm => Support::Unsupported {
-                    why: if iwarp {
-                        "iWARP devices carry no immediate data; the 8-byte Send emulation is not built yet".into()
-                    } else {
-                        "verbs immediate data is 4 bytes; the 8-byte emulation is not built yet".into()
-                    },
-                },
+                // Verbs immediate data is 4 bytes and iWARP has none: the
+                // RFC 7306 8-byte form always goes through the mailbox.
+                OpKind::WriteImm | OpKind::Imm => Emulation::ImmMailbox.support(),
                 OpKind::FetchAdd | OpKind::CmpSwap if atomics => Support::Native,
-                OpKind::MaskedFetchAdd | OpKind::MaskedCmpSwap | OpKind::Swap if atomics => Support::Emulated {
-                    how: CAS_LOOP.into(),
-                    round_trips: 2,
-                },
+                OpKind::MaskedFetchAdd | OpKind::MaskedCmpSwap | OpKind::Swap if atomics => {
+                    Emulation::CasLoop.support()
+                }
+                // No atomics at all (siw): the peer's agent runs them, all
+                // of them, so that they stay atomic with respect to each
+                // other.
                 OpKind::FetchAdd
                 | OpKind::CmpSwap
                 | OpKind::MaskedFetchAdd
                 | OpKind::MaskedCmpSwap
-                | OpKind::Swap => Support::Unsupported {
-                    why: "the device has no atomics (atomic_cap NONE) and the responder-side agent is not built yet"
-                        .into(),
-                },
-                OpKind::Commit if flush => Support::Unsupported {
-                    why: "the device has IBV_WR_FLUSH but the installed rdma-core headers lack ibv_wr_flush"
-                        .into(),
-                },
-                OpKind::Commit => Support::Unsupported {
-                    why: "no FLUSH on the device and the responder-side msync agent is not built yet".into(),
-                },
+                | OpKind::Swap => Emulation::Agent.support(),
+                // IBV_WR_FLUSH needs rdma-core ≥ 45; with the headers at
+                // hand the agent does Commit everywhere.
+                OpKind::Commit => Emulation::Agent.support(),
             };
             ops.push((k, s));
         }
@@ -207,24 +241,31 @@ impl Capabilities {
         }
     }
 
-    /// Replace native support for `ops` by their emulation where one
-    /// exists (to test or measure the emulation layer on a device that does
-    /// not need it).
+    /// Replace native support for `ops` by an emulation (to test or
+    /// measure the emulation layer on a device that does not need it):
+    /// masked atomics and Swap by the CmpSwap loop, plain atomics and
+    /// Commit by the agent, Immediate Data by the mailbox.
     pub fn force_emulation(&mut self, ops: &[OpKind]) {
         for (k, s) in self.ops.iter_mut() {
             if !ops.contains(k) || *s != Support::Native {
                 continue;
             }
-            if matches!(
-                k,
-                OpKind::MaskedFetchAdd | OpKind::MaskedCmpSwap | OpKind::Swap
-            ) {
-                *s = Support::Emulated {
-                    how: CAS_LOOP.into(),
-                    round_trips: 2,
-                };
-            }
+            let method = match k {
+                OpKind::MaskedFetchAdd | OpKind::MaskedCmpSwap | OpKind::Swap => Emulation::CasLoop,
+                OpKind::FetchAdd | OpKind::CmpSwap | OpKind::Commit => Emulation::Agent,
+                OpKind::Imm | OpKind::WriteImm => Emulation::ImmMailbox,
+                _ => continue,
+            };
+            *s = method.support();
         }
+    }
+
+    /// Whether any operation needs a stag peer (so connections set up an
+    /// agent channel).
+    pub fn needs_agent(&self) -> bool {
+        self.ops
+            .iter()
+            .any(|(_, s)| matches!(s, Support::Emulated { method, .. } if method.needs_peer()))
     }
 }
 
@@ -253,9 +294,24 @@ mod tests {
     #[test]
     fn forced_emulation_only_touches_emulatable_ops() {
         let mut c = Capabilities::userspace("stag0");
-        c.force_emulation(&[OpKind::Swap, OpKind::Write]);
-        assert!(matches!(c.get(OpKind::Swap), Support::Emulated { .. }));
+        assert!(!c.needs_agent());
+        c.force_emulation(&[OpKind::Swap, OpKind::Write, OpKind::Commit]);
+        assert!(matches!(
+            c.get(OpKind::Swap),
+            Support::Emulated {
+                method: Emulation::CasLoop,
+                ..
+            }
+        ));
+        assert!(matches!(
+            c.get(OpKind::Commit),
+            Support::Emulated {
+                method: Emulation::Agent,
+                ..
+            }
+        ));
         assert_eq!(c.get(OpKind::Write), &Support::Native);
         assert_eq!(c.get(OpKind::MaskedFetchAdd), &Support::Native);
+        assert!(c.needs_agent());
     }
 }

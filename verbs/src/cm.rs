@@ -4,8 +4,11 @@
 //! uses it too); on the userspace provider it is its own TCP listener with
 //! the MPA exchange.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use crate::agent::{new_token, AgentSetup, Hello};
 
 use crate::cq::{CompletionQueue, CqBackend};
 use crate::device::{ContextBackend, PdBackend, ProtectionDomain};
@@ -110,7 +113,69 @@ pub fn connect(
 /// Connect, running `pre_post` on the QP before the connection exists (to
 /// post the receives the peer's first messages need: it may send as soon
 /// as it accepts).
+///
+/// When this device or the peer's needs the emulation agent, a second
+/// connection to the same listener carries it (see the `agent` module).
 pub fn connect_with(
+    pd: &ProtectionDomain,
+    cq: &CompletionQueue,
+    addr: SocketAddr,
+    opts: &ConnectOptions,
+    pre_post: impl FnOnce(&QueuePair) -> Result<()>,
+) -> Result<(QueuePair, Vec<u8>)> {
+    let wants_agent = pd.context().capabilities().needs_agent();
+    let token = new_token();
+    let hello = Hello {
+        wants_agent,
+        is_agent: false,
+        token,
+        mailbox: None,
+    };
+    let mut main_opts = opts.clone();
+    main_opts.private_data = hello.encode(&opts.private_data);
+    let (qp, reply) = connect_raw(pd, cq, addr, &main_opts, pre_post)?;
+    let (peer, app) = Hello::decode(&reply);
+    let app = app.to_vec();
+    if let Some(peer) = peer {
+        if wants_agent || peer.wants_agent {
+            let setup = AgentSetup::new(pd)?;
+            let agent_opts = agent_options(&setup, token);
+            let (aqp, areply) =
+                connect_raw(pd, &setup.cq, addr, &agent_opts, |q| setup.pre_post(q))?;
+            let mailbox = match Hello::decode(&areply).0 {
+                Some(Hello {
+                    is_agent: true,
+                    mailbox: Some(m),
+                    ..
+                }) => m,
+                _ => {
+                    return Err(Error::Connect(
+                        "the peer's agent channel sent no mailbox".into(),
+                    ))
+                }
+            };
+            let agent = setup.start(pd, aqp, mailbox);
+            let _ = qp.inner.agent.set(agent);
+        }
+    }
+    Ok((qp, app))
+}
+
+/// The options of an agent channel connection.
+fn agent_options(setup: &AgentSetup, token: u64) -> ConnectOptions {
+    ConnectOptions {
+        caps: QpCaps {
+            max_send_wr: 512,
+            max_recv_wr: 256,
+            max_sge: 1,
+        },
+        private_data: setup.hello(token).encode(&[]),
+        ..ConnectOptions::default()
+    }
+}
+
+/// One connection, no stag header.
+fn connect_raw(
     pd: &ProtectionDomain,
     cq: &CompletionQueue,
     addr: SocketAddr,
@@ -164,7 +229,17 @@ pub fn connect_with(
 /// A passive endpoint.
 #[derive(Debug)]
 pub struct Listener {
+    shared: Arc<ListenerShared>,
+}
+
+#[derive(Debug)]
+struct ListenerShared {
     backend: ListenerBackend,
+    /// Requests that arrived while someone waited for another kind (an
+    /// agent channel, or the next application connection).
+    stash: Mutex<VecDeque<Raw>>,
+    /// Serialises waiting on the backend.
+    accepting: Mutex<()>,
 }
 
 #[derive(Debug)]
@@ -176,11 +251,19 @@ enum ListenerBackend {
     },
 }
 
+/// A request as it arrived, its stag header split off.
+#[derive(Debug)]
+struct Raw {
+    backend: IncomingBackend,
+    hello: Option<Hello>,
+    app: Vec<u8>,
+}
+
 /// A connection request, for the application to accept or reject.
 #[derive(Debug)]
 pub struct Incoming {
-    backend: IncomingBackend,
-    private_data: Vec<u8>,
+    raw: Raw,
+    listener: Arc<ListenerShared>,
 }
 
 #[derive(Debug)]
@@ -190,6 +273,63 @@ enum IncomingBackend {
         id: ibv::CmId,
         channel: Arc<ibv::EventChannel>,
     },
+}
+
+impl ListenerShared {
+    /// Wait for the next request on the backend.
+    fn next_raw(&self) -> Result<Raw> {
+        let _one = self.accepting.lock().unwrap_or_else(|p| p.into_inner());
+        let (backend, data) = match &self.backend {
+            ListenerBackend::User(l) => {
+                let req = l.accept()?;
+                let data = req.request().private_data.clone();
+                (IncomingBackend::User(req), data)
+            }
+            ListenerBackend::Ibv { channel, .. } => {
+                let ev = channel.expect(ibv::CmEventType::ConnectRequest)?;
+                let id = ev
+                    .new_id
+                    .ok_or_else(|| Error::Connect("connect request without an id".into()))?;
+                (
+                    IncomingBackend::Ibv {
+                        id,
+                        channel: channel.clone(),
+                    },
+                    ev.private_data,
+                )
+            }
+        };
+        let (hello, app) = Hello::decode(&data);
+        Ok(Raw {
+            backend,
+            hello,
+            app: app.to_vec(),
+        })
+    }
+
+    /// The next request that `want` accepts, stashing the others.
+    fn next_matching(&self, want: impl Fn(&Raw) -> bool) -> Result<Raw> {
+        {
+            let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(i) = stash.iter().position(&want) {
+                return Ok(stash.remove(i).expect("position is in range"));
+            }
+        }
+        loop {
+            let raw = self.next_raw()?;
+            if want(&raw) {
+                return Ok(raw);
+            }
+            self.stash
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push_back(raw);
+        }
+    }
+}
+
+fn is_agent(raw: &Raw) -> bool {
+    matches!(raw.hello, Some(Hello { is_agent: true, .. }))
 }
 
 impl Listener {
@@ -208,12 +348,18 @@ impl Listener {
                 ListenerBackend::Ibv { channel, id }
             }
         };
-        Ok(Listener { backend })
+        Ok(Listener {
+            shared: Arc::new(ListenerShared {
+                backend,
+                stash: Mutex::new(VecDeque::new()),
+                accepting: Mutex::new(()),
+            }),
+        })
     }
 
     /// The bound address.
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        match &self.backend {
+        match &self.shared.backend {
             ListenerBackend::User(l) => Ok(l.local_addr()?),
             ListenerBackend::Ibv { id, .. } => id
                 .local_addr()
@@ -221,31 +367,14 @@ impl Listener {
         }
     }
 
-    /// Wait for the next connection request.
+    /// Wait for the next connection request of the application (agent
+    /// channels are handled inside [`Incoming::accept`]).
     pub fn get_request(&self) -> Result<Incoming> {
-        match &self.backend {
-            ListenerBackend::User(l) => {
-                let req = l.accept()?;
-                let private_data = req.request().private_data.clone();
-                Ok(Incoming {
-                    backend: IncomingBackend::User(req),
-                    private_data,
-                })
-            }
-            ListenerBackend::Ibv { channel, .. } => {
-                let ev = channel.expect(ibv::CmEventType::ConnectRequest)?;
-                let id = ev
-                    .new_id
-                    .ok_or_else(|| Error::Connect("connect request without an id".into()))?;
-                Ok(Incoming {
-                    backend: IncomingBackend::Ibv {
-                        id,
-                        channel: channel.clone(),
-                    },
-                    private_data: ev.private_data,
-                })
-            }
-        }
+        let raw = self.shared.next_matching(|r| !is_agent(r))?;
+        Ok(Incoming {
+            raw,
+            listener: self.shared.clone(),
+        })
     }
 
     /// Accept the next request with `opts`: the QP and the initiator's
@@ -265,13 +394,10 @@ impl Listener {
 impl Incoming {
     /// The initiator's private data.
     pub fn private_data(&self) -> &[u8] {
-        &self.private_data
+        &self.raw.app
     }
 
-    /// Accept onto a new QP. Receives posted on the returned QP before the
-    /// peer sends are guaranteed to be there for its first message only if
-    /// `pre_post` posts them, since the peer may send as soon as it learns
-    /// of the acceptance.
+    /// Accept onto a new QP.
     pub fn accept(
         self,
         pd: &ProtectionDomain,
@@ -282,7 +408,8 @@ impl Incoming {
     }
 
     /// Accept, running `pre_post` on the QP before the peer learns of the
-    /// acceptance (to post the receives its first messages need).
+    /// acceptance (to post the receives its first messages need). Sets up
+    /// the agent channel when either side needs it.
     pub fn accept_with(
         self,
         pd: &ProtectionDomain,
@@ -290,52 +417,86 @@ impl Incoming {
         opts: &ConnectOptions,
         pre_post: impl FnOnce(&QueuePair) -> Result<()>,
     ) -> Result<QueuePair> {
-        check_same_device(pd, cq)?;
-        let ctx = pd.context();
-        match (self.backend, pd.backend(), &cq.inner.backend) {
-            (IncomingBackend::User(req), PdBackend::User(upd), CqBackend::User(ucq)) => {
-                let uqp = upd.create_qp(user_qp_caps(&opts.caps), ucq, ucq, None);
-                let qp_num = uqp.qp_num();
-                let qp = QueuePair::from_backend(ctx, pd, cq, cq, QpBackend::User(uqp), qp_num)?;
-                pre_post(&qp)?;
-                let QpBackend::User(uqp) = qp.inner_backend() else {
-                    unreachable!("built as a userspace QP above")
-                };
-                req.accept(uqp, &opts.mpa())?;
-                Ok(qp)
+        let wants_agent = pd.context().capabilities().needs_agent();
+        let Incoming { raw, listener } = self;
+        let peer = raw.hello;
+        let mut reply_opts = opts.clone();
+        if let Some(peer) = peer {
+            // Only a stag initiator gets a header back: another peer would
+            // take it for application data.
+            reply_opts.private_data = Hello {
+                wants_agent,
+                is_agent: false,
+                token: peer.token,
+                mailbox: None,
             }
-            (IncomingBackend::Ibv { id, channel }, PdBackend::Ibv(ipd), CqBackend::Ibv(icq)) => {
-                let iqp = id.create_qp(ipd, icq, icq, &opts.ibv_caps())?;
-                let qp_num = iqp.qp_num();
-                let qp = QueuePair::from_backend(
-                    ctx,
-                    pd,
-                    cq,
-                    cq,
-                    QpBackend::Ibv { qp: iqp, id },
-                    qp_num,
-                )?;
-                pre_post(&qp)?;
-                let id = qp.cm_id().expect("built as an ibv QP above");
-                id.accept(&opts.conn_param())?;
-                let ev = channel.get_event()?;
-                if ev.kind != ibv::CmEventType::Established {
-                    return Err(Error::Connect(format!(
-                        "rdma_cm event {:?} instead of ESTABLISHED",
-                        ev.kind
-                    )));
-                }
-                Ok(qp)
-            }
-            _ => Err(Error::Mismatch),
+            .encode(&opts.private_data);
         }
+        let qp = accept_raw(raw.backend, pd, cq, &reply_opts, pre_post)?;
+        if let Some(peer) = peer {
+            if wants_agent || peer.wants_agent {
+                let token = peer.token;
+                let agent_raw = listener
+                    .next_matching(|r| matches!(r.hello, Some(Hello { is_agent: true, token: t, .. }) if t == token))?;
+                let mailbox = agent_raw.hello.and_then(|h| h.mailbox).ok_or_else(|| {
+                    Error::Connect("agent channel request without a mailbox".into())
+                })?;
+                let setup = AgentSetup::new(pd)?;
+                let agent_opts = agent_options(&setup, token);
+                let aqp = accept_raw(agent_raw.backend, pd, &setup.cq, &agent_opts, |q| {
+                    setup.pre_post(q)
+                })?;
+                let agent = setup.start(pd, aqp, mailbox);
+                let _ = qp.inner.agent.set(agent);
+            }
+        }
+        Ok(qp)
     }
 
     /// Reject with private data.
     pub fn reject(self, private_data: &[u8]) -> Result<()> {
-        match self.backend {
+        match self.raw.backend {
             IncomingBackend::User(req) => Ok(req.reject(private_data)?),
             IncomingBackend::Ibv { id, .. } => Ok(id.reject(private_data)?),
         }
+    }
+}
+
+/// Accept one request onto a new QP, no stag header.
+fn accept_raw(
+    backend: IncomingBackend,
+    pd: &ProtectionDomain,
+    cq: &CompletionQueue,
+    opts: &ConnectOptions,
+    pre_post: impl FnOnce(&QueuePair) -> Result<()>,
+) -> Result<QueuePair> {
+    check_same_device(pd, cq)?;
+    let ctx = pd.context();
+    match (backend, pd.backend(), &cq.inner.backend) {
+        (IncomingBackend::User(req), PdBackend::User(upd), CqBackend::User(ucq)) => {
+            let uqp = upd.create_qp(user_qp_caps(&opts.caps), ucq, ucq, None);
+            let qp_num = uqp.qp_num();
+            let qp = QueuePair::from_backend(ctx, pd, cq, cq, QpBackend::User(uqp), qp_num)?;
+            pre_post(&qp)?;
+            let QpBackend::User(uqp) = qp.inner_backend() else {
+                unreachable!("built as a userspace QP above")
+            };
+            req.accept(uqp, &opts.mpa())?;
+            Ok(qp)
+        }
+        (IncomingBackend::Ibv { id, channel }, PdBackend::Ibv(ipd), CqBackend::Ibv(icq)) => {
+            let iqp = id.create_qp(ipd, icq, icq, &opts.ibv_caps())?;
+            let qp_num = iqp.qp_num();
+            let qp =
+                QueuePair::from_backend(ctx, pd, cq, cq, QpBackend::Ibv { qp: iqp, id }, qp_num)?;
+            pre_post(&qp)?;
+            let id = qp.cm_id().expect("built as an ibv QP above");
+            id.accept(&opts.conn_param())?;
+            // The accepted id reports on the listener's channel.
+            let ev = channel.expect(ibv::CmEventType::Established)?;
+            let _ = ev;
+            Ok(qp)
+        }
+        _ => Err(Error::Mismatch),
     }
 }

@@ -160,6 +160,9 @@ pub(crate) enum CqBackend {
     Ibv(Arc<ibv::CompletionQueue>),
 }
 
+/// The longest a blocking wait sleeps before looking at the ready queue.
+const WAIT_SLICE: Duration = Duration::from_millis(2);
+
 /// Raw completions taken from the backend per round.
 const BATCH: usize = 32;
 
@@ -240,6 +243,15 @@ impl CompletionQueue {
         }
     }
 
+    /// Queue a completion produced outside a poll (by the agent thread).
+    pub(crate) fn push_ready(&self, c: Completion) {
+        self.inner
+            .ready
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back(c);
+    }
+
     /// Move up to `max` ready completions to `out`.
     fn take_ready(&self, out: &mut Vec<Completion>, max: usize) -> usize {
         let mut ready = self.inner.ready.lock().unwrap_or_else(|p| p.into_inner());
@@ -299,6 +311,10 @@ impl CompletionQueue {
             if left.is_zero() {
                 return Ok(0);
             }
+            // Completions of emulated work can also come from an agent
+            // thread, which does not wake the device's waiters: sleep in
+            // slices.
+            let left = left.min(WAIT_SLICE);
             match &self.inner.backend {
                 CqBackend::User(cq) => {
                     let mut buf = [blank(); BATCH];

@@ -1,7 +1,8 @@
 //! Devices, contexts and protection domains over both backends.
 
+use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
 use serde::Serialize;
 use tracing::debug;
@@ -10,7 +11,7 @@ use crate::caps::{Capabilities, OpKind};
 use crate::cq::CompletionQueue;
 use crate::error::{Error, Result};
 use crate::ibv;
-use crate::mr::{Access, MemoryRegion};
+use crate::mr::{Access, MemoryRegion, MrInner};
 
 /// The name of the userspace provider's device.
 pub const USERSPACE_DEVICE: &str = "stag0";
@@ -97,6 +98,8 @@ struct ContextInner {
     name: String,
     backend: ContextBackend,
     caps: Capabilities,
+    /// Regions by rkey, for the agent executing a peer's requests.
+    mrs: Mutex<HashMap<u32, Weak<MrInner>>>,
 }
 
 #[derive(Debug)]
@@ -141,8 +144,21 @@ impl Context {
                 name: name.to_owned(),
                 backend,
                 caps,
+                mrs: Mutex::new(HashMap::new()),
             }),
         })
+    }
+
+    pub(crate) fn remember_mr(&self, mr: &MemoryRegion) {
+        let mut mrs = self.inner.mrs.lock().unwrap_or_else(|p| p.into_inner());
+        mrs.retain(|_, w| w.strong_count() > 0);
+        mrs.insert(mr.rkey(), mr.downgrade());
+    }
+
+    /// The live region with this rkey, if any.
+    pub(crate) fn mr_by_rkey(&self, rkey: u32) -> Option<MemoryRegion> {
+        let mrs = self.inner.mrs.lock().unwrap_or_else(|p| p.into_inner());
+        mrs.get(&rkey).and_then(MemoryRegion::upgrade)
     }
 
     /// The device name.
@@ -210,6 +226,11 @@ impl ProtectionDomain {
 
     pub(crate) fn backend(&self) -> &PdBackend {
         &self.backend
+    }
+
+    /// Identifies the PD (regions remember it for the agent's PD check).
+    pub(crate) fn key(&self) -> usize {
+        Arc::as_ptr(&self.backend) as usize
     }
 
     /// Allocate and register `len` zeroed bytes.

@@ -10,6 +10,7 @@
 //! natively where the device has it, through the emulation layer where it
 //! does not; [`Context::capabilities`] says which.
 
+mod agent;
 pub mod caps;
 pub mod cm;
 pub mod cq;
@@ -22,7 +23,7 @@ pub mod qp;
 #[doc(hidden)]
 pub mod ibv;
 
-pub use caps::{Capabilities, OpKind, Support};
+pub use caps::{Capabilities, Emulation, OpKind, Support};
 pub use cm::{connect, connect_with, ConnectOptions, Incoming, Listener};
 pub use cq::{Completion, CompletionKind, CompletionQueue, WcStatus};
 pub use device::{

@@ -26,8 +26,11 @@ pub struct MemoryRegion {
     inner: Arc<MrInner>,
 }
 
+/// The shared part of a region (named for the registry's weak links).
+pub(crate) type MrInnerPub = MrInner;
+
 #[derive(Debug)]
-struct MrInner {
+pub(crate) struct MrInner {
     // Held for its Drop (deregistration). Declared before `region`: fields
     // drop in order, so the registration is gone before the memory is
     // unmapped.
@@ -36,6 +39,8 @@ struct MrInner {
     region: Region,
     lkey: u32,
     rkey: u32,
+    access: Access,
+    pd_key: usize,
 }
 
 #[derive(Debug)]
@@ -110,14 +115,47 @@ impl MemoryRegion {
                 (Registration::Ibv(mr), l, r)
             }
         };
-        Ok(MemoryRegion {
+        let mr = MemoryRegion {
             inner: Arc::new(MrInner {
                 registration,
                 region,
                 lkey,
                 rkey,
+                access,
+                pd_key: pd.key(),
             }),
-        })
+        };
+        pd.context().remember_mr(&mr);
+        Ok(mr)
+    }
+
+    pub(crate) fn downgrade(&self) -> std::sync::Weak<MrInnerPub> {
+        Arc::downgrade(&self.inner)
+    }
+
+    pub(crate) fn upgrade(w: &std::sync::Weak<MrInnerPub>) -> Option<MemoryRegion> {
+        w.upgrade().map(|inner| MemoryRegion { inner })
+    }
+
+    pub(crate) fn pd_key(&self) -> usize {
+        self.inner.pd_key
+    }
+
+    /// The access rights it was registered with.
+    pub fn access(&self) -> Access {
+        self.inner.access
+    }
+
+    /// The offset of `[addr, addr+len)` if the region holds it.
+    pub(crate) fn offset_of(&self, addr: u64, len: u64) -> Option<usize> {
+        let base = self.inner.region.addr(0);
+        let off = addr.checked_sub(base)?;
+        let end = off.checked_add(len)?;
+        (end <= self.len() as u64).then_some(off as usize)
+    }
+
+    pub(crate) fn region(&self) -> &Region {
+        &self.inner.region
     }
 
     /// Allocate `len` zeroed bytes and register them.

@@ -9,13 +9,14 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use tracing::warn;
 
 use provider::wr::{Remote, SendOp, Sge, WcStatus};
 
-use crate::caps::{OpKind, Support};
+use crate::agent::{Agent, AgentOp};
+use crate::caps::{Emulation, OpKind, Support};
 use crate::cq::{Completion, CompletionKind, CompletionQueue, RawCompletion};
 use crate::device::{Context, ProtectionDomain};
 use crate::error::{Error, Result};
@@ -108,6 +109,9 @@ pub struct QueuePair {
 
 pub(crate) struct QpInner {
     ctx: Context,
+    send_cq: CompletionQueue,
+    /// The agent channel, when this connection has one.
+    pub(crate) agent: OnceLock<Arc<Agent>>,
     backend: QpBackend,
     qp_num: u32,
     pending: Mutex<HashMap<u64, Pending>>,
@@ -144,7 +148,19 @@ struct Pending {
     op: Option<SendOp>,
     local: Vec<Slice>,
     signaled: bool,
-    emulation: Option<CasLoop>,
+    emulation: Option<Emu>,
+}
+
+/// What an emulated WR is waiting for.
+#[derive(Debug, Clone, Copy)]
+enum Emu {
+    /// A step of the CmpSwap loop.
+    Cas(CasLoop),
+    /// The peer agent's answer.
+    Agent,
+    /// The zero-length Read that orders a Commit after earlier Writes;
+    /// then the agent's msync.
+    CommitAfterRead { remote: Remote, len: u32 },
 }
 
 /// An atomic emulated by a CmpSwap retry loop: read the target, compute
@@ -162,12 +178,15 @@ impl QpInner {
     fn new(
         ctx: &Context,
         pd: &ProtectionDomain,
+        send_cq: &CompletionQueue,
         backend: QpBackend,
         qp_num: u32,
     ) -> Result<QpInner> {
         let scratch = pd.alloc_mr(SCRATCH_SLOTS * 8, Access::LOCAL_WRITE)?;
         Ok(QpInner {
             ctx: ctx.clone(),
+            send_cq: send_cq.clone(),
+            agent: OnceLock::new(),
             backend,
             qp_num,
             pending: Mutex::new(HashMap::new()),
@@ -240,11 +259,18 @@ impl QpInner {
             .remove(&token)
     }
 
-    fn post_send(&self, wr: WorkRequest) -> Result<()> {
+    fn post_send(self: &Arc<Self>, wr: WorkRequest) -> Result<()> {
         let kind = op_kind(&wr.op);
         let support = self.ctx.capabilities().get(kind).clone();
         match support {
             Support::Native => {
+                // With an agent channel, zero-length Sends are numbered so
+                // the peer can tell them from mailbox Immediate Data.
+                let zero_send =
+                    matches!(wr.op, SendOp::Send { .. }) && wr.local.iter().all(|s| s.is_empty());
+                let agent = self.agent.get().filter(|_| zero_send);
+                let mut zero_sends =
+                    agent.map(|a| a.zero_sends.lock().unwrap_or_else(|p| p.into_inner()));
                 let token = self.token();
                 let sges: Vec<Sge> = wr.local.iter().map(Slice::sge).collect();
                 self.insert(
@@ -261,9 +287,30 @@ impl QpInner {
                     self.remove(token);
                     return Err(e);
                 }
+                if let Some(n) = zero_sends.as_deref_mut() {
+                    *n += 1;
+                }
                 Ok(())
             }
-            Support::Emulated { .. } => self.start_cas_loop(wr),
+            Support::Emulated {
+                method: Emulation::CasLoop,
+                ..
+            } => self.start_cas_loop(wr),
+            Support::Emulated { method, .. } => {
+                let Some(agent) = self.agent.get().cloned() else {
+                    return Err(Error::Unsupported {
+                        op: kind,
+                        device: self.ctx.name().to_owned(),
+                        why: "emulated through the peer's stag agent, and this peer runs none"
+                            .into(),
+                    });
+                };
+                if method == Emulation::ImmMailbox {
+                    self.post_imm(&agent, wr)
+                } else {
+                    self.post_agent(&agent, wr)
+                }
+            }
             Support::Unsupported { why } => Err(Error::Unsupported {
                 op: kind,
                 device: self.ctx.name().to_owned(),
@@ -305,11 +352,11 @@ impl QpInner {
                 op: Some(wr.op),
                 local: wr.local,
                 signaled: wr.signaled,
-                emulation: Some(CasLoop {
+                emulation: Some(Emu::Cas(CasLoop {
                     remote,
                     slot,
                     expected: None,
-                }),
+                })),
             },
         );
         if let Err(e) = self.post_raw(token, SendOp::Read { remote }, &[sge], wr.fence) {
@@ -373,7 +420,7 @@ impl QpInner {
 
     /// Give a raw completion its meaning; `None` when it was an internal
     /// step or an unsignaled success.
-    pub(crate) fn complete(&self, rc: RawCompletion) -> Option<Completion> {
+    pub(crate) fn complete(self: &Arc<Self>, rc: RawCompletion) -> Option<Completion> {
         let Some(p) = self.remove(rc.token) else {
             warn!(
                 qp = self.qp_num,
@@ -382,17 +429,29 @@ impl QpInner {
             );
             return None;
         };
-        if let Some(cas) = p.emulation {
-            return self.cas_step(rc, p, cas);
+        match p.emulation {
+            Some(Emu::Cas(cas)) => return self.cas_step(rc, p, cas),
+            Some(Emu::CommitAfterRead { remote, len }) => {
+                return self.commit_step(rc, p, remote, len)
+            }
+            Some(Emu::Agent) | None => {}
         }
         let ok = rc.status == WcStatus::Success;
         let kind = match p.op {
-            None => CompletionKind::Recv {
-                len: rc.byte_len,
-                imm: rc.imm,
-                invalidated: rc.invalidated,
-                solicited: rc.solicited,
-            },
+            None => {
+                // A zero-length receive may be Immediate Data that came
+                // through the mailbox.
+                let imm = match (rc.imm, self.agent.get()) {
+                    (None, Some(agent)) if ok && rc.byte_len == 0 => agent.zero_length_recv(),
+                    (imm, _) => imm,
+                };
+                CompletionKind::Recv {
+                    len: rc.byte_len,
+                    imm,
+                    invalidated: rc.invalidated,
+                    solicited: rc.solicited,
+                }
+            }
             Some(op) => self.send_kind(&op, &p.local, ok),
         };
         (p.signaled || !ok || p.op.is_none()).then_some(Completion {
@@ -491,7 +550,7 @@ impl QpInner {
                 op: Some(op),
                 local,
                 signaled,
-                emulation: Some(cas),
+                emulation: Some(Emu::Cas(cas)),
             },
         );
         let step = SendOp::CmpSwap {
@@ -508,6 +567,201 @@ impl QpInner {
             return fail(WcStatus::LocQpOpErr);
         }
         None
+    }
+
+    /// An atomic or Commit through the peer's agent.
+    fn post_agent(self: &Arc<Self>, agent: &Arc<Agent>, wr: WorkRequest) -> Result<()> {
+        let token = self.token();
+        let (remote, op) = match wr.op {
+            SendOp::FetchAdd { remote, add, mask } => (remote, AgentOp::FetchAdd { add, mask }),
+            SendOp::CmpSwap {
+                remote,
+                compare,
+                compare_mask,
+                swap,
+                swap_mask,
+            } => (
+                remote,
+                AgentOp::CmpSwap {
+                    compare,
+                    compare_mask,
+                    swap,
+                    swap_mask,
+                },
+            ),
+            SendOp::Swap { remote, swap } => (remote, AgentOp::Swap { swap }),
+            SendOp::Commit { remote, len } => {
+                // Read-after-write: a zero-length Read returns only after
+                // every earlier Write on this QP is placed; then msync.
+                self.insert(
+                    token,
+                    Pending {
+                        wr_id: wr.wr_id,
+                        op: Some(wr.op),
+                        local: Vec::new(),
+                        signaled: wr.signaled,
+                        emulation: Some(Emu::CommitAfterRead { remote, len }),
+                    },
+                );
+                if let Err(e) = self.post_raw(token, SendOp::Read { remote }, &[], wr.fence) {
+                    self.remove(token);
+                    return Err(e);
+                }
+                return Ok(());
+            }
+            _ => {
+                return Err(Error::InvalidRequest(
+                    "the agent runs atomics and Commit only",
+                ))
+            }
+        };
+        if wr.local.len() != 1 || wr.local[0].len() != 8 {
+            return Err(Error::InvalidRequest(
+                "an atomic needs one 8-byte local slice",
+            ));
+        }
+        self.insert(
+            token,
+            Pending {
+                wr_id: wr.wr_id,
+                op: Some(wr.op),
+                local: wr.local,
+                signaled: wr.signaled,
+                emulation: Some(Emu::Agent),
+            },
+        );
+        if let Err(e) = agent.request(self, token, remote, op) {
+            self.remove(token);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// The ordering Read of an emulated Commit completed: ask the agent.
+    fn commit_step(
+        self: &Arc<Self>,
+        rc: RawCompletion,
+        p: Pending,
+        remote: Remote,
+        len: u32,
+    ) -> Option<Completion> {
+        let op = p.op.expect("emulated WRs are sends");
+        let fail = |status, vendor_err| {
+            Some(Completion {
+                wr_id: p.wr_id,
+                status,
+                qp_num: self.qp_num,
+                kind: CompletionKind::Commit,
+                vendor_err,
+            })
+        };
+        if rc.status != WcStatus::Success {
+            return fail(rc.status, rc.vendor_err);
+        }
+        let Some(agent) = self.agent.get().cloned() else {
+            return fail(WcStatus::LocQpOpErr, 0);
+        };
+        let token = self.token();
+        self.insert(
+            token,
+            Pending {
+                wr_id: p.wr_id,
+                op: Some(op),
+                local: Vec::new(),
+                signaled: p.signaled,
+                emulation: Some(Emu::Agent),
+            },
+        );
+        if let Err(e) = agent.request(self, token, remote, AgentOp::Commit { len }) {
+            warn!(qp = self.qp_num, error = %e, "commit request could not be sent");
+            self.remove(token);
+            return fail(WcStatus::LocQpOpErr, 0);
+        }
+        None
+    }
+
+    /// The agent answered for `token`.
+    pub(crate) fn finish_agent(
+        &self,
+        token: u64,
+        status: WcStatus,
+        original: u64,
+        vendor_err: u32,
+    ) {
+        let Some(p) = self.remove(token) else { return };
+        let Some(op) = p.op else { return };
+        let ok = status == WcStatus::Success;
+        if ok {
+            if let Some(s) = p.local.first() {
+                let _ = s.mr().write_at(s.offset(), &original.to_ne_bytes());
+            }
+        }
+        if ok && !p.signaled {
+            return;
+        }
+        let kind = self.send_kind(&op, &p.local, ok);
+        self.send_cq.push_ready(Completion {
+            wr_id: p.wr_id,
+            status,
+            qp_num: self.qp_num,
+            kind,
+            vendor_err,
+        });
+    }
+
+    /// 8-byte Immediate Data through the peer's mailbox: (the Write, for
+    /// Write with Immediate,) the mailbox entry, then a zero-length Send
+    /// that consumes the peer's receive. The last one carries the WR's
+    /// completion; the others complete silently unless they fail.
+    fn post_imm(&self, agent: &Arc<Agent>, wr: WorkRequest) -> Result<()> {
+        let (imm, solicited) = match wr.op {
+            SendOp::Imm { imm, solicited } => (imm, solicited),
+            SendOp::WriteImm { imm, .. } => (imm, false),
+            _ => {
+                return Err(Error::InvalidRequest(
+                    "only Immediate Data goes through the mailbox",
+                ))
+            }
+        };
+        let mut steps: Vec<(SendOp, Vec<Slice>, bool)> = Vec::new();
+        if let SendOp::WriteImm { remote, .. } = wr.op {
+            steps.push((SendOp::Write { remote }, wr.local.clone(), false));
+        }
+        // Numbered among all zero-length Sends, under the lock that keeps
+        // the numbering in wire order.
+        let mut zero_sends = agent.zero_sends.lock().unwrap_or_else(|p| p.into_inner());
+        let seq = *zero_sends;
+        let (entry, mailbox) = agent.stage_imm(seq, imm)?;
+        steps.push((SendOp::Write { remote: mailbox }, vec![entry], false));
+        steps.push((
+            SendOp::Send {
+                solicited,
+                invalidate: None,
+            },
+            Vec::new(),
+            true,
+        ));
+        for (step, local, last) in steps {
+            let token = self.token();
+            let sges: Vec<Sge> = local.iter().map(Slice::sge).collect();
+            self.insert(
+                token,
+                Pending {
+                    wr_id: wr.wr_id,
+                    // The last step reports as the application's operation.
+                    op: Some(if last { wr.op } else { step }),
+                    local,
+                    signaled: last && wr.signaled,
+                    emulation: None,
+                },
+            );
+            if let Err(e) = self.post_raw(token, step, &sges, wr.fence) {
+                self.remove(token);
+                return Err(e);
+            }
+        }
+        *zero_sends += 1;
+        Ok(())
     }
 
     fn cas_done(&self, p: Pending, op: SendOp, slot: usize, original: u64) -> Option<Completion> {
@@ -574,7 +828,7 @@ impl QueuePair {
         backend: QpBackend,
         qp_num: u32,
     ) -> Result<QueuePair> {
-        let inner = Arc::new(QpInner::new(ctx, pd, backend, qp_num)?);
+        let inner = Arc::new(QpInner::new(ctx, pd, send_cq, backend, qp_num)?);
         send_cq.attach(qp_num, Arc::downgrade(&inner));
         recv_cq.attach(qp_num, Arc::downgrade(&inner));
         Ok(QueuePair { inner })

@@ -9,6 +9,8 @@ use std::sync::Barrier;
 use common::*;
 use verbs::{CompletionKind, OpKind, SendOp, Support};
 
+extern crate provider;
+
 const EMULATED: [OpKind; 3] = [OpKind::MaskedFetchAdd, OpKind::MaskedCmpSwap, OpKind::Swap];
 
 #[test]
@@ -205,4 +207,284 @@ fn emulated_cmp_swap_lock_excludes() {
         ));
     }
     assert_eq!(s.mr.load_u64(0).unwrap(), acquisitions << 8);
+}
+
+/// Everything the agent and the mailbox emulate, forced on both ends.
+const AGENT: [OpKind; 5] = [
+    OpKind::FetchAdd,
+    OpKind::CmpSwap,
+    OpKind::Commit,
+    OpKind::Imm,
+    OpKind::WriteImm,
+];
+
+#[test]
+fn agent_runs_atomics_on_the_responder() {
+    let (c, s) = pair_with(&emulating(&AGENT), 2);
+    assert!(matches!(
+        c.ctx.capabilities().get(OpKind::FetchAdd),
+        Support::Emulated {
+            method: verbs::Emulation::Agent,
+            ..
+        }
+    ));
+    s.mr.store_u64(8, 5).unwrap();
+    c.post(
+        1,
+        SendOp::FetchAdd {
+            remote: s.mr.remote(8),
+            add: 10,
+            mask: 0,
+        },
+        &[(0, 8)],
+    );
+    assert_eq!(c.wait().kind, CompletionKind::FetchAdd { original: 5 });
+    c.post(
+        2,
+        SendOp::CmpSwap {
+            remote: s.mr.remote(8),
+            compare: 15,
+            compare_mask: u64::MAX,
+            swap: 1,
+            swap_mask: u64::MAX,
+        },
+        &[(8, 8)],
+    );
+    assert_eq!(
+        c.wait().kind,
+        CompletionKind::CmpSwap {
+            original: 15,
+            swapped: true
+        }
+    );
+    assert_eq!(s.mr.load_u64(8).unwrap(), 1);
+    assert_eq!(
+        c.mr.load_u64(0).unwrap(),
+        5,
+        "original lands in the local slice"
+    );
+    // The agent checks what an RNIC checks: misalignment and bounds.
+    c.post(
+        3,
+        SendOp::FetchAdd {
+            remote: s.mr.remote(12),
+            add: 1,
+            mask: 0,
+        },
+        &[(16, 8)],
+    );
+    let w = c.wait();
+    assert_eq!(w.status, verbs::WcStatus::RemAccessErr, "{w:?}");
+    c.post(
+        4,
+        SendOp::FetchAdd {
+            remote: s.mr.remote((1 << 20) - 4),
+            add: 1,
+            mask: 0,
+        },
+        &[(16, 8)],
+    );
+    assert_eq!(c.wait().status, verbs::WcStatus::RemAccessErr);
+    assert_eq!(
+        s.mr.load_u64(8).unwrap(),
+        1,
+        "refused requests changed nothing"
+    );
+}
+
+#[test]
+fn agent_refuses_regions_of_another_pd() {
+    let (c, s) = pair_with(&emulating(&AGENT), 0);
+    let other_pd = s.ctx.alloc_pd().unwrap();
+    let foreign = other_pd.alloc_mr(4096, ALL).unwrap();
+    foreign.store_u64(0, 7).unwrap();
+    c.post(
+        1,
+        SendOp::FetchAdd {
+            remote: foreign.remote(0),
+            add: 1,
+            mask: 0,
+        },
+        &[(0, 8)],
+    );
+    assert_eq!(c.wait().status, verbs::WcStatus::RemAccessErr);
+    assert_eq!(foreign.load_u64(0).unwrap(), 7);
+}
+
+#[test]
+fn agent_counter_is_exact_under_contention() {
+    const CLIENTS: usize = 3;
+    const ADDS: u64 = 100;
+    let star = star(&emulating(&AGENT), CLIENTS);
+    let counter = star.server_mr.remote(0);
+    std::thread::scope(|scope| {
+        for c in &star.clients {
+            scope.spawn(move || {
+                for i in 0..ADDS {
+                    c.post(
+                        i,
+                        SendOp::FetchAdd {
+                            remote: counter,
+                            add: 1,
+                            mask: 0,
+                        },
+                        &[(0, 8)],
+                    );
+                    assert!(c.wait().is_ok());
+                }
+            });
+        }
+    });
+    assert_eq!(star.server_mr.load_u64(0).unwrap(), CLIENTS as u64 * ADDS);
+}
+
+#[test]
+fn agent_commit_reaches_the_file() {
+    let (c, s) = pair_with(&emulating(&AGENT), 0);
+    let dir = std::env::temp_dir().join(format!("stag-agent-commit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("d.bin");
+    let durable = s.pd.alloc_file_mr(&path, 1 << 16, ALL).unwrap();
+    c.mr.write_at(0, b"agent-committed").unwrap();
+    c.post(
+        1,
+        SendOp::Write {
+            remote: durable.remote(4096),
+        },
+        &[(0, 15)],
+    );
+    c.post(
+        2,
+        SendOp::Commit {
+            remote: durable.remote(4096),
+            len: 15,
+        },
+        &[],
+    );
+    assert_eq!(c.wait().kind, CompletionKind::Write);
+    let done = c.wait();
+    assert_eq!(
+        (done.status, done.kind),
+        (verbs::WcStatus::Success, CompletionKind::Commit)
+    );
+    assert_eq!(
+        &std::fs::read(&path).unwrap()[4096..4111],
+        b"agent-committed"
+    );
+    // Without flush rights the agent answers with a failure status.
+    let plain = s.pd.alloc_mr(4096, verbs::Access::REMOTE_WRITE).unwrap();
+    c.post(
+        3,
+        SendOp::Commit {
+            remote: plain.remote(0),
+            len: 8,
+        },
+        &[],
+    );
+    let failed = c.wait();
+    assert_ne!(failed.status, verbs::WcStatus::Success);
+    assert_ne!(failed.vendor_err, 0);
+    drop(durable);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn mailbox_immediate_data_is_told_apart_from_empty_sends() {
+    let (c, s) = pair_with(&emulating(&AGENT), 0);
+    for i in 0..4 {
+        s.qp.post_recv(i, vec![]).unwrap();
+    }
+    c.post(
+        1,
+        SendOp::Imm {
+            imm: 0xabcd,
+            solicited: true,
+        },
+        &[],
+    );
+    c.post(
+        2,
+        SendOp::Send {
+            solicited: false,
+            invalidate: None,
+        },
+        &[],
+    );
+    c.mr.write_at(0, b"payload").unwrap();
+    c.post(
+        3,
+        SendOp::WriteImm {
+            remote: s.mr.remote(100),
+            imm: u64::MAX,
+        },
+        &[(0, 7)],
+    );
+    c.post(
+        4,
+        SendOp::Send {
+            solicited: false,
+            invalidate: None,
+        },
+        &[],
+    );
+    let kinds: Vec<CompletionKind> = (0..4).map(|_| c.wait().kind).collect();
+    assert_eq!(
+        kinds,
+        [
+            CompletionKind::Imm,
+            CompletionKind::Send,
+            CompletionKind::Write,
+            CompletionKind::Send
+        ]
+    );
+    let imms: Vec<Option<u64>> = (0..4)
+        .map(|_| match s.wait().kind {
+            CompletionKind::Recv { imm, len: 0, .. } => imm,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(imms, [Some(0xabcd), None, Some(u64::MAX), None]);
+    assert_eq!(s.mr.to_vec(100, 7).unwrap(), b"payload");
+}
+
+#[test]
+fn agent_emulation_against_a_peer_without_stag_is_refused() {
+    // The peer is the bare userspace provider: no stag header, no agent.
+    let dev = provider::device::Device::open("bare").unwrap();
+    let pd = dev.alloc_pd();
+    let pcq = provider::cq::CompletionQueue::new(64).unwrap();
+    let pqp = pd.create_qp(provider::qp::QpCaps::default(), &pcq, &pcq, None);
+    let listener = provider::device::Listener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let ctx =
+        verbs::Context::open_with(verbs::device::USERSPACE_DEVICE, &emulating(&AGENT)).unwrap();
+    let vpd = ctx.alloc_pd().unwrap();
+    let vcq = ctx.create_cq(64).unwrap();
+    let mr = vpd.alloc_mr(4096, ALL).unwrap();
+    let qp = std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            let req = listener.accept().unwrap();
+            req.accept(&pqp, &provider::setup::MpaParams::default())
+                .unwrap();
+        });
+        let (qp, _) = verbs::connect(&vpd, &vcq, addr, &verbs::ConnectOptions::default()).unwrap();
+        h.join().unwrap();
+        qp
+    });
+    let wr = verbs::WorkRequest::new(
+        1,
+        SendOp::FetchAdd {
+            remote: verbs::Remote { addr: 0, rkey: 0 },
+            add: 1,
+            mask: 0,
+        },
+        vec![mr.slice(0, 8).unwrap()],
+    );
+    match qp.post_send(wr) {
+        Err(verbs::Error::Unsupported {
+            op: OpKind::FetchAdd,
+            ..
+        }) => {}
+        other => panic!("expected Unsupported, got {other:?}"),
+    }
 }
