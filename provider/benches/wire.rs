@@ -99,7 +99,12 @@ fn frames() -> Vec<(&'static str, RdmapRepr)> {
 fn rdmap(c: &mut Criterion) {
     let mut g = c.benchmark_group("rdmap");
     for (name, repr) in frames() {
-        let mut buf = vec![0u8; repr.header_len() + 8];
+        // Tagged and Send frames carry 8 payload bytes; the others none.
+        let payload = match repr {
+            RdmapRepr::Write { .. } | RdmapRepr::Send { .. } | RdmapRepr::ReadResponse { .. } => 8,
+            _ => 0,
+        };
+        let mut buf = vec![0u8; repr.header_len() + payload];
         repr.emit(&mut buf[..repr.header_len()]);
         g.bench_function(BenchmarkId::new("emit", name), |b| {
             let mut out = [0u8; 128];

@@ -553,18 +553,29 @@ impl Endpoint {
 
     /// [`next`](Self::next) with a custom limit.
     pub fn next_within(&mut self, what: &'static str, limit: Duration) -> Result<Completion> {
+        self.next_with(what, limit, self.blocking)
+    }
+
+    /// [`next`](Self::next), blocking in `cq.wait` when `block` whatever
+    /// `--blocking` says.
+    fn next_with(
+        &mut self,
+        what: &'static str,
+        limit: Duration,
+        block: bool,
+    ) -> Result<Completion> {
         let start = Instant::now();
         let mut spins = 0u32;
         loop {
             if let Some(c) = self.take_stashed()? {
                 return Ok(c);
             }
-            self.fill(self.blocking)?;
+            self.fill(block)?;
             if !self.stash.is_empty() {
                 continue;
             }
             spins = spins.wrapping_add(1);
-            if (self.blocking || spins.is_multiple_of(1024)) && start.elapsed() > limit {
+            if (block || spins.is_multiple_of(1024)) && start.elapsed() > limit {
                 return Err(BenchError::Stalled(limit, what));
             }
             std::hint::spin_loop();
@@ -664,13 +675,16 @@ impl Endpoint {
     /// Wait for the control message `kind`, reaping data completions on the
     /// way; a data receive here is a protocol error.
     pub fn expect_ctrl(&mut self, kind: Ctrl, what: &'static str) -> Result<u32> {
-        // The server waits as long as the client's run of one size takes.
-        let limit = match self.role {
-            Role::Client => STALL,
-            Role::Server => PASSIVE_STALL,
+        // The server waits as long as the client's run of one size takes,
+        // and sleeps meanwhile: its responder work is the provider's (or
+        // the RNIC's), and a spinning idle server would only steal a core
+        // from the client it is measuring against.
+        let (limit, block) = match self.role {
+            Role::Client => (STALL, self.blocking),
+            Role::Server => (PASSIVE_STALL, true),
         };
         loop {
-            let c = self.next_within(what, limit)?;
+            let c = self.next_with(what, limit, block)?;
             if let Some(arg) = self.ctrl_of(&c, kind)? {
                 return Ok(arg);
             }

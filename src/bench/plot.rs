@@ -53,7 +53,7 @@ pub(crate) fn histogram(sorted: &[f64], lo: f64, hi: f64, bins: usize) -> Vec<(f
 }
 
 /// Draw `series` (message size, latency samples in µs). The histogram shows
-/// the first series up to its 99th percentile (the tail piles into the
+/// the first series up to its 95th percentile (the tail piles into the
 /// last bin); the CDF shows every series over its full range, on a
 /// logarithmic latency axis so that the tail stays visible.
 pub fn latency_png(path: &Path, info: &RunInfo, series: &[(u32, &[f64])]) -> Result<()> {
@@ -74,11 +74,14 @@ pub fn latency_png(path: &Path, info: &RunInfo, series: &[(u32, &[f64])]) -> Res
         .collect();
     let sorted = &sorted_all[0];
     let lo = sorted[0];
-    let p99 = percentile(sorted, 0.99);
-    let hi = if p99 > lo { p99 } else { lo + 1.0 };
+    let p95 = percentile(sorted, 0.95);
+    let hi = if p95 > lo { p95 } else { lo + 1.0 };
     let bins = histogram(sorted, lo, hi, BINS);
     let max_count = bins.iter().map(|b| b.2).max().unwrap_or(1).max(1);
     let median = super::stats::median(sorted);
+    let p90 = percentile(sorted, 0.90);
+    let p99 = percentile(sorted, 0.99);
+    let p999 = percentile(sorted, 0.999);
 
     let root = BitMapBackend::new(path, (1100, 900)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
@@ -89,19 +92,19 @@ pub fn latency_png(path: &Path, info: &RunInfo, series: &[(u32, &[f64])]) -> Res
         "round trip"
     };
     let caption = format!(
-        "stag lat {} on {} ({}, {}) — {} bytes, {} latency",
-        info.op, info.device, info.support, info.completions, first_size, what
+        "stag lat {} on {} ({}, {}): {} B, {} latency; p99 {:.1} us, p99.9 {:.1} us",
+        info.op, info.device, info.support, info.completions, first_size, what, p99, p999
     );
 
     let mut hist = ChartBuilder::on(&top)
-        .caption(caption, (FONT, 20))
+        .caption(caption, (FONT, 18))
         .margin(15)
         .x_label_area_size(40)
         .y_label_area_size(60)
         .build_cartesian_2d(lo..hi, 0u32..(max_count + max_count / 10 + 1))
         .map_err(err)?;
     hist.configure_mesh()
-        .x_desc("latency [usec] (samples above p99 in the last bin)")
+        .x_desc("latency [usec], min to p95 (slower samples in the last bin)")
         .y_desc("count")
         .label_style((FONT, 14))
         .draw()
@@ -111,7 +114,7 @@ pub fn latency_png(path: &Path, info: &RunInfo, series: &[(u32, &[f64])]) -> Res
             .map(|&(a, b, c)| Rectangle::new([(a, 0), (b, c)], BLUE.mix(0.55).filled())),
     )
     .map_err(err)?;
-    for (x, name, color) in [(median, "median", RED), (p99, "p99", MAGENTA)] {
+    for (x, name, color) in [(median, "median", RED), (p90, "p90", MAGENTA)] {
         if x <= hi {
             hist.draw_series(LineSeries::new(
                 [(x, 0), (x, max_count)],

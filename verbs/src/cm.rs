@@ -34,6 +34,8 @@ pub struct ConnectOptions {
     pub crc: bool,
     /// Userspace provider only: peer-to-peer setup with these RTR models.
     pub peer_to_peer: Option<provider::setup::RtrModes>,
+    /// Take receives from this shared receive queue (same PD as the QP).
+    pub srq: Option<crate::srq::SharedReceiveQueue>,
 }
 
 impl Default for ConnectOptions {
@@ -45,6 +47,7 @@ impl Default for ConnectOptions {
             initiator_depth: 16,
             crc: true,
             peer_to_peer: None,
+            srq: None,
         }
     }
 }
@@ -91,7 +94,16 @@ fn user_qp_caps(c: &QpCaps) -> provider::qp::QpCaps {
     }
 }
 
-fn check_same_device(pd: &ProtectionDomain, cq: &CompletionQueue) -> Result<()> {
+fn check_same_device(
+    pd: &ProtectionDomain,
+    cq: &CompletionQueue,
+    opts: &ConnectOptions,
+) -> Result<()> {
+    if let Some(srq) = &opts.srq {
+        if srq.pd_key() != pd.key() {
+            return Err(Error::Mismatch);
+        }
+    }
     if pd.context().same(cq.context()) {
         Ok(())
     } else {
@@ -170,6 +182,8 @@ fn agent_options(setup: &AgentSetup, token: u64) -> ConnectOptions {
             max_sge: 1,
         },
         private_data: setup.hello(token).encode(&[]),
+        // The agent has receives of its own, never the application's SRQ.
+        srq: None,
         ..ConnectOptions::default()
     }
 }
@@ -182,13 +196,22 @@ fn connect_raw(
     opts: &ConnectOptions,
     pre_post: impl FnOnce(&QueuePair) -> Result<()>,
 ) -> Result<(QueuePair, Vec<u8>)> {
-    check_same_device(pd, cq)?;
+    check_same_device(pd, cq, opts)?;
     let ctx = pd.context();
     match (pd.backend(), &cq.inner.backend) {
         (PdBackend::User(upd), CqBackend::User(ucq)) => {
-            let uqp = upd.create_qp(user_qp_caps(&opts.caps), ucq, ucq, None);
+            let srq = opts.srq.as_ref().map(|s| s.inner.backend.clone());
+            let uqp = upd.create_qp(user_qp_caps(&opts.caps), ucq, ucq, srq.as_ref());
             let qp_num = uqp.qp_num();
-            let qp = QueuePair::from_backend(ctx, pd, cq, cq, QpBackend::User(uqp), qp_num)?;
+            let qp = QueuePair::from_backend(
+                ctx,
+                pd,
+                cq,
+                cq,
+                opts.srq.clone(),
+                QpBackend::User(uqp),
+                qp_num,
+            )?;
             pre_post(&qp)?;
             let QpBackend::User(uqp) = qp.inner_backend() else {
                 unreachable!("built as a userspace QP above")
@@ -208,8 +231,15 @@ fn connect_raw(
             channel.expect(ibv::CmEventType::RouteResolved)?;
             let iqp = id.create_qp(ipd, icq, icq, &opts.ibv_caps())?;
             let qp_num = iqp.qp_num();
-            let qp =
-                QueuePair::from_backend(ctx, pd, cq, cq, QpBackend::Ibv { qp: iqp, id }, qp_num)?;
+            let qp = QueuePair::from_backend(
+                ctx,
+                pd,
+                cq,
+                cq,
+                None,
+                QpBackend::Ibv { qp: iqp, id },
+                qp_num,
+            )?;
             pre_post(&qp)?;
             let id = qp.cm_id().expect("built as an ibv QP above");
             id.connect(&opts.conn_param())?;
@@ -269,10 +299,7 @@ pub struct Incoming {
 #[derive(Debug)]
 enum IncomingBackend {
     User(provider::device::ConnRequest),
-    Ibv {
-        id: ibv::CmId,
-        channel: Arc<ibv::EventChannel>,
-    },
+    Ibv { id: ibv::CmId },
 }
 
 impl ListenerShared {
@@ -290,13 +317,7 @@ impl ListenerShared {
                 let id = ev
                     .new_id
                     .ok_or_else(|| Error::Connect("connect request without an id".into()))?;
-                (
-                    IncomingBackend::Ibv {
-                        id,
-                        channel: channel.clone(),
-                    },
-                    ev.private_data,
-                )
+                (IncomingBackend::Ibv { id }, ev.private_data)
             }
         };
         let (hello, app) = Hello::decode(&data);
@@ -470,13 +491,22 @@ fn accept_raw(
     opts: &ConnectOptions,
     pre_post: impl FnOnce(&QueuePair) -> Result<()>,
 ) -> Result<QueuePair> {
-    check_same_device(pd, cq)?;
+    check_same_device(pd, cq, opts)?;
     let ctx = pd.context();
     match (backend, pd.backend(), &cq.inner.backend) {
         (IncomingBackend::User(req), PdBackend::User(upd), CqBackend::User(ucq)) => {
-            let uqp = upd.create_qp(user_qp_caps(&opts.caps), ucq, ucq, None);
+            let srq = opts.srq.as_ref().map(|s| s.inner.backend.clone());
+            let uqp = upd.create_qp(user_qp_caps(&opts.caps), ucq, ucq, srq.as_ref());
             let qp_num = uqp.qp_num();
-            let qp = QueuePair::from_backend(ctx, pd, cq, cq, QpBackend::User(uqp), qp_num)?;
+            let qp = QueuePair::from_backend(
+                ctx,
+                pd,
+                cq,
+                cq,
+                opts.srq.clone(),
+                QpBackend::User(uqp),
+                qp_num,
+            )?;
             pre_post(&qp)?;
             let QpBackend::User(uqp) = qp.inner_backend() else {
                 unreachable!("built as a userspace QP above")
@@ -484,17 +514,26 @@ fn accept_raw(
             req.accept(uqp, &opts.mpa())?;
             Ok(qp)
         }
-        (IncomingBackend::Ibv { id, channel }, PdBackend::Ibv(ipd), CqBackend::Ibv(icq)) => {
+        (IncomingBackend::Ibv { id }, PdBackend::Ibv(ipd), CqBackend::Ibv(icq)) => {
+            // Its own channel, so that its ESTABLISHED is not mixed up with
+            // other requests arriving on the listener's.
+            let channel = ibv::EventChannel::new()?;
+            let id = id.migrate(&channel)?;
             let iqp = id.create_qp(ipd, icq, icq, &opts.ibv_caps())?;
             let qp_num = iqp.qp_num();
-            let qp =
-                QueuePair::from_backend(ctx, pd, cq, cq, QpBackend::Ibv { qp: iqp, id }, qp_num)?;
+            let qp = QueuePair::from_backend(
+                ctx,
+                pd,
+                cq,
+                cq,
+                None,
+                QpBackend::Ibv { qp: iqp, id },
+                qp_num,
+            )?;
             pre_post(&qp)?;
             let id = qp.cm_id().expect("built as an ibv QP above");
             id.accept(&opts.conn_param())?;
-            // The accepted id reports on the listener's channel.
-            let ev = channel.expect(ibv::CmEventType::Established)?;
-            let _ = ev;
+            channel.expect(ibv::CmEventType::Established)?;
             Ok(qp)
         }
         _ => Err(Error::Mismatch),

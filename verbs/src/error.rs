@@ -18,6 +18,9 @@ pub enum Error {
         /// Why not.
         why: String,
     },
+    /// stag does not offer this on this kind of device yet.
+    #[error("not implemented: {0}")]
+    NotImplemented(&'static str),
     /// The work request is malformed (wrong SGE count or size, …).
     #[error("invalid work request: {0}")]
     InvalidRequest(&'static str),

@@ -18,6 +18,7 @@ pub mod device;
 pub mod error;
 pub mod mr;
 pub mod qp;
+pub mod srq;
 
 /// Low-level libibverbs/librdmacm backend (not the stable API).
 #[doc(hidden)]
@@ -33,3 +34,4 @@ pub use error::{Error, Result};
 pub use mr::{Access, MemoryRegion, Slice};
 pub use provider::wr::{Remote, SendOp};
 pub use qp::{op_kind, QpCaps, QueuePair, WorkRequest};
+pub use srq::SharedReceiveQueue;

@@ -22,6 +22,7 @@ use crate::device::{Context, ProtectionDomain};
 use crate::error::{Error, Result};
 use crate::ibv;
 use crate::mr::{Access, MemoryRegion, Slice};
+use crate::srq::SharedReceiveQueue;
 
 /// A send work request.
 #[derive(Debug, Clone)]
@@ -115,7 +116,8 @@ pub(crate) struct QpInner {
     backend: QpBackend,
     qp_num: u32,
     pending: Mutex<HashMap<u64, Pending>>,
-    next_token: AtomicU64,
+    /// The SRQ its receives come from, if any.
+    srq: Option<SharedReceiveQueue>,
     /// 8-byte slots for emulation steps' results.
     scratch: MemoryRegion,
     free_slots: Mutex<Vec<usize>>,
@@ -136,6 +138,13 @@ pub(crate) enum QpBackend {
         // Kept for the connection's lifetime (the QP lives on the id).
         id: ibv::CmId,
     },
+}
+
+/// A device wr_id no other WR of this process has (QPs and SRQs share the
+/// space, since an SRQ's completions arrive on QPs).
+pub(crate) fn next_token() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 /// Emulation slots per QP (outstanding emulated atomics).
@@ -179,6 +188,7 @@ impl QpInner {
         ctx: &Context,
         pd: &ProtectionDomain,
         send_cq: &CompletionQueue,
+        srq: Option<SharedReceiveQueue>,
         backend: QpBackend,
         qp_num: u32,
     ) -> Result<QpInner> {
@@ -190,14 +200,13 @@ impl QpInner {
             backend,
             qp_num,
             pending: Mutex::new(HashMap::new()),
-            next_token: AtomicU64::new(1),
+            srq,
             scratch,
             free_slots: Mutex::new((0..SCRATCH_SLOTS).rev().collect()),
         })
     }
-
     fn token(&self) -> u64 {
-        self.next_token.fetch_add(1, Ordering::Relaxed)
+        next_token()
     }
 
     /// Post one WR to the device under `token` (the pending entry must
@@ -373,8 +382,12 @@ impl QpInner {
             .unwrap_or_else(|p| p.into_inner())
             .push(slot);
     }
-
     fn post_recv(&self, wr_id: u64, local: Vec<Slice>) -> Result<()> {
+        if self.srq.is_some() {
+            return Err(Error::InvalidRequest(
+                "this QP takes its receives from a shared receive queue",
+            ));
+        }
         let token = self.token();
         let sges: Vec<Sge> = local.iter().map(Slice::sge).collect();
         self.insert(
@@ -421,7 +434,7 @@ impl QpInner {
     /// Give a raw completion its meaning; `None` when it was an internal
     /// step or an unsignaled success.
     pub(crate) fn complete(self: &Arc<Self>, rc: RawCompletion) -> Option<Completion> {
-        let Some(p) = self.remove(rc.token) else {
+        let Some(p) = self.remove(rc.token).or_else(|| self.srq_receive(rc.token)) else {
             warn!(
                 qp = self.qp_num,
                 token = rc.token,
@@ -460,6 +473,17 @@ impl QpInner {
             qp_num: self.qp_num,
             kind,
             vendor_err: rc.vendor_err,
+        })
+    }
+    /// A receive this QP drew from its SRQ.
+    fn srq_receive(&self, token: u64) -> Option<Pending> {
+        let (wr_id, local) = self.srq.as_ref()?.inner.take(token)?;
+        Some(Pending {
+            wr_id,
+            op: None,
+            local,
+            signaled: true,
+            emulation: None,
         })
     }
 
@@ -825,10 +849,11 @@ impl QueuePair {
         pd: &ProtectionDomain,
         send_cq: &CompletionQueue,
         recv_cq: &CompletionQueue,
+        srq: Option<SharedReceiveQueue>,
         backend: QpBackend,
         qp_num: u32,
     ) -> Result<QueuePair> {
-        let inner = Arc::new(QpInner::new(ctx, pd, send_cq, backend, qp_num)?);
+        let inner = Arc::new(QpInner::new(ctx, pd, send_cq, srq, backend, qp_num)?);
         send_cq.attach(qp_num, Arc::downgrade(&inner));
         recv_cq.attach(qp_num, Arc::downgrade(&inner));
         Ok(QueuePair { inner })

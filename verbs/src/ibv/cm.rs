@@ -367,6 +367,23 @@ impl CmId {
         &self.inner.channel
     }
 
+    /// `rdma_migrate_id`: move this id's events to `channel` (an id from a
+    /// connect request reports on the listener's channel until then).
+    /// Only an id nobody else holds can move.
+    pub fn migrate(self, channel: &Arc<EventChannel>) -> Result<CmId> {
+        let mut inner =
+            Arc::try_unwrap(self.inner).map_err(|_| IbvError::invalid("rdma_migrate_id"))?;
+        // SAFETY: both the id and the channel are live; librdmacm moves the
+        // id's pending events with it.
+        check_errno("rdma_migrate_id", unsafe {
+            ffi::rdma_migrate_id(inner.id, channel.ch)
+        })?;
+        inner.channel = channel.clone();
+        Ok(CmId {
+            inner: Arc::new(inner),
+        })
+    }
+
     /// `rdma_bind_addr`.
     pub fn bind_addr(&self, addr: SocketAddr) -> Result<()> {
         let mut a = RawAddr::new(addr);
