@@ -197,24 +197,12 @@ fn connect_raw(
     pre_post: impl FnOnce(&QueuePair) -> Result<()>,
 ) -> Result<(QueuePair, Vec<u8>)> {
     check_same_device(pd, cq, opts)?;
-    let ctx = pd.context();
     match (pd.backend(), &cq.inner.backend) {
         (PdBackend::User(upd), CqBackend::User(ucq)) => {
-            let srq = opts.srq.as_ref().map(|s| s.inner.backend.clone());
-            let uqp = upd.create_qp(user_qp_caps(&opts.caps), ucq, ucq, srq.as_ref());
-            let qp_num = uqp.qp_num();
-            let qp = QueuePair::from_backend(
-                ctx,
-                pd,
-                cq,
-                cq,
-                opts.srq.clone(),
-                QpBackend::User(uqp),
-                qp_num,
-            )?;
+            let qp = user_qp(pd, upd, cq, ucq, opts)?;
             pre_post(&qp)?;
             let QpBackend::User(uqp) = qp.inner_backend() else {
-                unreachable!("built as a userspace QP above")
+                unreachable!("built as a userspace QP")
             };
             let private = uqp.connect(addr, &opts.mpa()).map_err(|e| match e {
                 provider::device::DeviceError::Rejected(pd) => Error::Rejected(pd),
@@ -229,19 +217,9 @@ fn connect_raw(
             channel.expect(ibv::CmEventType::AddrResolved)?;
             id.resolve_route(RESOLVE_MS)?;
             channel.expect(ibv::CmEventType::RouteResolved)?;
-            let iqp = id.create_qp(ipd, icq, icq, &opts.ibv_caps())?;
-            let qp_num = iqp.qp_num();
-            let qp = QueuePair::from_backend(
-                ctx,
-                pd,
-                cq,
-                cq,
-                None,
-                QpBackend::Ibv { qp: iqp, id },
-                qp_num,
-            )?;
+            let qp = ibv_qp(pd, ipd, cq, icq, id, opts)?;
             pre_post(&qp)?;
-            let id = qp.cm_id().expect("built as an ibv QP above");
+            let id = qp.cm_id().expect("built as an ibv QP");
             id.connect(&opts.conn_param())?;
             let ev = channel.get_event()?;
             match ev.kind {
@@ -254,6 +232,55 @@ fn connect_raw(
         }
         _ => Err(Error::Mismatch),
     }
+}
+
+/// A userspace-provider QP for a connection.
+fn user_qp(
+    pd: &ProtectionDomain,
+    upd: &provider::device::ProtectionDomain,
+    cq: &CompletionQueue,
+    ucq: &Arc<provider::cq::CompletionQueue>,
+    opts: &ConnectOptions,
+) -> Result<QueuePair> {
+    let srq = opts.srq.as_ref().map(|s| s.inner.backend.clone());
+    let uqp = upd.create_qp(user_qp_caps(&opts.caps), ucq, ucq, srq.as_ref());
+    let qp_num = uqp.qp_num();
+    QueuePair::from_backend(
+        pd.context(),
+        pd,
+        cq,
+        cq,
+        opts.srq.clone(),
+        QpBackend::User(uqp),
+        qp_num,
+    )
+}
+
+/// A libibverbs QP on an rdma_cm id.
+fn ibv_qp(
+    pd: &ProtectionDomain,
+    ipd: &Arc<ibv::ProtectionDomain>,
+    cq: &CompletionQueue,
+    icq: &Arc<ibv::CompletionQueue>,
+    id: ibv::CmId,
+    opts: &ConnectOptions,
+) -> Result<QueuePair> {
+    if opts.srq.is_some() {
+        return Err(Error::NotImplemented(
+            "shared receive queues on libibverbs devices",
+        ));
+    }
+    let iqp = id.create_qp(ipd, icq, icq, &opts.ibv_caps())?;
+    let qp_num = iqp.qp_num();
+    QueuePair::from_backend(
+        pd.context(),
+        pd,
+        cq,
+        cq,
+        None,
+        QpBackend::Ibv { qp: iqp, id },
+        qp_num,
+    )
 }
 
 /// A passive endpoint.
@@ -492,24 +519,12 @@ fn accept_raw(
     pre_post: impl FnOnce(&QueuePair) -> Result<()>,
 ) -> Result<QueuePair> {
     check_same_device(pd, cq, opts)?;
-    let ctx = pd.context();
     match (backend, pd.backend(), &cq.inner.backend) {
         (IncomingBackend::User(req), PdBackend::User(upd), CqBackend::User(ucq)) => {
-            let srq = opts.srq.as_ref().map(|s| s.inner.backend.clone());
-            let uqp = upd.create_qp(user_qp_caps(&opts.caps), ucq, ucq, srq.as_ref());
-            let qp_num = uqp.qp_num();
-            let qp = QueuePair::from_backend(
-                ctx,
-                pd,
-                cq,
-                cq,
-                opts.srq.clone(),
-                QpBackend::User(uqp),
-                qp_num,
-            )?;
+            let qp = user_qp(pd, upd, cq, ucq, opts)?;
             pre_post(&qp)?;
             let QpBackend::User(uqp) = qp.inner_backend() else {
-                unreachable!("built as a userspace QP above")
+                unreachable!("built as a userspace QP")
             };
             req.accept(uqp, &opts.mpa())?;
             Ok(qp)
@@ -519,19 +534,9 @@ fn accept_raw(
             // other requests arriving on the listener's.
             let channel = ibv::EventChannel::new()?;
             let id = id.migrate(&channel)?;
-            let iqp = id.create_qp(ipd, icq, icq, &opts.ibv_caps())?;
-            let qp_num = iqp.qp_num();
-            let qp = QueuePair::from_backend(
-                ctx,
-                pd,
-                cq,
-                cq,
-                None,
-                QpBackend::Ibv { qp: iqp, id },
-                qp_num,
-            )?;
+            let qp = ibv_qp(pd, ipd, cq, icq, id, opts)?;
             pre_post(&qp)?;
-            let id = qp.cm_id().expect("built as an ibv QP above");
+            let id = qp.cm_id().expect("built as an ibv QP");
             id.accept(&opts.conn_param())?;
             channel.expect(ibv::CmEventType::Established)?;
             Ok(qp)

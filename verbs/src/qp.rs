@@ -227,14 +227,7 @@ impl QpInner {
             QpBackend::Ibv { qp, .. } => {
                 let iop = ibv_op(&op)
                     .ok_or(Error::InvalidRequest("operation has no libibverbs opcode"))?;
-                let isges: Vec<ibv::Sge> = sges
-                    .iter()
-                    .map(|s| ibv::Sge {
-                        addr: s.addr,
-                        length: s.length,
-                        lkey: s.lkey,
-                    })
-                    .collect();
+                let isges = ibv_sges(sges);
                 let mut flags = ibv::SendFlags::SIGNALED;
                 if fence {
                     flags = ibv::SendFlags(flags.0 | ibv::SendFlags::FENCE.0);
@@ -408,14 +401,7 @@ impl QpInner {
                 })
                 .map_err(Error::from),
             QpBackend::Ibv { qp, .. } => {
-                let isges: Vec<ibv::Sge> = sges
-                    .iter()
-                    .map(|s| ibv::Sge {
-                        addr: s.addr,
-                        length: s.length,
-                        lkey: s.lkey,
-                    })
-                    .collect();
+                let isges = ibv_sges(&sges);
                 let wr = ibv::RecvWr {
                     wr_id: token,
                     sges: &isges,
@@ -802,6 +788,17 @@ impl QpInner {
             vendor_err: 0,
         })
     }
+}
+
+/// The SGEs as libibverbs takes them.
+fn ibv_sges(sges: &[Sge]) -> Vec<ibv::Sge> {
+    sges.iter()
+        .map(|s| ibv::Sge {
+            addr: s.addr,
+            length: s.length,
+            lkey: s.lkey,
+        })
+        .collect()
 }
 
 /// The libibverbs opcode for an operation the device runs natively.
