@@ -817,7 +817,14 @@ pub(crate) fn connect_client(
     };
     let opts = connect_options(plan, hello.encode());
     info!(%addr, op = %plan.op, "connecting");
-    let (qp, private) = stag::connect_with(&bufs.pd, &bufs.cq, addr, &opts, bufs.pre_post())?;
+    let (qp, private) = stag::connect_with(&bufs.pd, &bufs.cq, addr, &opts, bufs.pre_post())
+        .map_err(|e| match e {
+            stag::Error::Rejected(why) => BenchError::Protocol(format!(
+                "the server rejected the connection: {}",
+                String::from_utf8_lossy(&why)
+            )),
+            other => other.into(),
+        })?;
     let reply = Hello::decode(&private)?;
     debug!(?reply, "server hello");
     Ok(bufs.into_endpoint(Role::Client, qp, reply.target, blocking))

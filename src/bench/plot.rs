@@ -155,6 +155,8 @@ pub fn latency_png(path: &Path, info: &RunInfo, series: &[(u32, &[f64])]) -> Res
         .map_err(err)?;
     cdf.configure_mesh()
         .x_desc("latency [usec], log scale")
+        .x_labels(6)
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .y_desc("fraction of samples ≤ x")
         .label_style((FONT, 14))
         .draw()
