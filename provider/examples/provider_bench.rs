@@ -325,7 +325,7 @@ impl Side {
                 return buf[0];
             }
             spins = spins.wrapping_add(1);
-            if spins % 4096 == 0 {
+            if spins.is_multiple_of(4096) {
                 assert!(Instant::now() < deadline, "completion did not arrive");
             }
         }
@@ -358,7 +358,7 @@ impl Side {
         while self.mr.region.load_u64(offset).unwrap() != want {
             self.qp.progress();
             spins = spins.wrapping_add(1);
-            if spins % 4096 == 0 {
+            if spins.is_multiple_of(4096) {
                 assert!(Instant::now() < deadline, "write did not land");
             }
         }
@@ -665,7 +665,10 @@ struct Row {
 
 type Bench = Box<dyn Fn(&Opts) -> Sample>;
 
-fn benches() -> Vec<(&'static str, Kind, Option<&'static str>, Option<f64>, Bench)> {
+/// Name, kind, the raw TCP row it is compared with, target ratio, runner.
+type BenchDef = (&'static str, Kind, Option<&'static str>, Option<f64>, Bench);
+
+fn benches() -> Vec<BenchDef> {
     let trials = 3;
     vec![
         (
