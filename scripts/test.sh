@@ -14,6 +14,7 @@ cargo test --workspace --all-targets 2>&1 | tee target/test.log
 # The doc tests run separately (all-targets leaves them out).
 cargo test --workspace --doc
 echo "== examples (each checks its own result and fails loudly)"
+cargo build --workspace --examples --quiet
 ex_pass=0
 for e in quickstart counter lock durable_log stream; do
     if timeout 300 "target/debug/examples/$e" > "target/example-$e.log" 2>&1; then
