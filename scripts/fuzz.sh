@@ -6,7 +6,7 @@ cd "$(dirname "$0")/../fuzz"
 secs="${1:-60}"
 targets=$(cargo +nightly fuzz list)
 [ -n "$targets" ] || { echo "fuzz: no targets" >&2; exit 1; }
-cargo +nightly fuzz build -O $targets >/dev/null 2>&1 || cargo +nightly fuzz build -O
+cargo +nightly fuzz build -O 2>&1 | grep -E "^(error|warning: unused)" || true
 for t in $targets; do
     corpus="corpus/$t"
     mkdir -p "$corpus"

@@ -40,7 +40,10 @@
 # Needs root for apt-get; everything else it needs it installs itself.
 # Other knobs: STAG_VM_STRICT=1 (no fallback from a pinned kernel),
 # STAG_VM_KEEP=1 (keep the run's temp dir with console.log), STAG_VM_ACCEL.
-set -euo pipefail
+set -Eeuo pipefail
+# Any unexpected failure is a harness error (exit 3), never a silent exit 1
+# that could pass for the command's own status.
+trap 'die "unexpected failure at line $LINENO: $BASH_COMMAND"' ERR
 
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 VM_DIR=$SCRIPT_DIR/vm
@@ -58,7 +61,7 @@ PINS=(
 )
 # Host packages: QEMU, the initramfs' busybox, the siw.ko toolchain, and the
 # userspace RDMA stack that the guest runs from the host's root.
-HOST_PKGS=(qemu-system-x86 busybox-static gcc-12 make kmod xz-utils iproute2
+HOST_PKGS=(qemu-system-x86 busybox-static gcc-12 make kmod xz-utils zstd iproute2
     rdma-core ibverbs-providers libibverbs1 librdmacm1 ibverbs-utils
     rdmacm-utils perftest)
 # Modules for the initramfs; their dependencies are resolved with the unpacked
@@ -80,7 +83,7 @@ die() {
     exit 3
 }
 usage() {
-    sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"
+    sed -n '2,/^set -Eeuo/{/^set -Eeuo/d;s/^# \{0,1\}//;p}' "$0"
     exit "${1:-0}"
 }
 now_us() { echo "${EPOCHREALTIME/./}"; }
@@ -238,6 +241,36 @@ build_siw() {
     cp "$src/siw.ko" "$root/lib/modules/$K_REL/updates/siw.ko"
 }
 
+# The bzImage decompresses itself, which costs seconds under TCG (6.1's is xz:
+# ~5 s). So unpack the ELF vmlinux inside it once; QEMU boots that directly
+# through its PVH entry point. Any doubt: no vmlinux, and the bzImage is used.
+prepare_vmlinux() {
+    local img=$K_DIR/root/boot/vmlinuz-$K_REL out=$K_DIR/vmlinux off dec
+    [[ -e $out || -e $out.none ]] && return 0
+    for dec in xz zstd; do
+        case $dec in
+        xz) off=$(LC_ALL=C grep -obUaP -m1 '\xfd7zXZ\x00' "$img" | head -n1 | cut -d: -f1) || off= ;;
+        zstd) off=$(LC_ALL=C grep -obUaP -m1 '\x28\xb5\x2f\xfd' "$img" | head -n1 | cut -d: -f1) || off= ;;
+        esac
+        [[ -n $off ]] || continue
+        # The payload is followed by other data, hence "|| true" and the
+        # checks below instead of the decompressor's exit status.
+        case $dec in
+        xz) tail -c +$((off + 1)) "$img" | xz -dc --single-stream >"$out.tmp" 2>/dev/null || true ;;
+        zstd) tail -c +$((off + 1)) "$img" | zstd -dcq >"$out.tmp" 2>/dev/null || true ;;
+        esac
+        # An ELF with a XEN_ELFNOTE_PHYS32_ENTRY (0x12) note is PVH-bootable.
+        if [[ $(head -c 4 "$out.tmp" | od -An -c | tr -d ' ') == 177ELF ]] &&
+            readelf -n "$out.tmp" 2>/dev/null | grep -q 'type: (0x00000012)'; then
+            mv "$out.tmp" "$out"
+            return 0
+        fi
+    done
+    rm -f "$out.tmp"
+    log "note: no PVH-bootable vmlinux in $img; booting the bzImage (slower)"
+    touch "$out.none"
+}
+
 # The static part of the initramfs: busybox + the modules (decompressed, since
 # busybox insmod cannot read .ko.xz) + their load order. /init itself is
 # appended per run (see make_initrd), so editing init.sh needs no rebuild.
@@ -324,6 +357,16 @@ write_command() {
     } >"$CTL/env.sh"
 }
 
+# The kernel to hand QEMU: the decompressed ELF vmlinux (booted through its
+# PVH entry point) when there is one, else the bzImage.
+kernel_image() {
+    if [[ -s $K_DIR/vmlinux && ${STAG_VM_BZIMAGE:-0} != 1 ]]; then
+        echo "$K_DIR/vmlinux"
+    else
+        echo "$K_DIR/root/boot/vmlinuz-$K_REL"
+    fi
+}
+
 # Only real hardware virtualisation: this host's kvm_pvm accepts guests that
 # then die, so KVM is used only where kvm_intel/kvm_amd is loaded.
 pick_accel() {
@@ -361,7 +404,7 @@ run_vm() {
         -accel "$accel" -M pc -cpu "$cpu" -smp "$CPUS" -m "$MEM"
         -nodefaults -no-user-config -display none -monitor none -no-reboot
         -bios /usr/share/qemu/qboot.rom
-        -kernel "$K_DIR/root/boot/vmlinuz-$K_REL" -initrd "$CTL/initrd" -append "$append"
+        -kernel "$(kernel_image)" -initrd "$CTL/initrd" -append "$append"
         -nic none
         # ttyS0: kernel console + init's markers, ttyS1: stdout, ttyS2: stderr.
         # stdout/stderr reach QEMU as pipes (fds 5 and 6, see below) to cat
@@ -436,8 +479,11 @@ run_vm() {
         rc=$(sed -n 's/^STAG_VM_EXIT=\([0-9]*\).*/\1/p' "$CTL/console.log" 2>/dev/null | tail -n1) || rc=
     fi
     if [[ ! $rc =~ ^[0-9]+$ ]]; then
-        if [[ -f $CTL/fail ]]; then
-            log "error: guest setup failed: $(<"$CTL/fail")"
+        local why
+        why=$(tr -d '\r' <"$CTL/console.log" 2>/dev/null | sed -n 's/^STAG_VM_FAIL=//p' | tail -n1) || why=
+        [[ -f $CTL/fail ]] && why=$(<"$CTL/fail")
+        if [[ -n $why ]]; then
+            log "error: guest setup failed: $why"
         else
             log "error: the VM stopped without reporting an exit code (qemu exit $qrc)"
         fi
@@ -503,6 +549,7 @@ main() {
     [[ -r /usr/share/qemu/qboot.rom ]] || die "QEMU's qboot.rom firmware is missing"
     select_kernel "$series"
     prepare_kernel
+    prepare_vmlinux
     prepare_initramfs
     flock -u 9
     exec 9>&-

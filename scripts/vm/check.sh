@@ -41,23 +41,35 @@ for dev in "$RXE_DEV" "$SIW_DEV"; do
     echo "$dev: device_cap_flags_ex=${ex:-?} (bits 38-40: ${names[*]:-none of FLUSH_GLOBAL FLUSH_PERSISTENT ATOMIC_WRITE})"
 done
 
+# Waits until <tool> has an rdma_cm id listening on <port>: a client that
+# connects earlier is rejected, and perftest does not recover from that.
+wait_listen() { # <server pid> <tool> <port>
+    local tries=100
+    while ((tries--)); do
+        rdma res show cm_id 2>/dev/null | grep -q "state LISTEN .* comm $2 .*:$3 " && return 0
+        kill -0 "$1" 2>/dev/null || return 1
+        sleep 0.2
+    done
+    return 1
+}
+
 # One perftest run: server in the background, client against the device's
-# address. The client retries while the server is still coming up (TCG is slow).
+# address once the server listens.
 perf() { # <tool> <dev> <addr> <port> [extra args...]
-    local tool=$1 dev=$2 addr=$3 port=$4 t0 i rc=1
+    local tool=$1 dev=$2 addr=$3 port=$4 t0 rc=1
     shift 4
     command -v "$tool" >/dev/null || { echo "$tool: not installed (perftest)"; failed+=("$tool $dev"); return; }
     step "$tool -d $dev -R $* (server + client on $addr)"
     t0=${EPOCHREALTIME/./}
     timeout 90 "$tool" -d "$dev" -R -p "$port" "$@" >"/tmp/$tool-$dev.server" 2>&1 &
     local spid=$!
-    for i in 1 2 3 4 5 6 7 8 9 10; do
-        sleep 0.5
-        timeout 90 "$tool" -d "$dev" -R -p "$port" "$@" "$addr" && { rc=0; break; }
+    if wait_listen "$spid" "$tool" "$port"; then
+        timeout 60 "$tool" -d "$dev" -R -p "$port" "$@" "$addr"
         rc=$?
-        kill -0 "$spid" 2>/dev/null || break # server gave up
-        echo "(client attempt $i failed with $rc, retrying)"
-    done
+    else
+        echo "server did not start listening on port $port"
+    fi
+    ((rc == 0)) || kill "$spid" 2>/dev/null
     wait "$spid"
     local src=$?
     if ((rc == 0 && src == 0)); then
