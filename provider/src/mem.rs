@@ -301,17 +301,26 @@ impl MrTable {
         Ok(f(entry, ptr))
     }
 
-    /// Place a peer's tagged DDP segment (RDMA Write, Read Response sink).
-    pub fn place_tagged(&self, stag: u32, pd: PdId, to: u64, data: &[u8]) -> Result<(), Error> {
+    /// Copy `data` into `[addr, addr+len)` of a region, after the checks
+    /// `origin` calls for. Empty copies touch nothing and check nothing
+    /// (a zero-length tagged message, e.g. an RFC 6581 RTR Write, carries
+    /// an STag nobody validates).
+    fn copy_in(
+        &self,
+        origin: Origin,
+        key: u32,
+        pd: PdId,
+        addr: u64,
+        need: Access,
+        data: &[u8],
+    ) -> Result<(), Error> {
         if data.is_empty() {
-            // A zero-length tagged message (e.g. an RFC 6581 RTR Write)
-            // places nothing, so its STag is not validated.
             return Ok(());
         }
         self.with_range(
-            Origin::RemoteDdp,
-            (stag, pd, to, data.len() as u64),
-            Access::REMOTE_WRITE,
+            origin,
+            (key, pd, addr, data.len() as u64),
+            need,
             |_, dst| {
                 // SAFETY: `dst` points at `data.len()` checked bytes of a
                 // registered region; `data` is our own buffer and cannot
@@ -321,21 +330,36 @@ impl MrTable {
         )
     }
 
-    /// Copy `out.len()` bytes of a peer-readable region into `out` (the
-    /// source of an RDMA Read Response).
-    pub fn read_remote(&self, stag: u32, pd: PdId, to: u64, out: &mut [u8]) -> Result<(), Error> {
+    /// Copy `out.len()` bytes at `addr` of a region out, after the checks
+    /// `origin` calls for.
+    fn copy_out(
+        &self,
+        origin: Origin,
+        key: u32,
+        pd: PdId,
+        addr: u64,
+        need: Access,
+        out: &mut [u8],
+    ) -> Result<(), Error> {
         if out.is_empty() {
             return Ok(());
         }
-        self.with_range(
-            Origin::Remote,
-            (stag, pd, to, out.len() as u64),
-            Access::REMOTE_READ,
-            |_, src| {
-                // SAFETY: `src` points at `out.len()` checked bytes of a registered region.
-                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), out.as_mut_ptr(), out.len()) }
-            },
-        )
+        self.with_range(origin, (key, pd, addr, out.len() as u64), need, |_, src| {
+            // SAFETY: `src` points at `out.len()` checked bytes of a
+            // registered region; `out` is our own buffer.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), out.as_mut_ptr(), out.len()) }
+        })
+    }
+
+    /// Place a peer's tagged DDP segment (RDMA Write, Read Response sink).
+    pub fn place_tagged(&self, stag: u32, pd: PdId, to: u64, data: &[u8]) -> Result<(), Error> {
+        self.copy_in(Origin::RemoteDdp, stag, pd, to, Access::REMOTE_WRITE, data)
+    }
+
+    /// Copy `out.len()` bytes of a peer-readable region into `out` (the
+    /// source of an RDMA Read Response).
+    pub fn read_remote(&self, stag: u32, pd: PdId, to: u64, out: &mut [u8]) -> Result<(), Error> {
+        self.copy_out(Origin::Remote, stag, pd, to, Access::REMOTE_READ, out)
     }
 
     /// Check that a peer may read `[to, to+len)` (done once per Read
@@ -356,34 +380,12 @@ impl MrTable {
 
     /// Copy bytes out of a local SGE (gather for Send/Write/Read Response).
     pub fn read_local(&self, lkey: u32, pd: PdId, addr: u64, out: &mut [u8]) -> Result<(), Error> {
-        if out.is_empty() {
-            return Ok(());
-        }
-        self.with_range(
-            Origin::Local,
-            (lkey, pd, addr, out.len() as u64),
-            Access::empty(),
-            |_, src| {
-                // SAFETY: `src` points at `out.len()` checked bytes of a registered region.
-                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), out.as_mut_ptr(), out.len()) }
-            },
-        )
+        self.copy_out(Origin::Local, lkey, pd, addr, Access::empty(), out)
     }
 
     /// Write bytes into a local SGE (scatter for Recv, Read Response, atomic result).
     pub fn write_local(&self, lkey: u32, pd: PdId, addr: u64, data: &[u8]) -> Result<(), Error> {
-        if data.is_empty() {
-            return Ok(());
-        }
-        self.with_range(
-            Origin::Local,
-            (lkey, pd, addr, data.len() as u64),
-            Access::LOCAL_WRITE,
-            |_, dst| {
-                // SAFETY: `dst` points at `data.len()` checked bytes of a registered region.
-                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst.as_ptr(), data.len()) }
-            },
-        )
+        self.copy_in(Origin::Local, lkey, pd, addr, Access::LOCAL_WRITE, data)
     }
 
     /// Check a local SGE without touching it.
