@@ -294,6 +294,10 @@ wr_fn!(
     ibv_wr_send_imm => stag_ibv_wr_send_imm(imm_data: __be32)
 );
 wr_fn!(
+    /// `ibv_wr_send_inv` (Send with Invalidate of the peer's `invalidate_rkey`).
+    ibv_wr_send_inv => stag_ibv_wr_send_inv(invalidate_rkey: u32)
+);
+wr_fn!(
     /// `ibv_wr_rdma_write`.
     ibv_wr_rdma_write => stag_ibv_wr_rdma_write(rkey: u32, remote_addr: u64)
 );

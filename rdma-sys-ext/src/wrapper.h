@@ -58,6 +58,7 @@ int stag_ibv_wr_abort(struct ibv_qp_ex *qp);
 
 int stag_ibv_wr_send(struct ibv_qp_ex *qp);
 int stag_ibv_wr_send_imm(struct ibv_qp_ex *qp, __be32 imm_data);
+int stag_ibv_wr_send_inv(struct ibv_qp_ex *qp, uint32_t invalidate_rkey);
 int stag_ibv_wr_rdma_write(struct ibv_qp_ex *qp, uint32_t rkey,
 			   uint64_t remote_addr);
 int stag_ibv_wr_rdma_write_imm(struct ibv_qp_ex *qp, uint32_t rkey,

@@ -161,6 +161,13 @@ int stag_ibv_wr_send_imm(struct ibv_qp_ex *qp, __be32 imm_data)
 	return 0;
 }
 
+int stag_ibv_wr_send_inv(struct ibv_qp_ex *qp, uint32_t invalidate_rkey)
+{
+	STAG_CHECK(qp, wr_send_inv);
+	qp->wr_send_inv(qp, invalidate_rkey);
+	return 0;
+}
+
 int stag_ibv_wr_rdma_write(struct ibv_qp_ex *qp, uint32_t rkey,
 			   uint64_t remote_addr)
 {

@@ -126,6 +126,8 @@ const MSG: usize = 64;
 const SLOTS: usize = 128;
 /// Immediate Data mailbox entries (seq u64, value u64).
 const MAILBOX: usize = 256;
+/// Marker bit of a mailbox entry: the Immediate Data was solicited.
+const SOLICITED: u64 = 1 << 63;
 
 const KIND_REQUEST: u8 = 1;
 const KIND_RESPONSE: u8 = 2;
@@ -530,11 +532,20 @@ impl Agent {
     /// Stage the mailbox entry of Immediate Data that travels with the
     /// `seq`-th zero-length Send of the main QP: returns the local slice
     /// holding it and where it goes at the peer.
-    pub fn stage_imm(&self, seq: u64, imm: u64) -> Result<(crate::mr::Slice, Remote)> {
+    pub fn stage_imm(
+        &self,
+        seq: u64,
+        imm: u64,
+        solicited: bool,
+    ) -> Result<(crate::mr::Slice, Remote)> {
         let slot = (seq as usize) % MAILBOX;
         let at = 2 * SLOTS * MSG + slot * 16;
         let mut entry = [0u8; 16];
-        entry[..8].copy_from_slice(&(seq + 1).to_le_bytes());
+        // The Solicited Event flag rides in the marker's top bit: a
+        // libibverbs receive completion does not say whether the Send that
+        // consumed it was solicited.
+        let marker = (seq + 1) | if solicited { SOLICITED } else { 0 };
+        entry[..8].copy_from_slice(&marker.to_le_bytes());
         entry[8..].copy_from_slice(&imm.to_le_bytes());
         self.buffers.write_at(at, &entry)?;
         let remote = Remote {
@@ -550,16 +561,18 @@ impl Agent {
     /// was written before the Send, so it is there by now; a stale entry
     /// carries an older number. Receives are counted in completion order,
     /// which is arrival order on one QP.
-    pub fn zero_length_recv(&self) -> Option<u64> {
+    /// Returns the value and whether the sender asked for a Solicited
+    /// Event.
+    pub fn zero_length_recv(&self) -> Option<(u64, bool)> {
         let seq = self.zero_recvs.fetch_add(1, Ordering::AcqRel);
         let slot = (seq as usize) % MAILBOX;
-        let marker = self.mailbox.load_u64(slot * 16).ok()?;
-        if marker != seq + 1 {
+        let mut entry = [0u8; 16];
+        self.mailbox.read_at(slot * 16, &mut entry).ok()?;
+        let marker = le64(&entry, 0);
+        if marker & !SOLICITED != seq + 1 {
             return None;
         }
-        let mut v = [0u8; 8];
-        self.mailbox.read_at(slot * 16 + 8, &mut v).ok()?;
-        Some(u64::from_le_bytes(v))
+        Some((le64(&entry, 8), marker & SOLICITED != 0))
     }
 }
 

@@ -210,8 +210,15 @@ impl Capabilities {
         for k in OpKind::ALL {
             let s = match k {
                 OpKind::Send | OpKind::Write | OpKind::Read => Support::Native,
+                // iWARP (siw) invalidates any STag of the receiving QP's PD.
+                OpKind::SendInvalidate if attr.is_iwarp() => Support::Native,
+                // IB/RoCE invalidate only memory windows and fast-register
+                // MRs (rxe: "Type (1) is wrong" for a user MR), and stag
+                // registers user MRs and hands out their rkeys.
                 OpKind::SendInvalidate => Support::Unsupported {
-                    why: "Send with Invalidate is not wired to the libibverbs backend yet".into(),
+                    why: "IB/RoCE Send with Invalidate only invalidates memory windows and \
+                          fast-register MRs, and stag's regions are user MRs"
+                        .into(),
                 },
                 // Verbs immediate data is 4 bytes and iWARP has none: the
                 // RFC 7306 8-byte form always goes through the mailbox.
@@ -228,9 +235,31 @@ impl Capabilities {
                 | OpKind::MaskedFetchAdd
                 | OpKind::MaskedCmpSwap
                 | OpKind::Swap => Emulation::Agent.support(),
-                // IBV_WR_FLUSH needs rdma-core ≥ 45; with the headers at
-                // hand the agent does Commit everywhere.
-                OpKind::Commit => Emulation::Agent.support(),
+                // IBV_WR_FLUSH needs rdma-core ≥ 45 (Debian 12 has 44) and
+                // the ibv_wr_* API: until both are there the agent does
+                // Commit everywhere. Say when the device itself could.
+                OpKind::Commit => {
+                    let mut s = Emulation::Agent.support();
+                    if attr.flush_global || attr.flush_persistent {
+                        if let Support::Emulated { how, .. } = &mut s {
+                            how.push_str(&format!(
+                                "; the device advertises FLUSH ({}{}) but {}",
+                                if attr.flush_global { "global" } else { "" },
+                                match (attr.flush_global, attr.flush_persistent) {
+                                    (true, true) => "+persistent",
+                                    (false, true) => "persistent",
+                                    _ => "",
+                                },
+                                if crate::ibv::HAS_WR_FLUSH {
+                                    "native FLUSH is not wired to Commit yet"
+                                } else {
+                                    "the installed rdma-core has no ibv_wr_flush"
+                                }
+                            ));
+                        }
+                    }
+                    s
+                }
             };
             ops.push((k, s));
         }

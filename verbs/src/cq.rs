@@ -132,8 +132,9 @@ impl From<&ibv::WorkCompletion> for RawCompletion {
             imm: wc.imm.map(u64::from),
             qp_num: wc.qp_num,
             vendor_err: wc.vendor_err,
+            // libibverbs does not report the Solicited Event bit.
             solicited: false,
-            invalidated: None,
+            invalidated: wc.invalidated_rkey,
         }
     }
 }

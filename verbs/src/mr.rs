@@ -73,6 +73,12 @@ fn ibv_access(access: Access) -> ibv::AccessFlags {
             flags |= theirs;
         }
     }
+    // libibverbs requires Local Write with Remote Write or Remote Atomic
+    // (ibv_reg_mr(3): EINVAL otherwise); the userspace provider does not.
+    // Granting it keeps one Access meaning on every device.
+    if access.contains(Access::REMOTE_WRITE) || access.contains(Access::REMOTE_ATOMIC) {
+        flags |= ibv::AccessFlags::LOCAL_WRITE;
+    }
     flags
 }
 

@@ -229,6 +229,12 @@ impl QpInner {
                     .ok_or(Error::InvalidRequest("operation has no libibverbs opcode"))?;
                 let isges = ibv_sges(sges);
                 let mut flags = ibv::SendFlags::SIGNALED;
+                if let SendOp::Send {
+                    solicited: true, ..
+                } = op
+                {
+                    flags = ibv::SendFlags(flags.0 | ibv::SendFlags::SOLICITED.0);
+                }
                 if fence {
                     flags = ibv::SendFlags(flags.0 | ibv::SendFlags::FENCE.0);
                 }
@@ -401,7 +407,12 @@ impl QpInner {
                 })
                 .map_err(Error::from),
             QpBackend::Ibv { qp, .. } => {
-                let isges = ibv_sges(&sges);
+                let mut isges = ibv_sges(&sges);
+                if isges.is_empty() {
+                    // libsiw refuses a receive without SGEs (EINVAL); one
+                    // zero-length SGE of a live region means the same.
+                    isges = ibv_sges(&[self.scratch.slice(0, 0)?.sge()]);
+                }
                 let wr = ibv::RecvWr {
                     wr_id: token,
                     sges: &isges,
@@ -440,15 +451,20 @@ impl QpInner {
             None => {
                 // A zero-length receive may be Immediate Data that came
                 // through the mailbox.
-                let imm = match (rc.imm, self.agent.get()) {
-                    (None, Some(agent)) if ok && rc.byte_len == 0 => agent.zero_length_recv(),
-                    (imm, _) => imm,
+                let (imm, solicited) = match (rc.imm, self.agent.get()) {
+                    (None, Some(agent)) if ok && rc.byte_len == 0 => {
+                        match agent.zero_length_recv() {
+                            Some((imm, solicited)) => (Some(imm), solicited || rc.solicited),
+                            None => (None, rc.solicited),
+                        }
+                    }
+                    (imm, _) => (imm, rc.solicited),
                 };
                 CompletionKind::Recv {
                     len: rc.byte_len,
                     imm,
                     invalidated: rc.invalidated,
-                    solicited: rc.solicited,
+                    solicited,
                 }
             }
             Some(op) => self.send_kind(&op, &p.local, ok),
@@ -741,7 +757,7 @@ impl QpInner {
         // the numbering in wire order.
         let mut zero_sends = agent.zero_sends.lock().unwrap_or_else(|p| p.into_inner());
         let seq = *zero_sends;
-        let (entry, mailbox) = agent.stage_imm(seq, imm)?;
+        let (entry, mailbox) = agent.stage_imm(seq, imm, solicited)?;
         steps.push((SendOp::Write { remote: mailbox }, vec![entry], false));
         steps.push((
             SendOp::Send {
@@ -807,6 +823,10 @@ fn ibv_op(op: &SendOp) -> Option<ibv::SendOp> {
         SendOp::Send {
             invalidate: None, ..
         } => ibv::SendOp::Send,
+        SendOp::Send {
+            invalidate: Some(invalidate_rkey),
+            ..
+        } => ibv::SendOp::SendWithInv { invalidate_rkey },
         SendOp::Write { remote } => ibv::SendOp::RdmaWrite {
             rkey: remote.rkey,
             remote_addr: remote.addr,

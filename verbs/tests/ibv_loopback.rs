@@ -83,6 +83,7 @@ fn poll_n(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
         qp_num: 0,
         vendor_err: 0,
         wc_flags: 0,
+        invalidated_rkey: None,
     }; 8];
     while out.len() < n {
         let got = cq.poll(&mut wcs).expect("poll_cq");
@@ -161,9 +162,22 @@ fn post_recvs(s: &Side, n: u64) {
 #[test]
 #[ignore = "needs an RDMA device: set STAG_IBV_DEVICE and STAG_IBV_ADDR and run with --ignored (the VM does)"]
 fn rc_loopback_over_rdma_cm() {
+    // STAG_IBV_* name the device on purpose; the suite's STAG_DEVICE /
+    // STAG_ADDR do as well when they name a libibverbs device.
+    let var = |ibv: &str, generic: &str| {
+        std::env::var(ibv).or_else(|_| {
+            std::env::var(generic).and_then(|v| {
+                if v == verbs::device::USERSPACE_DEVICE {
+                    Err(std::env::VarError::NotPresent)
+                } else {
+                    Ok(v)
+                }
+            })
+        })
+    };
     let (Ok(dev), Ok(addr)) = (
-        std::env::var("STAG_IBV_DEVICE"),
-        std::env::var("STAG_IBV_ADDR"),
+        var("STAG_IBV_DEVICE", "STAG_DEVICE"),
+        var("STAG_IBV_ADDR", "STAG_ADDR"),
     ) else {
         // Only run on purpose (it is #[ignore]d): without a device named
         // there is nothing to test, which must not look like a pass.
@@ -324,37 +338,67 @@ fn rc_loopback_over_rdma_cm() {
     let slot = (wc[0].wr_id - 1000) as usize;
     assert_eq!(server.buf.read(2048 + slot * 64, 16), b"hello over send.");
 
-    // SEND_WITH_IMM.
-    post_one(
-        &client,
-        4,
-        SendOp::SendWithImm { imm: 0xdead_beef },
-        &[sge(&client, 512, 4)],
-    );
-    let wc = poll_n(&server.cq, 1);
-    assert_eq!(
-        (wc[0].opcode, wc[0].imm),
-        (Some(WcOpcode::Recv), Some(0xdead_beef))
-    );
+    if attr.transport == ibv::Transport::Iwarp {
+        // iWARP has no Immediate Data (siw's post_send answers -EINVAL):
+        // the verb must fail, and fail without posting anything.
+        client.buf.write(600, b"write+imm");
+        for op in [
+            SendOp::SendWithImm { imm: 0xdead_beef },
+            SendOp::RdmaWriteWithImm {
+                rkey,
+                remote_addr: raddr + 600,
+                imm: 0x0102_0304,
+            },
+        ] {
+            let sges = [sge(&client, 600, 9)];
+            let wr = SendWr {
+                wr_id: 4,
+                op,
+                sges: &sges,
+                flags: SendFlags::SIGNALED,
+            };
+            // SAFETY: SGEs lie in client.mr, alive for the test.
+            let err = unsafe { client.qp.post_send(&[wr]) }
+                .expect_err("iWARP has no Immediate Data")
+                .0;
+            assert!(err.errno == libc::EINVAL || err.is_unsupported(), "{err}");
+        }
+        println!("immediate data: refused by {dev} (iWARP), as expected");
+        assert!(client.cq.poll_one().unwrap().is_none());
+        assert_eq!(server.buf.read(600, 9), [0u8; 9]);
+    } else {
+        // SEND_WITH_IMM.
+        post_one(
+            &client,
+            4,
+            SendOp::SendWithImm { imm: 0xdead_beef },
+            &[sge(&client, 512, 4)],
+        );
+        let wc = poll_n(&server.cq, 1);
+        assert_eq!(
+            (wc[0].opcode, wc[0].imm),
+            (Some(WcOpcode::Recv), Some(0xdead_beef))
+        );
 
-    // RDMA_WRITE_WITH_IMM.
-    client.buf.write(600, b"write+imm");
-    post_one(
-        &client,
-        5,
-        SendOp::RdmaWriteWithImm {
-            rkey,
-            remote_addr: raddr + 600,
-            imm: 0x0102_0304,
-        },
-        &[sge(&client, 600, 9)],
-    );
-    let wc = poll_n(&server.cq, 1);
-    assert_eq!(
-        (wc[0].opcode, wc[0].imm),
-        (Some(WcOpcode::RecvRdmaWithImm), Some(0x0102_0304))
-    );
-    assert_eq!(server.buf.read(600, 9), b"write+imm");
+        // RDMA_WRITE_WITH_IMM.
+        client.buf.write(600, b"write+imm");
+        post_one(
+            &client,
+            5,
+            SendOp::RdmaWriteWithImm {
+                rkey,
+                remote_addr: raddr + 600,
+                imm: 0x0102_0304,
+            },
+            &[sge(&client, 600, 9)],
+        );
+        let wc = poll_n(&server.cq, 1);
+        assert_eq!(
+            (wc[0].opcode, wc[0].imm),
+            (Some(WcOpcode::RecvRdmaWithImm), Some(0x0102_0304))
+        );
+        assert_eq!(server.buf.read(600, 9), b"write+imm");
+    }
 
     if atomics {
         server.buf.write_u64(1024, 5);
@@ -469,11 +513,19 @@ fn rc_loopback_over_rdma_cm() {
     }
 
     // Teardown.
-    client.id.disconnect().expect("rdma_disconnect");
-    ch_c.expect(CmEventType::Disconnected)
-        .expect("client DISCONNECTED");
+    // The active side's DREQ reaches the server as DISCONNECTED; the
+    // server's own rdma_disconnect answers it (DREP on IB/RoCE), which is
+    // what completes the client's. Waiting for the client first would sit
+    // out the DREQ timeout (~80 s on rxe).
+    client.id.disconnect().expect("rdma_disconnect (client)");
     ch_s.expect(CmEventType::Disconnected)
         .expect("server DISCONNECTED");
+    // iWARP may already have torn the connection down completely.
+    if let Err(e) = server.id.disconnect() {
+        println!("server rdma_disconnect after the peer's: {e}");
+    }
+    ch_c.expect(CmEventType::Disconnected)
+        .expect("client DISCONNECTED");
     drop(client);
     drop(server);
     drop(listen);

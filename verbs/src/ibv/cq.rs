@@ -182,6 +182,9 @@ pub struct WorkCompletion {
     pub vendor_err: u32,
     /// `wc_flags`.
     pub wc_flags: u32,
+    /// The local STag the peer's Send with Invalidate invalidated
+    /// (`IBV_WC_WITH_INV`).
+    pub invalidated_rkey: Option<u32>,
 }
 
 impl WorkCompletion {
@@ -193,10 +196,16 @@ impl WorkCompletion {
             // both members are plain u32.
             u32::from_be(unsafe { wc.__bindgen_anon_1.imm_data })
         });
+        // SAFETY: both members of the union are plain u32, so the read is
+        // defined whichever was written; it means something only with
+        // IBV_WC_WITH_INV, which the condition checks.
+        let inv = unsafe { wc.__bindgen_anon_1.invalidated_rkey };
+        let invalidated_rkey = (ok && wc.wc_flags & ffi::IBV_WC_WITH_INV != 0).then_some(inv);
         WorkCompletion {
             wr_id: wc.wr_id,
             status,
             raw_status: wc.status,
+            invalidated_rkey,
             opcode: if ok {
                 WcOpcode::from_raw(wc.opcode)
             } else {

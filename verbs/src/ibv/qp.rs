@@ -49,6 +49,12 @@ impl Sge {
 pub enum SendOp {
     /// `IBV_WR_SEND`
     Send,
+    /// `IBV_WR_SEND_WITH_INV`: the responder invalidates `invalidate_rkey`
+    /// before the receive completes.
+    SendWithInv {
+        /// The peer's STag to invalidate.
+        invalidate_rkey: u32,
+    },
     /// `IBV_WR_SEND_WITH_IMM`
     SendWithImm {
         /// Immediate data (host order).
@@ -106,7 +112,7 @@ impl SendOp {
 
     fn remote_addr(&self) -> Option<u64> {
         match *self {
-            SendOp::Send | SendOp::SendWithImm { .. } => None,
+            SendOp::Send | SendOp::SendWithImm { .. } | SendOp::SendWithInv { .. } => None,
             SendOp::RdmaWrite { remote_addr, .. }
             | SendOp::RdmaWriteWithImm { remote_addr, .. }
             | SendOp::RdmaRead { remote_addr, .. }
@@ -119,6 +125,7 @@ impl SendOp {
         match self {
             SendOp::Send => SendOps::SEND,
             SendOp::SendWithImm { .. } => SendOps::SEND_WITH_IMM,
+            SendOp::SendWithInv { .. } => SendOps::SEND_WITH_INV,
             SendOp::RdmaWrite { .. } => SendOps::RDMA_WRITE,
             SendOp::RdmaWriteWithImm { .. } => SendOps::RDMA_WRITE_WITH_IMM,
             SendOp::RdmaRead { .. } => SendOps::RDMA_READ,
@@ -165,6 +172,8 @@ impl SendOps {
     pub const SEND: Self = SendOps(ffi::IBV_QP_EX_WITH_SEND as u64);
     /// `IBV_QP_EX_WITH_SEND_WITH_IMM`
     pub const SEND_WITH_IMM: Self = SendOps(ffi::IBV_QP_EX_WITH_SEND_WITH_IMM as u64);
+    /// `IBV_QP_EX_WITH_SEND_WITH_INV`
+    pub const SEND_WITH_INV: Self = SendOps(ffi::IBV_QP_EX_WITH_SEND_WITH_INV as u64);
     /// `IBV_QP_EX_WITH_RDMA_READ`
     pub const RDMA_READ: Self = SendOps(ffi::IBV_QP_EX_WITH_RDMA_READ as u64);
     /// `IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP`
@@ -667,6 +676,10 @@ fn raw_send_wr(wr: &SendWr<'_>, sg_list: *mut ffi::ibv_sge, n: usize) -> ffi::ib
     };
     match wr.op {
         SendOp::Send => r.opcode = ffi::IBV_WR_SEND,
+        SendOp::SendWithInv { invalidate_rkey } => {
+            r.opcode = ffi::IBV_WR_SEND_WITH_INV;
+            r.__bindgen_anon_1.invalidate_rkey = invalidate_rkey;
+        }
         SendOp::SendWithImm { imm } => {
             r.opcode = ffi::IBV_WR_SEND_WITH_IMM;
             r.__bindgen_anon_1.imm_data = imm.to_be();
@@ -896,6 +909,7 @@ unsafe fn wr_op(qpx: *mut ffi::ibv_qp_ex, op: SendOp) -> Result<()> {
         match op {
             SendOp::Send => ffi::ibv_wr_send(qpx),
             SendOp::SendWithImm { imm } => ffi::ibv_wr_send_imm(qpx, imm.to_be()),
+            SendOp::SendWithInv { invalidate_rkey } => ffi::ibv_wr_send_inv(qpx, invalidate_rkey),
             SendOp::RdmaWrite { rkey, remote_addr } => {
                 ffi::ibv_wr_rdma_write(qpx, rkey, remote_addr)
             }

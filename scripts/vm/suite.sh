@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The guest side of scripts/vm-suite.sh: runs in the VM (vm.sh), cwd = the
+# project. Arguments: OUTDIR NAME=EXECUTABLE... ; writes "passed failed" to
+# OUTDIR/counts.
+set -uo pipefail
+out=$1
+shift
+passed=0 failed=0
+failures=()
+: "${STAG_RXE_DEV:?not inside vm.sh}"
+
+# One test executable: count its tests from libtest's summary line; a
+# crash or timeout without one counts as one failure.
+run_tests() { # label exe args...
+    local label=$1 exe=$2 log rc p f
+    shift 2
+    log=$(mktemp)
+    timeout 300 "$exe" --test-threads=1 "$@" >"$log" 2>&1
+    rc=$?
+    p=$(sed -n 's/^test result: .* \([0-9]*\) passed; \([0-9]*\) failed.*/\1/p' "$log" | tail -n1)
+    f=$(sed -n 's/^test result: .* \([0-9]*\) passed; \([0-9]*\) failed.*/\2/p' "$log" | tail -n1)
+    if [[ -z $p ]]; then
+        p=0 f=1
+    elif ((rc != 0 && f == 0)); then
+        f=1
+    fi
+    passed=$((passed + p)) failed=$((failed + f))
+    printf '  %-28s %3d passed, %d failed%s\n' "$label" "$p" "$f" "$( ((rc == 124)) && echo ' (TIMEOUT)')"
+    if ((f)); then
+        failures+=("$label")
+        grep -E '^test .*FAILED|panicked|^  (left|right):|^[a-z].*Error|^called' "$log" | head -n 40 | sed 's/^/      /'
+    fi
+    rm -f "$log"
+}
+
+one() { # label: a single check that passed (0) or not
+    local label=$1 ok=$2
+    if ((ok == 0)); then
+        passed=$((passed + 1))
+        printf '  %-28s ok\n' "$label"
+    else
+        failed=$((failed + 1))
+        failures+=("$label")
+        printf '  %-28s FAILED\n' "$label"
+    fi
+}
+
+# Expected rows of the capability matrix, per device and kernel.
+check_caps() { # dev kind(rxe|siw) matrix-file
+    local dev=$1 kind=$2 m=$3 ok=0 row
+    row() { sed -n "/^$dev /,/^[^ ]/p" "$m" | grep -E "^  $1 " | head -n1; }
+    expect() { # op regex
+        local r
+        r=$(row "$1")
+        if ! grep -qE "$2" <<<"$r"; then
+            echo "      $dev $1: expected /$2/, got: ${r:-<missing>}"
+            ok=1
+        fi
+    }
+    if [[ $kind == rxe ]]; then
+        expect fetch-add ' native$'
+        expect cmp-swap ' native$'
+        expect masked-fetch-add 'emulated \(RDMA Read, then CmpSwap'
+        expect swap 'emulated \(RDMA Read, then CmpSwap'
+        if [[ $STAG_VM_KERNEL == 6.12 ]]; then
+            # 6.12's rxe advertises FLUSH (device_cap_flags_ex bits 38/39).
+            expect commit 'advertises FLUSH \(global\+persistent\)'
+        else
+            expect commit 'emulated \(the responder.s stag agent[^;]*; ≥1 RTT\)$'
+        fi
+    else
+        local op
+        for op in fetch-add cmp-swap masked-fetch-add masked-cmp-swap swap commit; do
+            expect "$op" "emulated \(the responder.s stag agent[^;]*; ≥1 RTT\)$"
+        done
+        expect send-inv ' native$'
+    fi
+    expect imm 'emulated \(RDMA Write into the peer.s mailbox'
+    expect write-imm 'emulated \(RDMA Write into the peer.s mailbox'
+    return $ok
+}
+
+echo "== kernel $(uname -r)"
+matrix=$(mktemp)
+target/debug/stag devices -v >"$matrix" 2>&1
+cat "$matrix"
+for kind in rxe siw; do
+    if [[ $kind == rxe ]]; then
+        dev=$STAG_RXE_DEV addr=$STAG_RXE_ADDR
+    else
+        dev=$STAG_SIW_DEV addr=$STAG_SIW_ADDR
+    fi
+    export STAG_DEVICE=$dev STAG_ADDR=$addr STAG_IBV_DEVICE=$dev STAG_IBV_ADDR=$addr
+    echo "== $dev ($addr)"
+    check_caps "$dev" "$kind" "$matrix"
+    one "capability matrix" $?
+    for t in "$@"; do
+        name=${t%%=*} exe=${t#*=}
+        if [[ $name == ibv_loopback ]]; then
+            run_tests "$name" "$exe" --ignored
+        else
+            run_tests "$name" "$exe"
+        fi
+    done
+    for e in quickstart counter lock durable_log stream; do
+        log=$(mktemp)
+        timeout 300 "target/debug/examples/$e" >"$log" 2>&1
+        r=$?
+        one "example $e" $r
+        ((r == 0)) || tail -n 20 "$log" | sed 's/^/      /'
+        rm -f "$log"
+    done
+done
+echo "$passed $failed" >"$out/counts"
+echo "== $(uname -r): $passed passed, $failed failed${failures[*]:+ (${failures[*]})}"
+((failed == 0))
