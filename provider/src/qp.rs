@@ -582,7 +582,9 @@ impl Connection {
                 self.frame(
                     &RdmapRepr::ReadRequest {
                         msn,
-                        sink_stag: 1,
+                        // As siw_qp_mpa_rts builds it: a zero-length SGE with
+                        // lkey 0 is the sink, STag 1 the source.
+                        sink_stag: 0,
                         sink_to: 0,
                         size: 0,
                         src_stag: 1,

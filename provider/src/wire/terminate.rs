@@ -19,9 +19,12 @@
 //! ```
 //!
 //! siw lays this out as `struct iwarp_terminate` (24 bytes with the MPA
-//! length; the control word masks `TERM_MASK_LAYER 0xf0000000`,
-//! `TERM_MASK_ETYPE 0x0f000000`, `TERM_MASK_ECODE 0x00ff0000`, `TERM_FLAG_M
-//! 0x8000`, `D 0x4000`, `R 0x2000`) and appends the offending frame's header
+//! length). Its header defines the RFC masks (`TERM_MASK_LAYER 0xf0000000`,
+//! ..., `TERM_FLAG_M 0x8000`, `D 0x4000`, `R 0x2000`) but fills the word
+//! through little-endian C bitfields, so on x86 it sends Layer in the low
+//! nibble, EType in the high one and M/D/R as 0x01/0x02/0x04 of the third
+//! octet (seen on the wire against kernel 6.12 siw; [`TerminateRepr::parse`]
+//! accepts that layout too; we send RFC 5040's). It appends the offending frame's header
 //! *including its MPA length slot*, which it overwrites with the DDP
 //! segment length: that slot is the 2-byte DDP Segment Length field, so the
 //! copied DDP header starts 6 bytes into the Terminate header. siw's copy
@@ -503,7 +506,41 @@ impl TerminateRepr {
     /// of the ULPDU). Undefined layer / error type pairs, M or R without D,
     /// and bytes beyond what the flags announce are rejected; the reserved
     /// bits are ignored (RFC 5040 §4.8: "ignored on receive").
+    ///
+    /// Kernel siw on little-endian hosts fills the control word through C
+    /// bitfields (`struct iwarp_terminate` in `iwarp.h`), which puts Layer in
+    /// the *low* nibble of the first octet and EType in the high one, and M,
+    /// D, R in bits 0x01, 0x02, 0x04 of the third octet instead of 0x80,
+    /// 0x40, 0x20 (found against a live siw: a Read with a bad STag draws
+    /// `10 00 07 00` for RDMAP / remote protection / invalid STag with
+    /// M+D+R). A Terminate that does not parse as RFC 5040 lays it out, and
+    /// whose RFC flag bits are clear, is parsed again in siw's layout.
+    /// Terminates without flags whose nibbles read as a defined RFC cause
+    /// either way stay ambiguous and are taken as RFC 5040 says.
     pub fn parse(msn: u32, header: &[u8]) -> Result<TerminateRepr> {
+        match Self::parse_rfc(msn, header) {
+            Ok(repr) => Ok(repr),
+            Err(e) => {
+                let Some(&[le, ecode, flags, _]) = header.get(..TERMINATE_CONTROL_LEN) else {
+                    return Err(e);
+                };
+                if flags & (FLAG_M | FLAG_D | FLAG_R) != 0 {
+                    return Err(e);
+                }
+                let mut fixed = header.to_vec();
+                fixed[0] = le.rotate_left(4);
+                fixed[1] = ecode;
+                fixed[2] = (flags & 0x01) << 7 | (flags & 0x02) << 5 | (flags & 0x04) << 3;
+                fixed[3] = 0;
+                if fixed == header {
+                    return Err(e);
+                }
+                Self::parse_rfc(msn, &fixed).map_err(|_| e)
+            }
+        }
+    }
+
+    fn parse_rfc(msn: u32, header: &[u8]) -> Result<TerminateRepr> {
         let view = Terminate::new_checked(header)?;
         let etype = Layer::from_u8(view.layer())
             .and_then(|layer| ErrorType::from_wire(layer, view.etype()))
@@ -729,9 +766,54 @@ mod test {
         }
     }
 
+    /// siw's Terminate for an RDMA Read Request with an invalid source STag
+    /// (captured from kernel 6.12 siw by `scripts/vm/interop.sh`, case
+    /// terminate-from-siw): after the untagged DDP header, the control word
+    /// `10 00 07 00` in siw's little-endian bitfield layout (Layer 0 in the
+    /// low nibble, EType 1 in the high one, M+D+R as 0x01|0x02|0x04), the
+    /// segment length 0 and the offending 46-byte Read Request header.
+    static SIW_READ_BAD_STAG: [u8; 52] = [
+        0x10, 0x00, 0x07, 0x00, // control, siw layout
+        0x00, 0x00, // DDP segment length
+        0x41, 0x41, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01, // ctrl, rsvd, QN 1
+        0x00, 0x00, 0x00, 0x10, 0x00, 0x00, 0x00, 0x00, // MSN (sic) 0x10, MO 0
+        0x00, 0x00, 0x01, 0x76, 0x00, 0x00, 0x7f, 0x1f, 0x70, 0xda, 0x80, 0x00, // sink
+        0x00, 0x00, 0x00, 0x10, // size
+        0xb2, 0x4b, 0x81, 0x00, 0x00, 0x00, 0x7f, 0x1f, 0x70, 0x9d, 0xd0, 0x00, // source
+    ];
+
+    #[test]
+    fn test_siw_bitfield_layout() {
+        let repr = TerminateRepr::parse(1, &SIW_READ_BAD_STAG).unwrap();
+        assert_eq!(repr.cause.etype, ErrorType::RdmapRemoteProtection);
+        assert_eq!(repr.cause.ecode, 0x00);
+        let t = repr.terminated.expect("D: the DDP header is there");
+        assert_eq!(t.length, Some(0));
+        assert!(matches!(
+            t.rdmap_header,
+            TerminatedRdmapHeader::ReadRequest(_)
+        ));
+        // The RFC 5040 layout of the same cause parses as before.
+        let mut rfc = SIW_READ_BAD_STAG;
+        rfc[0] = 0x01;
+        rfc[2] = 0xe0;
+        assert_eq!(TerminateRepr::parse(1, &rfc), Ok(repr));
+        // siw's flag-less LLP Terminate (CRC error: layer 2 in the low
+        // nibble, `02 02 00 00`) reads as RDMAP remote operation / code 2 in
+        // RFC terms, a defined cause: that one stays ambiguous.
+        let amb = TerminateRepr::parse(1, &[0x02, 0x02, 0x00, 0x00]).unwrap();
+        assert_eq!(amb.cause.etype, ErrorType::RdmapRemoteOperation);
+        // siw's DDP invalid-version Terminate has no RFC meaning (layer 2,
+        // type 1) and reads as DDP / untagged buffer error in siw's layout.
+        let ddp = TerminateRepr::parse(1, &[0x21, 0x06, 0x00, 0x00]).unwrap();
+        assert_eq!(ddp.cause.etype, ErrorType::DdpUntagged);
+    }
+
     #[test]
     fn test_no_copy() {
-        // siw for an LLP CRC error: layer 2, type 0, code 0x02, no flags.
+        // An LLP CRC error as RFC 5040 lays it out: layer 2, type 0, code
+        // 0x02, no flags (siw itself sends `02 02 00 00`, see
+        // test_siw_bitfield_layout).
         let bytes = [0x20, 0x02, 0x00, 0x00];
         let repr = TerminateRepr::parse(1, &bytes).unwrap();
         assert_eq!(repr.cause.etype, ErrorType::Mpa);
@@ -841,8 +923,10 @@ mod test {
 
     #[test]
     fn test_rejects() {
-        // Undefined layer 3 and RDMAP error type 3.
-        for first in [0x30, 0x03, 0x21] {
+        // Undefined layer 3 and RDMAP error type 3, in either nibble order
+        // (0x21, undefined as RFC 5040 lays it out, is siw's DDP untagged
+        // buffer error: see test_siw_bitfield_layout).
+        for first in [0x30, 0x03, 0x33, 0x24] {
             let err = TerminateRepr::parse(1, &[first, 0, 0, 0]).unwrap_err();
             assert_eq!(
                 err,
