@@ -180,7 +180,7 @@ fn main() {
             "ibv_(free_device_list|get_device_name|get_device_guid|open_device|close_device\
              |query_device|query_gid|alloc_pd|dealloc_pd|dereg_mr\
              |create_comp_channel|destroy_comp_channel|create_cq|destroy_cq|get_cq_event|ack_cq_events\
-             |create_qp|destroy_qp|modify_qp|query_qp\
+             |create_qp|destroy_qp|modify_qp|query_qp|create_srq|destroy_srq\
              |wc_status_str|node_type_str|port_state_str|event_type_str\
              |get_async_event|ack_async_event|fork_init)",
         )

@@ -27,6 +27,16 @@ for e in quickstart counter lock durable_log stream; do
     fi
 done
 echo "examples: $ex_pass passed, 0 failed"
+# The verbs suite and the examples again, on kernel soft-RoCE (rxe0) and
+# soft-iWARP (siw0) in a QEMU guest, on both pinned kernels (6.12: rxe with
+# FLUSH; 6.1: without). Adds ~2.5 min on a cold cache, ~1.5 min warm. A VM
+# that cannot run fails the gate like a failing test.
+for k in 6.12 6.1; do
+    echo "== vm-suite (kernel $k)"
+    bash scripts/vm-suite.sh --kernel "$k"
+done
+echo "== wire interop with kernel siw (VM; prints interop: N passed, M failed)"
+bash scripts/vm.sh -- scripts/vm/interop.sh
 if command -v cargo-fuzz >/dev/null 2>&1; then
     echo "== fuzz (short)"
     bash scripts/fuzz.sh "${STAG_FUZZ_SECONDS:-10}"

@@ -63,9 +63,16 @@ pub fn connect_clients(
                     .get_request()
                     .and_then(|r| r.accept_with(&server.pd, &server.cq, &opts, &pre_post))
             });
-            let (q, _) = verbs::connect(&c.pd, &c.cq, addr, &opts)?;
-            let s = h.join().map_err(|_| "server thread panicked")??;
-            Ok((s, q))
+            let client = verbs::connect(&c.pd, &c.cq, addr, &opts);
+            let server = h.join().map_err(|_| "server thread panicked")?;
+            // A failed accept shows at the client only as a timeout: say
+            // what the server saw.
+            match (server, client) {
+                (Ok(s), Ok((q, _))) => Ok((s, q)),
+                (Err(se), Ok(_)) => Err(format!("accept: {se}").into()),
+                (Ok(_), Err(ce)) => Err(format!("connect: {ce}").into()),
+                (Err(se), Err(ce)) => Err(format!("accept: {se}; connect: {ce}").into()),
+            }
         })?;
         sqps.push(s);
         cqps.push(q);

@@ -46,6 +46,11 @@ int stag_ibv_post_send(struct ibv_qp *qp, struct ibv_send_wr *wr,
 int stag_ibv_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr,
 		       struct ibv_recv_wr **bad_wr);
 
+/* ---- shared receive queues ---- */
+/* Returns 0 or an errno; EOPNOTSUPP if the provider has no post_srq_recv. */
+int stag_ibv_post_srq_recv(struct ibv_srq *srq, struct ibv_recv_wr *wr,
+			   struct ibv_recv_wr **bad_wr);
+
 /* ---- QP, extended (ibv_wr_*) path ---- */
 struct ibv_qp *stag_ibv_create_qp_ex(struct ibv_context *context,
 				     struct ibv_qp_init_attr_ex *attr);

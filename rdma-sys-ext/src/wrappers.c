@@ -110,6 +110,16 @@ int stag_ibv_post_recv(struct ibv_qp *qp, struct ibv_recv_wr *wr,
 	return ibv_post_recv(qp, wr, bad_wr);
 }
 
+int stag_ibv_post_srq_recv(struct ibv_srq *srq, struct ibv_recv_wr *wr,
+			   struct ibv_recv_wr **bad_wr)
+{
+	if (!srq->context->ops.post_srq_recv) {
+		*bad_wr = wr;
+		return EOPNOTSUPP;
+	}
+	return ibv_post_srq_recv(srq, wr, bad_wr);
+}
+
 struct ibv_qp *stag_ibv_create_qp_ex(struct ibv_context *context,
 				     struct ibv_qp_init_attr_ex *attr)
 {

@@ -343,6 +343,16 @@ fn null_context_ops_return_eopnotsupp() {
             libc::EOPNOTSUPP
         );
         assert_eq!(bad_r, &mut rwr as *mut _);
+        let mut srq = ext::ibv_srq {
+            context: &mut ctx,
+            ..Default::default()
+        };
+        bad_r = ptr::null_mut();
+        assert_eq!(
+            ext::stag_ibv_post_srq_recv(&mut srq, &mut rwr, &mut bad_r),
+            libc::EOPNOTSUPP
+        );
+        assert_eq!(bad_r, &mut rwr as *mut _);
         assert_eq!(
             ext::stag_ibv_poll_cq(&mut cq, 1, &mut wc),
             -libc::EOPNOTSUPP

@@ -242,7 +242,11 @@ fn user_qp(
     ucq: &Arc<provider::cq::CompletionQueue>,
     opts: &ConnectOptions,
 ) -> Result<QueuePair> {
-    let srq = opts.srq.as_ref().map(|s| s.inner.backend.clone());
+    let srq = match opts.srq.as_ref().map(|s| &s.inner.backend) {
+        None => None,
+        Some(crate::srq::SrqBackend::User(s)) => Some(s.clone()),
+        Some(crate::srq::SrqBackend::Ibv { .. }) => return Err(Error::Mismatch),
+    };
     let uqp = upd.create_qp(user_qp_caps(&opts.caps), ucq, ucq, srq.as_ref());
     let qp_num = uqp.qp_num();
     QueuePair::from_backend(
@@ -265,19 +269,19 @@ fn ibv_qp(
     id: ibv::CmId,
     opts: &ConnectOptions,
 ) -> Result<QueuePair> {
-    if opts.srq.is_some() {
-        return Err(Error::NotImplemented(
-            "shared receive queues on libibverbs devices",
-        ));
-    }
-    let iqp = id.create_qp(ipd, icq, icq, &opts.ibv_caps())?;
+    let srq = match opts.srq.as_ref().map(|s| &s.inner.backend) {
+        None => None,
+        Some(crate::srq::SrqBackend::Ibv { srq, .. }) => Some(srq),
+        Some(crate::srq::SrqBackend::User(_)) => return Err(Error::Mismatch),
+    };
+    let iqp = id.create_qp_with_srq(ipd, icq, icq, &opts.ibv_caps(), srq)?;
     let qp_num = iqp.qp_num();
     QueuePair::from_backend(
         pd.context(),
         pd,
         cq,
         cq,
-        None,
+        opts.srq.clone(),
         QpBackend::Ibv { qp: iqp, id },
         qp_num,
     )

@@ -807,7 +807,7 @@ impl QpInner {
 }
 
 /// The SGEs as libibverbs takes them.
-fn ibv_sges(sges: &[Sge]) -> Vec<ibv::Sge> {
+pub(crate) fn ibv_sges(sges: &[Sge]) -> Vec<ibv::Sge> {
     sges.iter()
         .map(|s| ibv::Sge {
             addr: s.addr,

@@ -6,8 +6,9 @@ use std::sync::{Arc, Mutex};
 
 use crate::device::{PdBackend, ProtectionDomain};
 use crate::error::{Error, Result};
-use crate::mr::Slice;
-use crate::qp::next_token;
+use crate::ibv;
+use crate::mr::{Access, MemoryRegion, Slice};
+use crate::qp::{ibv_sges, next_token};
 
 /// A shared receive queue. Cloning is cheap (shared ownership).
 #[derive(Debug, Clone)]
@@ -17,28 +18,44 @@ pub struct SharedReceiveQueue {
 
 #[derive(Debug)]
 pub(crate) struct SrqInner {
-    pub(crate) backend: Arc<provider::srq::Srq>,
+    pub(crate) backend: SrqBackend,
     pd_key: usize,
     /// Posted receives by token: the application's wr_id and the slices
     /// they keep alive.
     pending: Mutex<HashMap<u64, (u64, Vec<Slice>)>>,
 }
 
+#[derive(Debug)]
+pub(crate) enum SrqBackend {
+    User(Arc<provider::srq::Srq>),
+    Ibv {
+        srq: Arc<ibv::SharedReceiveQueue>,
+        /// A live region for the one zero-length SGE of a receive posted
+        /// without slices (libsiw refuses receives without SGEs).
+        scratch: MemoryRegion,
+    },
+}
+
 impl SharedReceiveQueue {
     /// `ibv_create_srq` for at most `max_wr` receives of `max_sge` slices.
     pub fn new(pd: &ProtectionDomain, max_wr: u32, max_sge: u32) -> Result<SharedReceiveQueue> {
-        match pd.backend() {
-            PdBackend::User(_) => Ok(SharedReceiveQueue {
-                inner: Arc::new(SrqInner {
-                    backend: Arc::new(provider::srq::Srq::new(max_wr as usize, max_sge as usize)),
-                    pd_key: pd.key(),
-                    pending: Mutex::new(HashMap::new()),
-                }),
+        let backend = match pd.backend() {
+            PdBackend::User(_) => SrqBackend::User(Arc::new(provider::srq::Srq::new(
+                max_wr as usize,
+                max_sge as usize,
+            ))),
+            PdBackend::Ibv(ipd) => SrqBackend::Ibv {
+                srq: Arc::new(ibv::SharedReceiveQueue::new(ipd, max_wr, max_sge)?),
+                scratch: pd.alloc_mr(8, Access::LOCAL_WRITE)?,
+            },
+        };
+        Ok(SharedReceiveQueue {
+            inner: Arc::new(SrqInner {
+                backend,
+                pd_key: pd.key(),
+                pending: Mutex::new(HashMap::new()),
             }),
-            PdBackend::Ibv(_) => Err(Error::NotImplemented(
-                "shared receive queues on libibverbs devices",
-            )),
-        }
+        })
     }
 
     /// `ibv_post_srq_recv`.
@@ -50,26 +67,49 @@ impl SharedReceiveQueue {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(token, (wr_id, local));
-        let posted = self.inner.backend.post_recv(provider::wr::RecvWr {
-            wr_id: token,
-            sg_list,
-        });
+        let posted = match &self.inner.backend {
+            SrqBackend::User(srq) => srq
+                .post_recv(provider::wr::RecvWr {
+                    wr_id: token,
+                    sg_list,
+                })
+                .map_err(|e| Error::Provider(provider::device::DeviceError::Post(e.into()))),
+            SrqBackend::Ibv { srq, scratch } => {
+                let mut isges = ibv_sges(&sg_list);
+                if isges.is_empty() {
+                    isges = ibv_sges(&[scratch.slice(0, 0)?.sge()]);
+                }
+                let wr = ibv::RecvWr {
+                    wr_id: token,
+                    sges: &isges,
+                };
+                // SAFETY: the slices stay alive in the pending table until
+                // the receive completes (or the SRQ is gone).
+                unsafe { srq.post_recv(&[wr]) }.map_err(|(e, _)| Error::from(e))
+            }
+        };
         if let Err(e) = posted {
             self.inner
                 .pending
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .remove(&token);
-            return Err(Error::Provider(provider::device::DeviceError::Post(
-                e.into(),
-            )));
+            return Err(e);
         }
         Ok(())
     }
 
     /// Receives posted and not yet consumed.
     pub fn len(&self) -> usize {
-        self.inner.backend.len()
+        match &self.inner.backend {
+            SrqBackend::User(srq) => srq.len(),
+            SrqBackend::Ibv { .. } => self
+                .inner
+                .pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .len(),
+        }
     }
 
     /// Whether no receive is posted.

@@ -253,20 +253,102 @@ fn commit_makes_written_bytes_durable() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The operations every device must offer, natively or emulated: Send,
+/// Write, Read, the RFC 7306 operations and Commit.
+const REQUIRED: [OpKind; 11] = [
+    OpKind::Send,
+    OpKind::Write,
+    OpKind::Read,
+    OpKind::WriteImm,
+    OpKind::Imm,
+    OpKind::FetchAdd,
+    OpKind::MaskedFetchAdd,
+    OpKind::CmpSwap,
+    OpKind::MaskedCmpSwap,
+    OpKind::Swap,
+    OpKind::Commit,
+];
+
 #[test]
-fn every_operation_is_available() {
+fn every_required_operation_is_available() {
     let ctx = verbs::Context::open(&device()).unwrap();
-    for (op, support) in &ctx.capabilities().ops {
+    let caps = ctx.capabilities();
+    assert_eq!(caps.ops.len(), OpKind::ALL.len());
+    for op in REQUIRED {
+        let support = caps.get(op);
         assert!(support.is_available(), "{op} on {}: {support}", ctx.name());
     }
-    if ctx.name() == verbs::device::USERSPACE_DEVICE {
-        assert!(ctx
-            .capabilities()
-            .ops
-            .iter()
-            .all(|(_, s)| *s == Support::Native));
+    // Send with Invalidate is not required (RFC 7306 and Commit are), but
+    // it is either native or refused with the device's reason, never
+    // emulated behind the application's back.
+    match caps.get(OpKind::SendInvalidate) {
+        Support::Native => {}
+        Support::Unsupported { why } => assert!(
+            why.contains("memory windows") && why.contains("user MRs"),
+            "send-inv on {}: the reason should name the device limitation: {why}",
+            ctx.name()
+        ),
+        other => panic!("send-inv on {}: {other}", ctx.name()),
     }
-    assert_eq!(ctx.capabilities().ops.len(), OpKind::ALL.len());
+    if ctx.name() == verbs::device::USERSPACE_DEVICE {
+        assert!(caps.ops.iter().all(|(_, s)| *s == Support::Native));
+    }
+}
+
+#[test]
+fn send_with_invalidate_where_native() {
+    let (c, s) = pair();
+    if *c.ctx.capabilities().get(OpKind::SendInvalidate) != Support::Native {
+        // every_required_operation_is_available checks the reason.
+        return;
+    }
+    let victim =
+        s.pd.alloc_mr(4096, ALL.union(verbs::Access::REMOTE_INVALIDATE))
+            .unwrap();
+    let rkey = victim.rkey();
+    c.mr.write_at(0, b"invalidate").unwrap();
+    c.post(
+        1,
+        SendOp::Send {
+            solicited: false,
+            invalidate: Some(rkey),
+        },
+        &[(0, 10)],
+    );
+    let sent = c.wait();
+    assert_eq!(
+        (sent.status, sent.kind),
+        (WcStatus::Success, CompletionKind::Send)
+    );
+    let got = s.wait();
+    assert!(got.is_ok(), "{got:?}");
+    let CompletionKind::Recv {
+        len: 10,
+        invalidated,
+        ..
+    } = got.kind
+    else {
+        panic!("{got:?}")
+    };
+    if s.ctx.backend_kind() == verbs::Backend::Userspace {
+        assert_eq!(invalidated, Some(rkey));
+    } else {
+        // libsiw never sets IBV_WC_WITH_INV: the STag may go unreported,
+        // but it is never a different one.
+        assert!(invalidated.is_none_or(|k| k == rkey), "{got:?}");
+    }
+    assert_eq!(s.mr.to_vec(512 * 1024, 10).unwrap(), b"invalidate");
+    // The STag is gone: a Read of it fails (a Write would complete
+    // locally on iWARP before the peer refused it).
+    c.post(
+        2,
+        SendOp::Read {
+            remote: victim.remote(0),
+        },
+        &[(64, 8)],
+    );
+    let r = c.wait();
+    assert_ne!(r.status, WcStatus::Success, "{r:?}");
 }
 
 #[test]

@@ -6,6 +6,7 @@ use super::cq::CompletionQueue;
 use super::device::Context;
 use super::pd::ProtectionDomain;
 use super::qp::{QpCaps, QueuePair, Via};
+use super::srq::SharedReceiveQueue;
 use super::{check_errno, IbvError, Result};
 use rdma_sys_ext as ffi;
 use std::any::Any;
@@ -467,6 +468,19 @@ impl CmId {
         recv_cq: &Arc<CompletionQueue>,
         caps: &QpCaps,
     ) -> Result<QueuePair> {
+        self.create_qp_with_srq(pd, send_cq, recv_cq, caps, None)
+    }
+
+    /// [`Self::create_qp`], the QP taking its receives from `srq` when
+    /// given (`init_attr.srq`; `caps.max_recv_*` are then ignored).
+    pub fn create_qp_with_srq(
+        &self,
+        pd: &Arc<ProtectionDomain>,
+        send_cq: &Arc<CompletionQueue>,
+        recv_cq: &Arc<CompletionQueue>,
+        caps: &QpCaps,
+        srq: Option<&Arc<SharedReceiveQueue>>,
+    ) -> Result<QueuePair> {
         let ctx = self.context()?;
         if pd.context().as_raw() != ctx.as_raw() {
             return Err(IbvError::invalid("rdma_create_qp_ex"));
@@ -479,7 +493,14 @@ impl CmId {
             });
         }
         let keep: Arc<dyn Any + Send + Sync> = self.inner.clone();
-        QueuePair::create_via(pd, send_cq, recv_cq, caps, Via::Cm(self.inner.id, keep))
+        QueuePair::create_via(
+            pd,
+            send_cq,
+            recv_cq,
+            caps,
+            srq,
+            Via::Cm(self.inner.id, keep),
+        )
     }
 
     /// `rdma_connect`; wait for [`CmEventType::Established`].

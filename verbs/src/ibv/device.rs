@@ -337,6 +337,7 @@ impl Context {
             // the list.
             let c = unsafe { Context::borrowed(ctx, owner.clone()) };
             if c.name() == name {
+                c.siw_mmap_key_guard();
                 return Ok(c);
             }
         }
@@ -344,6 +345,54 @@ impl Context {
             call: "rdma_get_devices",
             errno: libc::ENODEV,
         })
+    }
+
+    /// Works around a libsiw bug, once per context: libsiw takes the mmap
+    /// key `SIW_INVAL_UOBJ_KEY` (0x90000) for "no mapping", but the kernel
+    /// hands out keys as page offsets in the ucontext, and page offset 144
+    /// *is* 0x90000. The CQ, QP or SRQ whose queue lands there fails to
+    /// create with no errno (seen as `rdma_create_qp_ex` failing for the
+    /// fifth connection of a process, then `UNREACHABLE` at the peer). A
+    /// CQ large enough to span offset 144 from wherever the context's
+    /// mappings end, created before anything else and kept for the life
+    /// of the process, makes sure no queue ever starts there.
+    fn siw_mmap_key_guard(self: &Arc<Self>) {
+        /// siw's `vendor_id` ("bmt").
+        const SIW_VENDOR_ID: u32 = 0x0062_6d74;
+        /// 32 B per siw CQE: 1 MiB, 257 pages, covering page 144 from any
+        /// start below it.
+        const GUARD_CQES: i32 = 32768;
+        static GUARDED: std::sync::Mutex<Vec<usize>> = std::sync::Mutex::new(Vec::new());
+        let Ok(attr) = self.query_device() else {
+            return;
+        };
+        if attr.vendor_id != SIW_VENDOR_ID {
+            return;
+        }
+        let mut guarded = GUARDED.lock().unwrap_or_else(|p| p.into_inner());
+        if guarded.contains(&(self.ctx as usize)) {
+            return;
+        }
+        let cqes = GUARD_CQES.min(attr.max_cqe.try_into().unwrap_or(GUARD_CQES));
+        // SAFETY: ctx is live (librdmacm keeps its device contexts open for
+        // the life of the library); no channel, no context pointer. The CQ
+        // is deliberately never destroyed: it must outlive every object
+        // made on this context, and the kernel frees it when the process
+        // closes the device.
+        let cq = unsafe {
+            ffi::ibv_create_cq(
+                self.ctx,
+                cqes,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        if cq.is_null() {
+            tracing::warn!(device = %self.name, "siw mmap-key guard CQ not created");
+            return;
+        }
+        guarded.push(self.ctx as usize);
     }
 
     /// Device name.

@@ -7,6 +7,7 @@
 //! - [`cq`]: [`CompletionQueue`], [`CompletionChannel`], [`WorkCompletion`]
 //! - [`qp`]: [`QueuePair`] (RC), legacy `post_send`/`post_recv`, and the
 //!   extended `ibv_wr_*` batch ([`WrBatch`]) incl. atomic write and flush
+//! - [`srq`]: [`SharedReceiveQueue`] (`post_recv` is `unsafe`)
 //! - [`cm`]: librdmacm [`EventChannel`], [`CmId`], [`CmEvent`]
 //!
 //! Every child holds an `Arc` to its parent and its `Drop` calls the
@@ -20,6 +21,7 @@ pub mod device;
 pub mod mr;
 pub mod pd;
 pub mod qp;
+pub mod srq;
 
 pub use cm::{CmEvent, CmEventType, CmId, ConnParam, EventChannel};
 pub use cq::{CompletionChannel, CompletionQueue, WcOpcode, WcStatus, WorkCompletion};
@@ -30,6 +32,7 @@ pub use qp::{
     FlushLevel, FlushType, QpCaps, QpState, QueuePair, RecvWr, SendFlags, SendOp, SendOps, SendWr,
     Sge, WrBatch,
 };
+pub use srq::SharedReceiveQueue;
 
 /// Whether the installed rdma-core has `ibv_wr_flush` (build-time probe).
 pub const HAS_WR_FLUSH: bool = rdma_sys_ext::HAS_WR_FLUSH;

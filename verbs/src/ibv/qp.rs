@@ -6,6 +6,7 @@ use super::cq::CompletionQueue;
 use super::device::Context;
 use super::mr::MemoryRegion;
 use super::pd::ProtectionDomain;
+use super::srq::SharedReceiveQueue;
 use super::{check, check_errno, IbvError, Result};
 use rdma_sys_ext as ffi;
 use std::any::Any;
@@ -34,7 +35,7 @@ impl Sge {
         })
     }
 
-    fn raw(&self) -> ffi::ibv_sge {
+    pub(super) fn raw(&self) -> ffi::ibv_sge {
         ffi::ibv_sge {
             addr: self.addr,
             length: self.length,
@@ -342,6 +343,8 @@ pub struct QueuePair {
     pd: Arc<ProtectionDomain>,
     send_cq: Arc<CompletionQueue>,
     recv_cq: Arc<CompletionQueue>,
+    /// The SRQ its receives come from (kept alive while the QP exists).
+    srq: Option<Arc<SharedReceiveQueue>>,
 }
 
 // SAFETY: legacy post_send/post_recv are thread-safe in libibverbs
@@ -375,7 +378,7 @@ impl QueuePair {
         recv_cq: &Arc<CompletionQueue>,
         caps: &QpCaps,
     ) -> Result<QueuePair> {
-        Self::create_via(pd, send_cq, recv_cq, caps, Via::Verbs)
+        Self::create_via(pd, send_cq, recv_cq, caps, None, Via::Verbs)
     }
 
     pub(crate) fn create_via(
@@ -383,10 +386,14 @@ impl QueuePair {
         send_cq: &Arc<CompletionQueue>,
         recv_cq: &Arc<CompletionQueue>,
         caps: &QpCaps,
+        srq: Option<&Arc<SharedReceiveQueue>>,
         via: Via,
     ) -> Result<QueuePair> {
         let same_ctx = |cq: &CompletionQueue| cq.context().as_raw() == pd.context().as_raw();
         if !same_ctx(send_cq) || !same_ctx(recv_cq) {
+            return Err(IbvError::invalid("ibv_create_qp"));
+        }
+        if srq.is_some_and(|s| s.pd().as_raw() != pd.as_raw()) {
             return Err(IbvError::invalid("ibv_create_qp"));
         }
         if let Some(ops) = caps.send_ops {
@@ -412,8 +419,14 @@ impl QueuePair {
             sq_sig_all: i32::from(caps.sq_sig_all),
             comp_mask: ffi::IBV_QP_INIT_ATTR_PD,
             pd: pd.as_raw(),
+            // With an SRQ the QP has no receive queue of its own.
+            srq: srq.map_or(std::ptr::null_mut(), |s| s.as_raw()),
             ..Default::default()
         };
+        if srq.is_some() {
+            attr.cap.max_recv_wr = 0;
+            attr.cap.max_recv_sge = 0;
+        }
         if let Some(ops) = caps.send_ops {
             attr.comp_mask |= ffi::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS;
             attr.send_ops_flags = ops.0;
@@ -459,6 +472,7 @@ impl QueuePair {
             pd: Arc::clone(pd),
             send_cq: Arc::clone(send_cq),
             recv_cq: Arc::clone(recv_cq),
+            srq: srq.cloned(),
         };
         tracing::debug!(?qp, "created RC QP");
         Ok(qp)
@@ -493,6 +507,11 @@ impl QueuePair {
     /// The receive CQ.
     pub fn recv_cq(&self) -> &Arc<CompletionQueue> {
         &self.recv_cq
+    }
+
+    /// The shared receive queue, if the QP takes its receives from one.
+    pub fn srq(&self) -> Option<&Arc<SharedReceiveQueue>> {
+        self.srq.as_ref()
     }
 
     /// Raw pointer (stays owned by `self`).
@@ -679,6 +698,13 @@ fn raw_send_wr(wr: &SendWr<'_>, sg_list: *mut ffi::ibv_sge, n: usize) -> ffi::ib
         SendOp::SendWithInv { invalidate_rkey } => {
             r.opcode = ffi::IBV_WR_SEND_WITH_INV;
             r.__bindgen_anon_1.invalidate_rkey = invalidate_rkey;
+            // libsiw takes the STag to invalidate from `wr.rdma.rkey`, not
+            // from `invalidate_rkey` (its SQE has one rkey field for both);
+            // a Send ignores `wr.rdma` on every other provider.
+            r.wr.rdma = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
+                remote_addr: 0,
+                rkey: invalidate_rkey,
+            };
         }
         SendOp::SendWithImm { imm } => {
             r.opcode = ffi::IBV_WR_SEND_WITH_IMM;

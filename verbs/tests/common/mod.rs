@@ -23,7 +23,7 @@ pub fn device() -> String {
     std::env::var("STAG_DEVICE").unwrap_or_else(|_| verbs::device::USERSPACE_DEVICE.to_owned())
 }
 
-fn listen_addr() -> SocketAddr {
+pub fn listen_addr() -> SocketAddr {
     match std::env::var("STAG_ADDR") {
         Ok(a) => format!("{a}:0")
             .parse()
