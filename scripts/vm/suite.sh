@@ -66,13 +66,14 @@ check_caps() { # dev kind(rxe|siw) matrix-file
             # 6.12's rxe advertises FLUSH (device_cap_flags_ex bits 38/39).
             expect commit 'advertises FLUSH \(global\+persistent\)'
         else
-            expect commit 'emulated \(the responder.s stag agent[^;]*; ≥1 RTT\)$'
+            expect commit 'emulated \(a zero-length RDMA Read places earlier Writes, then the responder.s stag agent msyncs; ≥2 RTT\)$'
         fi
     else
         local op
-        for op in fetch-add cmp-swap masked-fetch-add masked-cmp-swap swap commit; do
+        for op in fetch-add cmp-swap masked-fetch-add masked-cmp-swap swap; do
             expect "$op" "emulated \(the responder.s stag agent[^;]*; ≥1 RTT\)$"
         done
+        expect commit 'emulated \(a zero-length RDMA Read places earlier Writes, then the responder.s stag agent msyncs; ≥2 RTT\)$'
         expect send-inv ' native$'
     fi
     expect imm 'emulated \(RDMA Write into the peer.s mailbox'

@@ -108,16 +108,22 @@ impl Emulation {
         !matches!(self, Emulation::CasLoop)
     }
 
-    fn describe(self) -> (&'static str, u32) {
-        match self {
-            Emulation::CasLoop => (CAS_LOOP, 2),
-            Emulation::Agent => ("the responder's stag agent executes it on its CPU", 1),
-            Emulation::ImmMailbox => ("RDMA Write into the peer's mailbox + zero-length Send", 1),
+    /// How it runs `op`, in words, and the network round trips it costs
+    /// at best (0: one-way messages only).
+    fn describe(self, op: OpKind) -> (&'static str, u32) {
+        match (self, op) {
+            (Emulation::CasLoop, _) => (CAS_LOOP, 2),
+            (Emulation::Agent, OpKind::Commit) => (
+                "a zero-length RDMA Read places earlier Writes, then the responder's stag agent msyncs",
+                2,
+            ),
+            (Emulation::Agent, _) => ("the responder's stag agent executes it on its CPU", 1),
+            (Emulation::ImmMailbox, _) => ("RDMA Write into the peer's mailbox + zero-length Send", 0),
         }
     }
 
-    fn support(self) -> Support {
-        let (how, round_trips) = self.describe();
+    fn support_for(self, op: OpKind) -> Support {
+        let (how, round_trips) = self.describe(op);
         Support::Emulated {
             method: self,
             how: how.to_owned(),
@@ -162,7 +168,11 @@ impl fmt::Display for Support {
             Support::Emulated {
                 how, round_trips, ..
             } => {
-                write!(f, "emulated ({how}; ≥{round_trips} RTT)")
+                if *round_trips == 0 {
+                    write!(f, "emulated ({how}; no extra round trip)")
+                } else {
+                    write!(f, "emulated ({how}; ≥{round_trips} RTT)")
+                }
             }
             Support::Unsupported { why } => write!(f, "unsupported ({why})"),
         }
@@ -222,10 +232,10 @@ impl Capabilities {
                 },
                 // Verbs immediate data is 4 bytes and iWARP has none: the
                 // RFC 7306 8-byte form always goes through the mailbox.
-                OpKind::WriteImm | OpKind::Imm => Emulation::ImmMailbox.support(),
+                OpKind::WriteImm | OpKind::Imm => Emulation::ImmMailbox.support_for(k),
                 OpKind::FetchAdd | OpKind::CmpSwap if atomics => Support::Native,
                 OpKind::MaskedFetchAdd | OpKind::MaskedCmpSwap | OpKind::Swap if atomics => {
-                    Emulation::CasLoop.support()
+                    Emulation::CasLoop.support_for(k)
                 }
                 // No atomics at all (siw): the peer's agent runs them, all
                 // of them, so that they stay atomic with respect to each
@@ -234,12 +244,12 @@ impl Capabilities {
                 | OpKind::CmpSwap
                 | OpKind::MaskedFetchAdd
                 | OpKind::MaskedCmpSwap
-                | OpKind::Swap => Emulation::Agent.support(),
+                | OpKind::Swap => Emulation::Agent.support_for(k),
                 // IBV_WR_FLUSH needs rdma-core ≥ 45 (Debian 12 has 44) and
                 // the ibv_wr_* API: until both are there the agent does
                 // Commit everywhere. Say when the device itself could.
                 OpKind::Commit => {
-                    let mut s = Emulation::Agent.support();
+                    let mut s = Emulation::Agent.support_for(k);
                     if attr.flush_global || attr.flush_persistent {
                         if let Support::Emulated { how, .. } = &mut s {
                             how.push_str(&format!(
@@ -285,7 +295,7 @@ impl Capabilities {
                 OpKind::Imm | OpKind::WriteImm => Emulation::ImmMailbox,
                 _ => continue,
             };
-            *s = method.support();
+            *s = method.support_for(*k);
         }
     }
 
