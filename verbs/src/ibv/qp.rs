@@ -605,49 +605,14 @@ impl QueuePair {
     /// registered on this QP's PD with `LOCAL_WRITE`, which stays valid and
     /// unaliased until the WR completes.
     pub unsafe fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), (IbvError, usize)> {
-        if wrs.is_empty() {
-            return Ok(());
+        // SAFETY: qp is live; the chain and its SGEs live for the call (the
+        // provider copies them); the memory they name is the caller's
+        // obligation (see # Safety).
+        unsafe {
+            post_recv_chain("ibv_post_recv", wrs, |head, bad| {
+                ffi::stag_ibv_post_recv(self.qp, head, bad)
+            })
         }
-        let mut sges: Vec<ffi::ibv_sge> = wrs
-            .iter()
-            .flat_map(|w| w.sges.iter().map(Sge::raw))
-            .collect();
-        let mut raw: Vec<ffi::ibv_recv_wr> = Vec::with_capacity(wrs.len());
-        let mut off = 0;
-        for (i, wr) in wrs.iter().enumerate() {
-            let n = wr.sges.len();
-            let num_sge = i32::try_from(n).map_err(|_| (IbvError::invalid("ibv_post_recv"), i))?;
-            let sg_list = if n == 0 {
-                std::ptr::null_mut()
-            } else {
-                sges[off..].as_mut_ptr()
-            };
-            off += n;
-            raw.push(ffi::ibv_recv_wr {
-                wr_id: wr.wr_id,
-                next: std::ptr::null_mut(),
-                sg_list,
-                num_sge,
-            });
-        }
-        let base = raw.as_mut_ptr();
-        for i in 0..raw.len().saturating_sub(1) {
-            // SAFETY: i + 1 < len; pointers into the same live Vec.
-            raw[i].next = unsafe { base.add(i + 1) };
-        }
-        let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
-        // SAFETY: as in post_send.
-        let ret = unsafe { ffi::stag_ibv_post_recv(self.qp, base, &mut bad) };
-        if ret == 0 {
-            return Ok(());
-        }
-        let idx = if bad.is_null() {
-            0
-        } else {
-            // SAFETY: bad points into `raw` per the ibv_post_recv contract.
-            usize::try_from(unsafe { bad.offset_from(base) }).unwrap_or(0)
-        };
-        Err((IbvError::new("ibv_post_recv", ret), idx))
     }
 
     /// Starts an extended-API batch (`ibv_wr_start`). Only for QPs created
@@ -990,6 +955,62 @@ pub(crate) fn probe_wr_api(ctx: &Arc<Context>) -> (bool, bool, bool) {
     let aw = base && ffi::HAS_WR_ATOMIC_WRITE && try_ops(SendOps::BASIC | SendOps::ATOMIC_WRITE);
     let fl = base && ffi::HAS_WR_FLUSH && try_ops(SendOps::BASIC | SendOps::FLUSH);
     (base, aw, fl)
+}
+
+/// Build the `ibv_recv_wr` chain for `wrs` and hand it to `post` (a QP's
+/// or an SRQ's post verb); on failure, the error and the index of the
+/// first request not posted.
+///
+/// # Safety
+/// As for the verb `post` calls: every SGE names writable memory of a live
+/// region that stays valid until its WR completes.
+pub(crate) unsafe fn post_recv_chain(
+    call: &'static str,
+    wrs: &[RecvWr<'_>],
+    post: impl FnOnce(*mut ffi::ibv_recv_wr, *mut *mut ffi::ibv_recv_wr) -> i32,
+) -> Result<(), (IbvError, usize)> {
+    if wrs.is_empty() {
+        return Ok(());
+    }
+    let mut sges: Vec<ffi::ibv_sge> = wrs
+        .iter()
+        .flat_map(|w| w.sges.iter().map(Sge::raw))
+        .collect();
+    let mut raw: Vec<ffi::ibv_recv_wr> = Vec::with_capacity(wrs.len());
+    let mut off = 0;
+    for (i, wr) in wrs.iter().enumerate() {
+        let n = wr.sges.len();
+        let num_sge = i32::try_from(n).map_err(|_| (IbvError::invalid(call), i))?;
+        let sg_list = if n == 0 {
+            std::ptr::null_mut()
+        } else {
+            sges[off..].as_mut_ptr()
+        };
+        off += n;
+        raw.push(ffi::ibv_recv_wr {
+            wr_id: wr.wr_id,
+            next: std::ptr::null_mut(),
+            sg_list,
+            num_sge,
+        });
+    }
+    let base = raw.as_mut_ptr();
+    for i in 0..raw.len().saturating_sub(1) {
+        // SAFETY: i + 1 < len; pointers into the same live Vec.
+        raw[i].next = unsafe { base.add(i + 1) };
+    }
+    let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
+    let ret = post(base, &mut bad);
+    if ret == 0 {
+        return Ok(());
+    }
+    let idx = if bad.is_null() {
+        0
+    } else {
+        // SAFETY: bad points into `raw` per the post verbs' contract.
+        usize::try_from(unsafe { bad.offset_from(base) }).unwrap_or(0)
+    };
+    Err((IbvError::new(call, ret), idx))
 }
 
 #[cfg(test)]

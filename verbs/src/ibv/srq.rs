@@ -3,7 +3,7 @@
 //! `ibv_destroy_srq`.
 
 use super::pd::ProtectionDomain;
-use super::qp::{RecvWr, Sge};
+use super::qp::{post_recv_chain, RecvWr};
 use super::{IbvError, Result};
 use rdma_sys_ext as ffi;
 use std::sync::Arc;
@@ -85,53 +85,14 @@ impl SharedReceiveQueue {
     /// registered on this SRQ's PD with `LOCAL_WRITE`, which stays valid
     /// and unaliased until the WR completes.
     pub unsafe fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), (IbvError, usize)> {
-        if wrs.is_empty() {
-            return Ok(());
+        // SAFETY: srq is live; the chain and its SGEs live for the call (the
+        // provider copies them); the memory they name is the caller's
+        // obligation (see # Safety).
+        unsafe {
+            post_recv_chain("ibv_post_srq_recv", wrs, |head, bad| {
+                ffi::stag_ibv_post_srq_recv(self.srq, head, bad)
+            })
         }
-        let mut sges: Vec<ffi::ibv_sge> = wrs
-            .iter()
-            .flat_map(|w| w.sges.iter().map(Sge::raw))
-            .collect();
-        let mut raw: Vec<ffi::ibv_recv_wr> = Vec::with_capacity(wrs.len());
-        let mut off = 0;
-        for (i, wr) in wrs.iter().enumerate() {
-            let n = wr.sges.len();
-            let num_sge =
-                i32::try_from(n).map_err(|_| (IbvError::invalid("ibv_post_srq_recv"), i))?;
-            let sg_list = if n == 0 {
-                std::ptr::null_mut()
-            } else {
-                sges[off..].as_mut_ptr()
-            };
-            off += n;
-            raw.push(ffi::ibv_recv_wr {
-                wr_id: wr.wr_id,
-                next: std::ptr::null_mut(),
-                sg_list,
-                num_sge,
-            });
-        }
-        let base = raw.as_mut_ptr();
-        for i in 0..raw.len().saturating_sub(1) {
-            // SAFETY: i + 1 < len; pointers into the same live Vec.
-            raw[i].next = unsafe { base.add(i + 1) };
-        }
-        let mut bad: *mut ffi::ibv_recv_wr = std::ptr::null_mut();
-        // SAFETY: srq is live; the chain and its SGEs live in `raw`/`sges`
-        // for the call (the provider copies them); the memory they name is
-        // the caller's obligation (see # Safety).
-        let ret = unsafe { ffi::stag_ibv_post_srq_recv(self.srq, base, &mut bad) };
-        if ret == 0 {
-            return Ok(());
-        }
-        let idx = if bad.is_null() {
-            0
-        } else {
-            // SAFETY: bad points into `raw` per the ibv_post_srq_recv
-            // contract.
-            usize::try_from(unsafe { bad.offset_from(base) }).unwrap_or(0)
-        };
-        Err((IbvError::new("ibv_post_srq_recv", ret), idx))
     }
 }
 
