@@ -79,6 +79,7 @@ fn devices(verbose: bool, json: bool) -> i32 {
         let Some(caps) = &r.capabilities else {
             continue;
         };
+        println!("  {:<17} {}", "(posts with)", caps.post_path);
         for (op, support) in &caps.ops {
             let short = match support {
                 verbs::Support::Native => "native".to_owned(),

@@ -58,6 +58,7 @@ check_caps() { # dev kind(rxe|siw) matrix-file
         fi
     }
     if [[ $kind == rxe ]]; then
+        expect '\(posts with\)' 'ibv_wr_\* \(ibv_create_qp_ex send_ops_flags\)$'
         expect fetch-add ' native$'
         expect cmp-swap ' native$'
         expect masked-fetch-add 'emulated \(RDMA Read, then CmpSwap'
@@ -75,6 +76,7 @@ check_caps() { # dev kind(rxe|siw) matrix-file
         done
         expect commit 'emulated \(a zero-length RDMA Read places earlier Writes, then the responder.s stag agent msyncs; ≥2 RTT\)$'
         expect send-inv ' native$'
+        expect '\(posts with\)' ' ibv_post_send$'
     fi
     expect imm 'emulated \(RDMA Write into the peer.s mailbox'
     expect write-imm 'emulated \(RDMA Write into the peer.s mailbox'
@@ -86,12 +88,14 @@ matrix=$(mktemp)
 target/debug/stag devices -v >"$matrix" 2>&1
 cat "$matrix"
 for kind in rxe siw; do
+    # rxe's provider has the extended ibv_wr_* API; libsiw has none.
     if [[ $kind == rxe ]]; then
-        dev=$STAG_RXE_DEV addr=$STAG_RXE_ADDR
+        dev=$STAG_RXE_DEV addr=$STAG_RXE_ADDR post=extended
     else
-        dev=$STAG_SIW_DEV addr=$STAG_SIW_ADDR
+        dev=$STAG_SIW_DEV addr=$STAG_SIW_ADDR post=legacy
     fi
     export STAG_DEVICE=$dev STAG_ADDR=$addr STAG_IBV_DEVICE=$dev STAG_IBV_ADDR=$addr
+    export STAG_EXPECT_POST_PATH=$post
     echo "== $dev ($addr)"
     check_caps "$dev" "$kind" "$matrix"
     one "capability matrix" $?

@@ -194,6 +194,10 @@ pub struct CommonArgs {
     /// Run server and client in this process (two threads).
     #[arg(long)]
     pub loopback: bool,
+    /// libibverbs devices: post with ibv_post_send even where the provider
+    /// has the extended ibv_wr_* API (to compare the two paths).
+    #[arg(long)]
+    pub legacy_post: bool,
     /// Address the server listens on (default 0.0.0.0; 127.0.0.1 with
     /// --loopback). libibverbs devices need the device's own address.
     #[arg(long)]
@@ -761,6 +765,7 @@ pub(crate) fn open_context(common: &CommonArgs) -> Result<Context> {
     let name = common.ib_dev.clone().unwrap_or_else(stag::default_device);
     let opts = ContextOptions {
         force_emulation: common.emulate.clone(),
+        legacy_post: common.legacy_post,
     };
     let ctx = Context::open_with(&name, &opts)?;
     for &k in &common.emulate {
@@ -971,6 +976,8 @@ pub struct RunInfo {
     /// Of those, the ones that have no emulation (they ran natively).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub not_emulated: Vec<String>,
+    /// How work requests reach the device.
+    pub post_path: stag::PostPath,
     /// "busy-poll" or "blocking".
     pub completions: &'static str,
     /// 2 when one-way latency is half the round trip, else 1.
@@ -992,6 +999,7 @@ impl RunInfo {
                 .filter(|&&k| *ctx.capabilities().get(k) == Support::Native)
                 .map(|k| k.name().to_owned())
                 .collect(),
+            post_path: ctx.capabilities().post_path,
             completions: if common.blocking {
                 "blocking"
             } else {
@@ -1020,6 +1028,7 @@ impl RunInfo {
                 self.not_emulated.join(", ")
             );
         }
+        s += &format!(" Posting        : {}\n", self.post_path);
         s += &format!(" Completions    : {}\n", self.completions);
         s += &format!(" Iterations     : {iters}\n");
         if self.test == Test::Lat {

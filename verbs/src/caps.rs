@@ -179,6 +179,31 @@ impl fmt::Display for Support {
     }
 }
 
+/// How work requests reach a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PostPath {
+    /// The userspace provider's own send queue.
+    Userspace,
+    /// libibverbs' extended API: `ibv_wr_start`, `ibv_wr_<op>`,
+    /// `ibv_wr_complete` on a QP created by `ibv_create_qp_ex` with
+    /// `send_ops_flags` (rxe, mlx5, efa, …).
+    Extended,
+    /// `ibv_post_send`: the provider has no `send_ops_flags` QPs (siw,
+    /// irdma, cxgb4, erdma), or the application asked for this path.
+    Legacy,
+}
+
+impl fmt::Display for PostPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PostPath::Userspace => "userspace provider send queue",
+            PostPath::Extended => "ibv_wr_* (ibv_create_qp_ex send_ops_flags)",
+            PostPath::Legacy => "ibv_post_send",
+        })
+    }
+}
+
 /// The matrix for one device.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Capabilities {
@@ -186,6 +211,8 @@ pub struct Capabilities {
     pub device: String,
     /// Transport, e.g. "iWARP (userspace)", "iWARP", "RoCE".
     pub transport: String,
+    /// How this device's QPs post work requests.
+    pub post_path: PostPath,
     /// One entry per operation, in [`OpKind::ALL`] order.
     pub ops: Vec<(OpKind, Support)>,
 }
@@ -209,6 +236,7 @@ impl Capabilities {
         Capabilities {
             device: device.to_owned(),
             transport: "iWARP (stag userspace provider over TCP)".to_owned(),
+            post_path: PostPath::Userspace,
             ops: OpKind::ALL.iter().map(|&k| (k, Support::Native)).collect(),
         }
     }
@@ -276,6 +304,11 @@ impl Capabilities {
         Capabilities {
             device: device.to_owned(),
             transport: format!("{:?}", attr.transport),
+            post_path: if attr.wr_api {
+                PostPath::Extended
+            } else {
+                PostPath::Legacy
+            },
             ops,
         }
     }
@@ -311,6 +344,7 @@ impl Capabilities {
 impl fmt::Display for Capabilities {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "{} — {}", self.device, self.transport)?;
+        writeln!(f, "  posts with        {}", self.post_path)?;
         for (k, s) in &self.ops {
             writeln!(f, "  {:<17} {}", k.name(), s)?;
         }

@@ -64,12 +64,15 @@ impl ConnectOptions {
         }
     }
 
-    fn ibv_caps(&self) -> ibv::QpCaps {
+    /// The QP's creation parameters; `send_ops` picks the extended
+    /// `ibv_wr_*` post path (`None`: `ibv_post_send`).
+    fn ibv_caps(&self, send_ops: Option<ibv::SendOps>) -> ibv::QpCaps {
         ibv::QpCaps {
             max_send_wr: self.caps.max_send_wr,
             max_recv_wr: self.caps.max_recv_wr,
             max_send_sge: self.caps.max_sge,
             max_recv_sge: self.caps.max_sge,
+            send_ops,
             ..ibv::QpCaps::default()
         }
     }
@@ -274,7 +277,7 @@ fn ibv_qp(
         Some(crate::srq::SrqBackend::Ibv { srq, .. }) => Some(srq),
         Some(crate::srq::SrqBackend::User(_)) => return Err(Error::Mismatch),
     };
-    let iqp = id.create_qp_with_srq(ipd, icq, icq, &opts.ibv_caps(), srq)?;
+    let iqp = id.create_qp_with_srq(ipd, icq, icq, &opts.ibv_caps(pd.context().wr_ops()), srq)?;
     let qp_num = iqp.qp_num();
     QueuePair::from_backend(
         pd.context(),

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, Weak};
 use serde::Serialize;
 use tracing::debug;
 
-use crate::caps::{Capabilities, OpKind};
+use crate::caps::{Capabilities, OpKind, PostPath};
 use crate::cq::CompletionQueue;
 use crate::error::{Error, Result};
 use crate::ibv;
@@ -85,6 +85,9 @@ pub struct ContextOptions {
     /// Run these operations through the emulation layer even where the
     /// device has them natively (for tests and cost measurements).
     pub force_emulation: Vec<OpKind>,
+    /// Post with `ibv_post_send` even where the provider has the extended
+    /// `ibv_wr_*` API (to compare the two paths).
+    pub legacy_post: bool,
 }
 
 /// An open device.
@@ -98,6 +101,9 @@ struct ContextInner {
     name: String,
     backend: ContextBackend,
     caps: Capabilities,
+    /// The `send_ops_flags` its QPs are created with (`None`: legacy
+    /// `ibv_create_qp` and `ibv_post_send`).
+    wr_ops: Option<ibv::SendOps>,
     /// Regions by rkey, for the agent executing a peer's requests.
     mrs: Mutex<HashMap<u32, Weak<MrInner>>>,
 }
@@ -121,9 +127,13 @@ impl Context {
 
     /// Open a device with options.
     pub fn open_with(name: &str, options: &ContextOptions) -> Result<Context> {
-        let (backend, mut caps) = if name == USERSPACE_DEVICE {
+        let (backend, mut caps, mut wr_ops) = if name == USERSPACE_DEVICE {
             let dev = provider::device::Device::open(name)?;
-            (ContextBackend::User(dev), Capabilities::userspace(name))
+            (
+                ContextBackend::User(dev),
+                Capabilities::userspace(name),
+                None,
+            )
         } else {
             // librdmacm's own context, so that QPs created on rdma_cm ids
             // share it with our PDs and CQs.
@@ -136,14 +146,20 @@ impl Context {
             })?;
             let attr = ctx.query_device()?;
             let caps = Capabilities::ibverbs(name, &attr);
-            (ContextBackend::Ibv(ctx), caps)
+            let wr_ops = attr.wr_api.then_some(attr.wr_ops);
+            (ContextBackend::Ibv(ctx), caps, wr_ops)
         };
         caps.force_emulation(&options.force_emulation);
+        if options.legacy_post && caps.post_path == PostPath::Extended {
+            caps.post_path = PostPath::Legacy;
+            wr_ops = None;
+        }
         Ok(Context {
             inner: Arc::new(ContextInner {
                 name: name.to_owned(),
                 backend,
                 caps,
+                wr_ops,
                 mrs: Mutex::new(HashMap::new()),
             }),
         })
@@ -169,6 +185,11 @@ impl Context {
     /// What the device can do, natively or emulated.
     pub fn capabilities(&self) -> &Capabilities {
         &self.inner.caps
+    }
+
+    /// The `send_ops_flags` QPs are created with on the extended path.
+    pub(crate) fn wr_ops(&self) -> Option<ibv::SendOps> {
+        self.inner.wr_ops
     }
 
     /// Which backend runs it.

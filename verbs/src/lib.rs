@@ -24,7 +24,7 @@ pub mod srq;
 #[doc(hidden)]
 pub mod ibv;
 
-pub use caps::{Capabilities, Emulation, OpKind, Support};
+pub use caps::{Capabilities, Emulation, OpKind, PostPath, Support};
 pub use cm::{connect, connect_with, ConnectOptions, Incoming, Listener};
 pub use cq::{Completion, CompletionKind, CompletionQueue, WcStatus};
 pub use device::{

@@ -16,7 +16,7 @@ use tracing::warn;
 use provider::wr::{Remote, SendOp, Sge, WcStatus};
 
 use crate::agent::{Agent, AgentOp};
-use crate::caps::{Emulation, OpKind, Support};
+use crate::caps::{Emulation, OpKind, PostPath, Support};
 use crate::cq::{Completion, CompletionKind, CompletionQueue, RawCompletion};
 use crate::device::{Context, ProtectionDomain};
 use crate::error::{Error, Result};
@@ -238,16 +238,23 @@ impl QpInner {
                 if fence {
                     flags = ibv::SendFlags(flags.0 | ibv::SendFlags::FENCE.0);
                 }
-                let wr = ibv::SendWr {
-                    wr_id: token,
-                    op: iop,
-                    sges: &isges,
-                    flags,
-                };
-                // SAFETY: every SGE names a slice of a registered region
-                // that the pending table keeps alive until this WR's
-                // completion is polled.
-                unsafe { qp.post_send(&[wr]) }.map_err(|(e, _)| e)?;
+                if qp.has_wr_api() {
+                    let mut batch = qp.start_wr()?;
+                    // SAFETY: every SGE names a slice of a registered
+                    // region that the pending table keeps alive until this
+                    // WR's completion is polled.
+                    unsafe { batch.push(token, flags, iop, &isges) }?;
+                    batch.commit()?;
+                } else {
+                    let wr = ibv::SendWr {
+                        wr_id: token,
+                        op: iop,
+                        sges: &isges,
+                        flags,
+                    };
+                    // SAFETY: as above.
+                    unsafe { qp.post_send(&[wr]) }.map_err(|(e, _)| e)?;
+                }
             }
         }
         Ok(())
@@ -879,6 +886,16 @@ impl QueuePair {
     /// The QP number.
     pub fn qp_num(&self) -> u32 {
         self.inner.qp_num
+    }
+
+    /// How this QP posts: the userspace provider's queue, the extended
+    /// `ibv_wr_*` API or `ibv_post_send`.
+    pub fn post_path(&self) -> PostPath {
+        match &self.inner.backend {
+            QpBackend::User(_) => PostPath::Userspace,
+            QpBackend::Ibv { qp, .. } if qp.has_wr_api() => PostPath::Extended,
+            QpBackend::Ibv { .. } => PostPath::Legacy,
+        }
     }
 
     /// `ibv_post_send`, natively or through the emulation layer as the

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use verbs::{CompletionKind, OpKind, SendOp, Support, WcStatus};
+use verbs::{CompletionKind, OpKind, PostPath, SendOp, Support, WcStatus};
 
 #[test]
 fn send_and_receive() {
@@ -440,4 +440,85 @@ fn peer_error_flushes_outstanding_receives() {
     assert_eq!(flushed, 4);
     let first = c.wait();
     assert_eq!(first.wr_id, 1);
+}
+
+/// QPs post the way the device's report says (the extended `ibv_wr_*` API
+/// where the provider has it), and `legacy_post` moves them to
+/// `ibv_post_send`; Send, Write, Read and an atomic work on either path.
+#[test]
+fn both_post_paths_carry_the_operations() {
+    for legacy_post in [false, true] {
+        let options = verbs::ContextOptions {
+            legacy_post,
+            ..verbs::ContextOptions::default()
+        };
+        let (c, s) = pair_with(&options, 1);
+        let reported = c.ctx.capabilities().post_path;
+        assert_eq!(c.qp.post_path(), reported, "legacy_post={legacy_post}");
+        assert_eq!(s.qp.post_path(), reported, "legacy_post={legacy_post}");
+        match c.ctx.backend_kind() {
+            verbs::Backend::Userspace => assert_eq!(reported, PostPath::Userspace),
+            verbs::Backend::Ibverbs if legacy_post => assert_eq!(reported, PostPath::Legacy),
+            verbs::Backend::Ibverbs => {}
+        }
+        // The VM suite says which path each kernel device must take.
+        if let Ok(want) = std::env::var("STAG_EXPECT_POST_PATH") {
+            let want = match want.as_str() {
+                "extended" => PostPath::Extended,
+                "legacy" => PostPath::Legacy,
+                other => panic!("STAG_EXPECT_POST_PATH={other}"),
+            };
+            if !legacy_post {
+                assert_eq!(reported, want, "{}", c.ctx.name());
+            }
+        }
+
+        c.mr.write_at(0, b"path").unwrap();
+        c.post(
+            1,
+            SendOp::Send {
+                solicited: false,
+                invalidate: None,
+            },
+            &[(0, 4)],
+        );
+        assert_eq!(c.wait().status, WcStatus::Success);
+        assert!(matches!(s.wait().kind, CompletionKind::Recv { len: 4, .. }));
+        assert_eq!(s.mr.to_vec(512 * 1024, 4).unwrap(), b"path");
+
+        c.post(
+            2,
+            SendOp::Write {
+                remote: s.mr.remote(64),
+            },
+            &[(0, 4)],
+        );
+        assert_eq!(c.wait().kind, CompletionKind::Write);
+        c.post(
+            3,
+            SendOp::Read {
+                remote: s.mr.remote(64),
+            },
+            &[(128, 4)],
+        );
+        assert_eq!(c.wait().kind, CompletionKind::Read);
+        assert_eq!(c.mr.to_vec(128, 4).unwrap(), b"path");
+
+        s.mr.write_at(256, &7u64.to_ne_bytes()).unwrap();
+        c.post(
+            4,
+            SendOp::FetchAdd {
+                remote: s.mr.remote(256),
+                add: 5,
+                mask: 0,
+            },
+            &[(320, 8)],
+        );
+        let fa = c.wait();
+        assert_eq!(
+            (fa.status, fa.kind),
+            (WcStatus::Success, CompletionKind::FetchAdd { original: 7 })
+        );
+        assert_eq!(s.mr.load_u64(256).unwrap(), 12);
+    }
 }

@@ -204,6 +204,9 @@ pub struct DeviceAttr {
     /// `send_ops_flags`, i.e. supports the `ibv_wr_*` API (probed; siw,
     /// irdma and cxgb4 do not).
     pub wr_api: bool,
+    /// The `send_ops_flags` the provider accepted for the operations stag
+    /// posts (empty without the `ibv_wr_*` API).
+    pub wr_ops: super::qp::SendOps,
     /// ... and accepts `IBV_QP_EX_WITH_ATOMIC_WRITE` (probed; needs
     /// [`super::HAS_WR_ATOMIC_WRITE`]).
     pub wr_atomic_write: bool,
@@ -422,7 +425,7 @@ impl Context {
         let a = &ex.orig_attr;
         let u = |v: i32| u32::try_from(v).unwrap_or(0);
         let caps = ffi::CapFlagsEx::from_bits(ex.device_cap_flags_ex);
-        let (wr_api, wr_atomic_write, wr_flush) = super::qp::probe_wr_api(self);
+        let wr = super::qp::probe_wr_api(self);
         let attr = DeviceAttr {
             name: self.name.clone(),
             fw_ver: c_chars(&a.fw_ver),
@@ -450,9 +453,10 @@ impl Context {
             atomic_write: caps.atomic_write,
             node_type: self.node_type,
             transport: self.transport,
-            wr_api,
-            wr_atomic_write,
-            wr_flush,
+            wr_api: !wr.ops.is_empty(),
+            wr_ops: wr.ops,
+            wr_atomic_write: wr.atomic_write,
+            wr_flush: wr.flush,
         };
         tracing::debug!(?attr, "query_device");
         Ok(attr)

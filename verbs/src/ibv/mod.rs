@@ -30,7 +30,7 @@ pub use mr::{AccessFlags, MemoryRegion};
 pub use pd::ProtectionDomain;
 pub use qp::{
     FlushLevel, FlushType, QpCaps, QpState, QueuePair, RecvWr, SendFlags, SendOp, SendOps, SendWr,
-    Sge, WrBatch,
+    Sge, WrApi, WrBatch,
 };
 pub use srq::SharedReceiveQueue;
 

@@ -197,6 +197,11 @@ impl SendOps {
     pub const BASIC_ATOMICS: Self =
         SendOps(Self::BASIC.0 | Self::ATOMIC_CMP_AND_SWP.0 | Self::ATOMIC_FETCH_AND_ADD.0);
 
+    /// No flag set (the QP has no `ibv_wr_*` API).
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
     /// Whether every bit of `other` is set.
     pub fn contains(self, other: Self) -> bool {
         self.0 & other.0 == other.0
@@ -926,15 +931,32 @@ unsafe fn wr_op(qpx: *mut ffi::ibv_qp_ex, op: SendOp) -> Result<()> {
     r.map_err(|e| IbvError::from(("ibv_wr_*", e)))
 }
 
-/// Probes whether `ctx`'s provider supports `ibv_create_qp_ex` with
-/// `send_ops_flags` (the `ibv_wr_*` API), and with atomic write / flush.
-/// Creates and destroys a PD, a CQ and up to three QPs.
-pub(crate) fn probe_wr_api(ctx: &Arc<Context>) -> (bool, bool, bool) {
+/// What `ibv_create_qp_ex` with `send_ops_flags` accepts on a device (the
+/// `ibv_wr_*` API), as found by creating QPs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WrApi {
+    /// The widest `send_ops_flags` set of the operations stag posts that
+    /// the provider accepted; empty when it has no `ibv_wr_*` API (siw,
+    /// irdma, cxgb4, erdma) and QPs post with `ibv_post_send`.
+    pub ops: SendOps,
+    /// ... plus `IBV_QP_EX_WITH_ATOMIC_WRITE` (needs
+    /// [`super::HAS_WR_ATOMIC_WRITE`] at build time).
+    pub atomic_write: bool,
+    /// ... plus `IBV_QP_EX_WITH_FLUSH` (needs [`super::HAS_WR_FLUSH`]).
+    pub flush: bool,
+}
+
+/// Probes which `send_ops_flags` `ctx`'s provider takes, widest first: a
+/// provider refuses flags it does not know, so a QP created with a flag is
+/// also the run-time proof that the library's `ibv_qp_ex` has the member
+/// that flag's `ibv_wr_*` calls through. Creates and destroys a PD, a CQ
+/// and a handful of QPs.
+pub(crate) fn probe_wr_api(ctx: &Arc<Context>) -> WrApi {
     let Ok(pd) = ctx.alloc_pd() else {
-        return (false, false, false);
+        return WrApi::default();
     };
     let Ok(cq) = ctx.create_cq(4, None, 0) else {
-        return (false, false, false);
+        return WrApi::default();
     };
     let try_ops = |ops: SendOps| {
         let caps = QpCaps {
@@ -951,10 +973,20 @@ pub(crate) fn probe_wr_api(ctx: &Arc<Context>) -> (bool, bool, bool) {
             }
         }
     };
-    let base = try_ops(SendOps::BASIC);
-    let aw = base && ffi::HAS_WR_ATOMIC_WRITE && try_ops(SendOps::BASIC | SendOps::ATOMIC_WRITE);
-    let fl = base && ffi::HAS_WR_FLUSH && try_ops(SendOps::BASIC | SendOps::FLUSH);
-    (base, aw, fl)
+    let candidates = [
+        SendOps::BASIC_ATOMICS | SendOps::SEND_WITH_INV,
+        SendOps::BASIC_ATOMICS,
+        SendOps::BASIC | SendOps::SEND_WITH_INV,
+        SendOps::BASIC,
+    ];
+    let Some(ops) = candidates.into_iter().find(|&ops| try_ops(ops)) else {
+        return WrApi::default();
+    };
+    WrApi {
+        ops,
+        atomic_write: ffi::HAS_WR_ATOMIC_WRITE && try_ops(ops | SendOps::ATOMIC_WRITE),
+        flush: ffi::HAS_WR_FLUSH && try_ops(ops | SendOps::FLUSH),
+    }
 }
 
 /// Build the `ibv_recv_wr` chain for `wrs` and hand it to `post` (a QP's

@@ -129,6 +129,7 @@ pub fn pair() -> (End, End) {
 pub fn emulating(ops: &[OpKind]) -> ContextOptions {
     ContextOptions {
         force_emulation: ops.to_vec(),
+        ..ContextOptions::default()
     }
 }
 
