@@ -52,6 +52,12 @@ pub struct QpCaps {
     pub max_recv_sge: u32,
     /// Largest ULPDU payload we put in one FPDU (an MULPDU).
     pub max_segment: u32,
+    /// Execute and send the RDMAP extensions: RFC 7306 Atomics and
+    /// Immediate Data, and Commit (opcodes 0x8–0xD). `false` makes the QP
+    /// an RFC 5040 RNIC, as kernel siw is: posting one fails, and an
+    /// inbound one draws a Terminate (RDMAP, remote operation, Unexpected
+    /// OpCode) — what RFC 7306 §1.1's probe of a peer meets.
+    pub rdmap_extensions: bool,
 }
 
 impl Default for QpCaps {
@@ -64,6 +70,7 @@ impl Default for QpCaps {
             // ULPDU_Length is 16 bits: keep the whole ULPDU (header and
             // payload) below 64 KiB, as siw does with its MSS-sized FPDUs.
             max_segment: 65536 - 512,
+            rdmap_extensions: true,
         }
     }
 }
@@ -332,6 +339,16 @@ impl Connection {
             wr.op,
             SendOp::FetchAdd { .. } | SendOp::CmpSwap { .. } | SendOp::Swap { .. }
         );
+        let extension = atomic
+            || matches!(
+                wr.op,
+                SendOp::Imm { .. } | SendOp::WriteImm { .. } | SendOp::Commit { .. }
+            );
+        if extension && !self.caps.rdmap_extensions {
+            return Err(PostError::Invalid(
+                "this QP runs RFC 5040 only (no Atomics, Immediate Data or Commit)",
+            ));
+        }
         if atomic && (wr.sg_list.len() != 1 || wr.sg_list[0].length != 8) {
             return Err(PostError::Invalid(
                 "an atomic needs one 8-byte SGE for the result",
@@ -451,6 +468,7 @@ impl Connection {
                 ProcessCtx {
                     conn_pd: self.pd,
                     env,
+                    extensions: self.caps.rdmap_extensions,
                 },
                 &mut RxState {
                     state: &mut self.state,
@@ -1154,6 +1172,8 @@ impl From<Error> for RxFail {
 struct ProcessCtx<'a, 'e> {
     conn_pd: PdId,
     env: &'a Env<'e>,
+    /// [`QpCaps::rdmap_extensions`].
+    extensions: bool,
 }
 
 /// The parts of a connection the receive path mutates (split from the
@@ -1215,6 +1235,13 @@ impl RxState<'_> {
 
 impl Connection {
     fn process_ulpdu(ulpdu: &[u8], ctx: ProcessCtx, rx: &mut RxState) -> Result<(), RxFail> {
+        if !ctx.extensions {
+            // An RFC 5040 RNIC knows opcodes 0x0–0x7 only and looks at the
+            // opcode (RDMAP control, byte 1) before anything else.
+            if let Some(op) = ulpdu.get(1).map(|b| b & 0x0f).filter(|op| *op >= 0x8) {
+                return Err(Error::UnexpectedOpcode(op).into());
+            }
+        }
         let (repr, payload) = RdmapRepr::parse(ulpdu)?;
         trace!(qp = rx.qp_num, ?repr, len = payload.len(), "rx");
         if *rx.await_rtr {

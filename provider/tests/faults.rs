@@ -1206,3 +1206,75 @@ fn stream_cut_at_every_byte_completes_every_wr_exactly_once() {
         }
     }
 }
+
+/// An RFC 5040-only responder (what kernel siw is) answers every RDMAP
+/// extension with Terminate (RDMAP, remote operation, Unexpected OpCode
+/// 0x06) before looking at its STag, leaving memory alone — the answer
+/// RFC 7306 §1.1's FetchAdd-of-0 probe reads — and its own QP refuses to
+/// post one.
+#[test]
+fn rfc5040_only_responder_refuses_extensions() {
+    let ops = |r: provider::wr::Remote| {
+        vec![
+            SendOp::FetchAdd {
+                remote: r,
+                add: 0,
+                mask: 0,
+            },
+            SendOp::Swap { remote: r, swap: 9 },
+            SendOp::Imm {
+                imm: 5,
+                solicited: false,
+            },
+            SendOp::Commit { remote: r, len: 8 },
+        ]
+    };
+    for i in 0..4 {
+        let mut p = Pair::with(Config {
+            caps_b: QpCaps {
+                rdmap_extensions: false,
+                ..QpCaps::default()
+            },
+            ..Config::default()
+        });
+        let ba = p.a.reg(64, ALL);
+        let bb = p.b.reg(64, ALL);
+        p.b.store_u64(&bb, 0, 41);
+        p.b.recv(50, vec![bb.sge(8, 8)]);
+        let op = ops(bb.remote(0)).remove(i);
+        let sges = match op {
+            SendOp::Imm { .. } | SendOp::Commit { .. } => vec![],
+            _ => vec![ba.sge(0, 8)],
+        };
+        p.a.post(1, op, sges.clone());
+        p.drive();
+        assert_terminate(&p, false, ErrorType::RdmapRemoteOperation, 0x06);
+        assert_eq!(p.b.load_u64(&bb, 0), 41, "op {i}: memory untouched");
+        let c = exactly_once(&p.a, CqSide::Send, &[1]);
+        // Immediate Data is one-way and completes once sent; the others
+        // wait for a response that never comes.
+        if i != 2 {
+            assert_ne!(c[0].status, WcStatus::Success, "op {i}");
+        }
+        // The refusing side cannot post one either.
+        let mut q = Pair::with(Config {
+            caps_a: QpCaps {
+                rdmap_extensions: false,
+                ..QpCaps::default()
+            },
+            ..Config::default()
+        });
+        let qa = q.a.reg(64, ALL);
+        let qb = q.b.reg(64, ALL);
+        let op = ops(qb.remote(0)).remove(i);
+        let sges = match op {
+            SendOp::Imm { .. } | SendOp::Commit { .. } => vec![],
+            _ => vec![qa.sge(0, 8)],
+        };
+        assert!(matches!(
+            q.a.post_send(1, op, sges),
+            Err(provider::qp::PostError::Invalid(_))
+        ));
+        assert_eq!(q.a.state(), QpState::Rts);
+    }
+}

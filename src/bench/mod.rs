@@ -198,6 +198,10 @@ pub struct CommonArgs {
     /// has the extended ibv_wr_* API (to compare the two paths).
     #[arg(long)]
     pub legacy_post: bool,
+    /// Userspace provider: run as an RFC 5040 RNIC, as kernel siw does (no
+    /// Atomics, Immediate Data or Commit on the wire: they are emulated).
+    #[arg(long)]
+    pub rfc5040: bool,
     /// Address the server listens on (default 0.0.0.0; 127.0.0.1 with
     /// --loopback). libibverbs devices need the device's own address.
     #[arg(long)]
@@ -766,6 +770,7 @@ pub(crate) fn open_context(common: &CommonArgs) -> Result<Context> {
     let opts = ContextOptions {
         force_emulation: common.emulate.clone(),
         legacy_post: common.legacy_post,
+        rfc5040_only: common.rfc5040,
     };
     let ctx = Context::open_with(&name, &opts)?;
     for &k in &common.emulate {

@@ -11,9 +11,11 @@
 //! through a mailbox region the peer writes with RDMA Write.
 //!
 //! Private-data header (before the application's bytes):
-//! `"STAG" | version 1 | flags (1 wants agent, 2 is agent channel) | 0 0 |
-//! token u64 | [agent channel only: mailbox addr u64, mailbox rkey u32]`,
-//! integers little-endian.
+//! `"STAG" | version 1 | flags (1 wants agent, 2 is agent channel, 4 native
+//! set present) | native set u16 | token u64 | [agent channel only: mailbox
+//! addr u64, mailbox rkey u32]`, integers little-endian. The native set
+//! ([`OpSet`]) is what the sender's device executes as a responder; the
+//! other end emulates what is missing from it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,6 +26,7 @@ use tracing::{debug, warn};
 
 use provider::wr::{Remote, SendOp, WcStatus};
 
+use crate::caps::OpSet;
 use crate::cq::{Completion, CompletionKind, CompletionQueue};
 use crate::device::{Context, ProtectionDomain};
 use crate::error::{Error, Result};
@@ -34,6 +37,7 @@ const MAGIC: &[u8; 4] = b"STAG";
 const VERSION: u8 = 1;
 const FLAG_WANTS_AGENT: u8 = 1;
 const FLAG_IS_AGENT: u8 = 2;
+const FLAG_NATIVE: u8 = 4;
 
 /// The header stag puts in front of the application's private data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +50,8 @@ pub(crate) struct Hello {
     pub token: u64,
     /// Agent channel only: where the peer writes our Immediate Data.
     pub mailbox: Option<Remote>,
+    /// What the sender's device executes natively.
+    pub native: Option<OpSet>,
 }
 
 impl Hello {
@@ -61,7 +67,11 @@ impl Hello {
         if self.is_agent {
             flags |= FLAG_IS_AGENT;
         }
-        v.extend_from_slice(&[flags, 0, 0]);
+        if self.native.is_some() {
+            flags |= FLAG_NATIVE;
+        }
+        v.push(flags);
+        v.extend_from_slice(&self.native.unwrap_or_default().bits().to_le_bytes());
         v.extend_from_slice(&self.token.to_le_bytes());
         if self.is_agent {
             let m = self.mailbox.unwrap_or(Remote { addr: 0, rkey: 0 });
@@ -82,6 +92,8 @@ impl Hello {
             return (None, data);
         }
         let flags = head[5];
+        let native = (flags & FLAG_NATIVE != 0)
+            .then(|| OpSet::from_bits(u16::from_le_bytes([head[6], head[7]])));
         let token = u64::from_le_bytes(head[8..16].try_into().unwrap_or([0; 8]));
         let is_agent = flags & FLAG_IS_AGENT != 0;
         let (mailbox, rest) = if is_agent {
@@ -104,6 +116,7 @@ impl Hello {
                 is_agent,
                 token,
                 mailbox,
+                native,
             }),
             rest,
         )
@@ -250,6 +263,7 @@ impl AgentSetup {
             is_agent: true,
             token,
             mailbox: Some(self.mailbox.remote(0)),
+            native: None,
         }
     }
 
@@ -587,6 +601,11 @@ mod tests {
             is_agent: false,
             token: 0x0102_0304_0506_0708,
             mailbox: None,
+            native: Some(
+                OpSet::EMPTY
+                    .with(crate::OpKind::Send)
+                    .with(crate::OpKind::Commit),
+            ),
         };
         let bytes = h.encode(b"app");
         assert_eq!(Hello::decode(&bytes), (Some(h), &b"app"[..]));
@@ -598,6 +617,7 @@ mod tests {
                 addr: 0xdead_0000,
                 rkey: 77,
             }),
+            native: None,
         };
         let bytes = a.encode(b"");
         assert_eq!(bytes.len(), 28);

@@ -241,6 +241,29 @@ impl Capabilities {
         }
     }
 
+    /// The userspace provider running RFC 5040 only (as kernel siw does):
+    /// what siw emulates, it emulates the same way.
+    pub fn userspace_rfc5040(device: &str) -> Capabilities {
+        let ops = OpKind::ALL
+            .iter()
+            .map(|&k| {
+                let s = match k {
+                    OpKind::WriteImm | OpKind::Imm => Emulation::ImmMailbox.support_for(k),
+                    _ if ATOMICS.contains(&k) => Emulation::Agent.support_for(k),
+                    OpKind::Commit => Emulation::Agent.support_for(k),
+                    _ => Support::Native,
+                };
+                (k, s)
+            })
+            .collect();
+        Capabilities {
+            device: device.to_owned(),
+            transport: "iWARP (stag userspace provider over TCP, RFC 5040 only)".to_owned(),
+            post_path: PostPath::Userspace,
+            ops,
+        }
+    }
+
     /// A libibverbs device, from what it reports.
     pub fn ibverbs(device: &str, attr: &DeviceAttr) -> Capabilities {
         let atomics = attr.atomic_cap != AtomicCap::None;
@@ -341,6 +364,190 @@ impl Capabilities {
     }
 }
 
+/// A set of operations, e.g. those a device executes natively. Carried in
+/// stag's connection header as a 16-bit mask (bit i = [`OpKind::ALL`]\[i]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct OpSet(u16);
+
+impl OpSet {
+    /// No operation.
+    pub const EMPTY: OpSet = OpSet(0);
+    /// What every RNIC does (RFC 5040): Send, Send with Invalidate, Write,
+    /// Read. Assumed of a stag peer whose header carries no native set.
+    pub const RDMAP: OpSet = OpSet(0b1111);
+
+    fn bit(op: OpKind) -> u16 {
+        let i = OpKind::ALL
+            .iter()
+            .position(|&k| k == op)
+            .expect("every OpKind is in ALL");
+        1 << i
+    }
+
+    /// The set with `op` added.
+    pub fn with(self, op: OpKind) -> OpSet {
+        OpSet(self.0 | Self::bit(op))
+    }
+
+    /// Whether `op` is in the set.
+    pub fn contains(self, op: OpKind) -> bool {
+        self.0 & Self::bit(op) != 0
+    }
+
+    /// The wire form.
+    pub fn bits(self) -> u16 {
+        self.0
+    }
+
+    /// From the wire form (bits of operations this version does not know
+    /// are dropped).
+    pub fn from_bits(bits: u16) -> OpSet {
+        OpSet(bits & ((1u16 << OpKind::ALL.len()) - 1))
+    }
+
+    /// The operations in the set, in [`OpKind::ALL`] order.
+    pub fn iter(self) -> impl Iterator<Item = OpKind> {
+        OpKind::ALL.into_iter().filter(move |&k| self.contains(k))
+    }
+}
+
+impl FromIterator<OpKind> for OpSet {
+    fn from_iter<I: IntoIterator<Item = OpKind>>(iter: I) -> OpSet {
+        iter.into_iter().fold(OpSet::EMPTY, OpSet::with)
+    }
+}
+
+/// The atomics, which stay on one path per connection (an agent's atomic
+/// is not atomic with respect to the device's on the same word).
+const ATOMICS: [OpKind; 5] = [
+    OpKind::FetchAdd,
+    OpKind::CmpSwap,
+    OpKind::MaskedFetchAdd,
+    OpKind::MaskedCmpSwap,
+    OpKind::Swap,
+];
+
+/// What runs `op` on a connection whose responder lacks it natively (the
+/// initiator's device has it): atomics by the CmpSwap loop when the
+/// responder has CmpSwap, else by its agent; Immediate Data through the
+/// mailbox; Commit by the agent; Send with Invalidate nothing.
+fn fallback(op: OpKind, peer_native: OpSet) -> Option<Emulation> {
+    match op {
+        _ if ATOMICS.contains(&op) => Some(if peer_native.contains(OpKind::CmpSwap) {
+            Emulation::CasLoop
+        } else {
+            Emulation::Agent
+        }),
+        OpKind::Imm | OpKind::WriteImm => Some(Emulation::ImmMailbox),
+        OpKind::Commit => Some(Emulation::Agent),
+        _ => None,
+    }
+}
+
+/// Whether an initiator whose device does `native` needs the agent channel
+/// on a connection to a responder that does `peer_native`, because of
+/// what the responder lacks. Both ends compute it from the two headers, so
+/// they agree on opening the channel.
+pub(crate) fn gap_needs_agent(native: OpSet, peer_native: OpSet) -> bool {
+    native.iter().any(|k| {
+        !peer_native.contains(k) && fallback(k, peer_native).is_some_and(Emulation::needs_peer)
+    })
+}
+
+impl Capabilities {
+    /// The operations the device does natively.
+    pub fn native_ops(&self) -> OpSet {
+        self.ops
+            .iter()
+            .filter(|(_, s)| *s == Support::Native)
+            .map(|&(k, _)| k)
+            .collect()
+    }
+
+    /// The matrix on one connection, from the device's own matrix (no
+    /// forced emulation), the operations forced through emulation, and the
+    /// responder's native set from a stag peer's header: what the
+    /// responder's device cannot execute is emulated instead. `None` is a
+    /// peer that runs no stag: native operations stay native (the peer may
+    /// still refuse them: probe atomics with
+    /// [`crate::QueuePair::probe_atomics`], as RFC 7306 §1.1 suggests), and
+    /// what needs the peer's agent becomes unsupported.
+    pub fn for_connection(&self, forced: &[OpKind], peer_native: Option<OpSet>) -> Capabilities {
+        let mut out = match peer_native {
+            Some(p) => self.with_peer(p),
+            None => self.clone(),
+        };
+        out.force_emulation(forced);
+        if peer_native.is_none() {
+            out.without_agent();
+        }
+        out
+    }
+
+    /// What needs the peer's agent becomes unsupported.
+    fn without_agent(&mut self) {
+        for (_, s) in self.ops.iter_mut() {
+            if let Support::Emulated { method, how, .. } = s {
+                if method.needs_peer() {
+                    *s = Support::Unsupported {
+                        why: format!(
+                            "emulated here ({how}), which needs a stag peer, and this peer \
+                             sent no stag header"
+                        ),
+                    };
+                }
+            }
+        }
+    }
+
+    /// Resolve against a responder that executes `peer_native`.
+    fn with_peer(&self, peer_native: OpSet) -> Capabilities {
+        let mut out = self.clone();
+        let cas_native =
+            self.get(OpKind::CmpSwap) == &Support::Native && peer_native.contains(OpKind::CmpSwap);
+        for (k, s) in out.ops.iter_mut() {
+            let peer_has = peer_native.contains(*k);
+            let was_native = *s == Support::Native;
+            let new = if ATOMICS.contains(k) {
+                match s {
+                    Support::Native if peer_has && cas_native => continue,
+                    Support::Emulated {
+                        method: Emulation::CasLoop,
+                        ..
+                    } if cas_native => continue,
+                    Support::Unsupported { .. } => continue,
+                    _ if cas_native => Emulation::CasLoop,
+                    // All atomics go to the agent together.
+                    _ => Emulation::Agent,
+                }
+            } else {
+                match s {
+                    Support::Native if !peer_has => match fallback(*k, peer_native) {
+                        Some(e) => e,
+                        None => {
+                            *s = Support::Unsupported {
+                                why: format!(
+                                    "the peer's device cannot execute {k} and it has no emulation"
+                                ),
+                            };
+                            continue;
+                        }
+                    },
+                    _ => continue,
+                }
+            };
+            let mut emu = new.support_for(*k);
+            if let Support::Emulated { how, .. } = &mut emu {
+                if was_native {
+                    how.push_str("; the peer's device lacks it");
+                }
+            }
+            *s = emu;
+        }
+        out
+    }
+}
+
 impl fmt::Display for Capabilities {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "{} — {}", self.device, self.transport)?;
@@ -386,5 +593,85 @@ mod tests {
         assert_eq!(c.get(OpKind::Write), &Support::Native);
         assert_eq!(c.get(OpKind::MaskedFetchAdd), &Support::Native);
         assert!(c.needs_agent());
+    }
+
+    fn method(s: &Support) -> Option<Emulation> {
+        match s {
+            Support::Emulated { method, .. } => Some(*method),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn op_set_round_trips_and_drops_unknown_bits() {
+        let set: OpSet = [OpKind::Send, OpKind::Swap, OpKind::Commit]
+            .into_iter()
+            .collect();
+        assert_eq!(OpSet::from_bits(set.bits()), set);
+        assert_eq!(OpSet::from_bits(set.bits() | 0x8000), set);
+        assert_eq!(
+            set.iter().collect::<Vec<_>>(),
+            [OpKind::Send, OpKind::Swap, OpKind::Commit]
+        );
+        assert_eq!(
+            OpSet::RDMAP.iter().collect::<Vec<_>>(),
+            [
+                OpKind::Send,
+                OpKind::SendInvalidate,
+                OpKind::Write,
+                OpKind::Read
+            ]
+        );
+    }
+
+    #[test]
+    fn a_peer_lacking_extensions_moves_them_to_emulation() {
+        let full = Capabilities::userspace("stag0");
+        let legacy = Capabilities::userspace_rfc5040("stag0");
+        let conn = full.for_connection(&[], Some(legacy.native_ops()));
+        for k in ATOMICS.into_iter().chain([OpKind::Commit]) {
+            assert_eq!(method(conn.get(k)), Some(Emulation::Agent), "{k}");
+        }
+        for k in [OpKind::Imm, OpKind::WriteImm] {
+            assert_eq!(method(conn.get(k)), Some(Emulation::ImmMailbox), "{k}");
+        }
+        assert_eq!(conn.get(OpKind::Read), &Support::Native);
+        assert!(conn.needs_agent());
+        assert!(gap_needs_agent(full.native_ops(), legacy.native_ops()));
+        // Full to full: nothing changes; forced emulation still applies.
+        let same = full.for_connection(&[OpKind::Swap], Some(full.native_ops()));
+        assert_eq!(method(same.get(OpKind::Swap)), Some(Emulation::CasLoop));
+        assert_eq!(same.get(OpKind::FetchAdd), &Support::Native);
+        assert!(!gap_needs_agent(full.native_ops(), full.native_ops()));
+    }
+
+    #[test]
+    fn a_peer_with_cmp_swap_only_gets_cas_loops() {
+        let full = Capabilities::userspace("stag0");
+        let peer: OpSet = OpSet::RDMAP.with(OpKind::FetchAdd).with(OpKind::CmpSwap);
+        let conn = full.for_connection(&[], Some(peer));
+        assert_eq!(conn.get(OpKind::FetchAdd), &Support::Native);
+        assert_eq!(conn.get(OpKind::CmpSwap), &Support::Native);
+        for k in [OpKind::MaskedFetchAdd, OpKind::MaskedCmpSwap, OpKind::Swap] {
+            assert_eq!(method(conn.get(k)), Some(Emulation::CasLoop), "{k}");
+        }
+        // Send with Invalidate has no emulation.
+        let conn = full.for_connection(&[], Some(OpSet::EMPTY.with(OpKind::Send)));
+        assert!(!conn.get(OpKind::SendInvalidate).is_available());
+    }
+
+    #[test]
+    fn a_peer_without_stag_cannot_host_an_agent() {
+        let legacy = Capabilities::userspace_rfc5040("stag0");
+        let conn = legacy.for_connection(&[], None);
+        for k in ATOMICS.into_iter().chain([OpKind::Commit, OpKind::Imm]) {
+            assert!(
+                matches!(conn.get(k), Support::Unsupported { why } if why.contains("no stag header")),
+                "{k}"
+            );
+        }
+        assert!(!conn.needs_agent());
+        let full = Capabilities::userspace("stag0");
+        assert_eq!(full.for_connection(&[], None), full);
     }
 }

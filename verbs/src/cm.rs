@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use crate::agent::{new_token, AgentSetup, Hello};
+use crate::caps::{gap_needs_agent, OpSet};
 
 use crate::cq::{CompletionQueue, CqBackend};
 use crate::device::{ContextBackend, PdBackend, ProtectionDomain};
@@ -87,8 +88,9 @@ impl ConnectOptions {
     }
 }
 
-fn user_qp_caps(c: &QpCaps) -> provider::qp::QpCaps {
+fn user_qp_caps(c: &QpCaps, rdmap_extensions: bool) -> provider::qp::QpCaps {
     provider::qp::QpCaps {
+        rdmap_extensions,
         max_send_wr: c.max_send_wr,
         max_recv_wr: c.max_recv_wr,
         max_send_sge: c.max_sge,
@@ -138,21 +140,28 @@ pub fn connect_with(
     opts: &ConnectOptions,
     pre_post: impl FnOnce(&QueuePair) -> Result<()>,
 ) -> Result<(QueuePair, Vec<u8>)> {
-    let wants_agent = pd.context().capabilities().needs_agent();
+    let ctx = pd.context();
+    let wants_agent = ctx.capabilities().needs_agent();
+    let native = ctx.native_ops();
     let token = new_token();
     let hello = Hello {
         wants_agent,
         is_agent: false,
         token,
         mailbox: None,
+        native: Some(native),
     };
     let mut main_opts = opts.clone();
     main_opts.private_data = hello.encode(&opts.private_data);
     let (qp, reply) = connect_raw(pd, cq, addr, &main_opts, pre_post)?;
     let (peer, app) = Hello::decode(&reply);
     let app = app.to_vec();
+    let peer_native = peer.map(|p| p.native.unwrap_or(OpSet::RDMAP));
+    qp.inner
+        .set_connection(ctx.connection_caps(peer_native), peer_native);
     if let Some(peer) = peer {
-        if wants_agent || peer.wants_agent {
+        let gap = gap_needs_agent(native, peer.native.unwrap_or(OpSet::RDMAP));
+        if wants_agent || gap || peer.wants_agent {
             let setup = AgentSetup::new(pd)?;
             let agent_opts = agent_options(&setup, token);
             let (aqp, areply) =
@@ -250,7 +259,12 @@ fn user_qp(
         Some(crate::srq::SrqBackend::User(s)) => Some(s.clone()),
         Some(crate::srq::SrqBackend::Ibv { .. }) => return Err(Error::Mismatch),
     };
-    let uqp = upd.create_qp(user_qp_caps(&opts.caps), ucq, ucq, srq.as_ref());
+    let uqp = upd.create_qp(
+        user_qp_caps(&opts.caps, pd.context().rdmap_extensions()),
+        ucq,
+        ucq,
+        srq.as_ref(),
+    );
     let qp_num = uqp.qp_num();
     QueuePair::from_backend(
         pd.context(),
@@ -472,9 +486,12 @@ impl Incoming {
         opts: &ConnectOptions,
         pre_post: impl FnOnce(&QueuePair) -> Result<()>,
     ) -> Result<QueuePair> {
-        let wants_agent = pd.context().capabilities().needs_agent();
+        let ctx = pd.context();
         let Incoming { raw, listener } = self;
         let peer = raw.hello;
+        let peer_native = peer.map(|p| p.native.unwrap_or(OpSet::RDMAP));
+        let caps = ctx.connection_caps(peer_native);
+        let wants_agent = caps.needs_agent();
         let mut reply_opts = opts.clone();
         if let Some(peer) = peer {
             // Only a stag initiator gets a header back: another peer would
@@ -484,12 +501,17 @@ impl Incoming {
                 is_agent: false,
                 token: peer.token,
                 mailbox: None,
+                native: Some(ctx.native_ops()),
             }
             .encode(&opts.private_data);
         }
         let qp = accept_raw(raw.backend, pd, cq, &reply_opts, pre_post)?;
+        qp.inner.set_connection(caps, peer_native);
         if let Some(peer) = peer {
-            if wants_agent || peer.wants_agent {
+            // The initiator opens the channel when either end's matrix
+            // needs it; the same test on the same two headers.
+            let gap = gap_needs_agent(peer.native.unwrap_or(OpSet::RDMAP), ctx.native_ops());
+            if wants_agent || gap || peer.wants_agent {
                 let token = peer.token;
                 let agent_raw = listener
                     .next_matching(|r| matches!(r.hello, Some(Hello { is_agent: true, token: t, .. }) if t == token))?;

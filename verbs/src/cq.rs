@@ -244,6 +244,15 @@ impl CompletionQueue {
         }
     }
 
+    /// One round of taking raw completions and giving them their meaning;
+    /// the application's stay queued for its next poll.
+    pub(crate) fn drive(&self) -> Result<()> {
+        let mut raw = Vec::new();
+        self.poll_raw(&mut raw)?;
+        self.process(raw);
+        Ok(())
+    }
+
     /// Queue a completion produced outside a poll (by the agent thread).
     pub(crate) fn push_ready(&self, c: Completion) {
         self.inner

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, Weak};
 use serde::Serialize;
 use tracing::debug;
 
-use crate::caps::{Capabilities, OpKind, PostPath};
+use crate::caps::{Capabilities, OpKind, OpSet, PostPath};
 use crate::cq::CompletionQueue;
 use crate::error::{Error, Result};
 use crate::ibv;
@@ -88,6 +88,11 @@ pub struct ContextOptions {
     /// Post with `ibv_post_send` even where the provider has the extended
     /// `ibv_wr_*` API (to compare the two paths).
     pub legacy_post: bool,
+    /// Userspace provider only: run as an RFC 5040 RNIC, as kernel siw
+    /// does — no Atomics, Immediate Data or Commit on the wire (they are
+    /// emulated as on siw, and peers' requests for them are refused with a
+    /// Terminate). Lets one machine test what a siw peer means.
+    pub rfc5040_only: bool,
 }
 
 /// An open device.
@@ -101,6 +106,11 @@ struct ContextInner {
     name: String,
     backend: ContextBackend,
     caps: Capabilities,
+    /// The device's own matrix (no forced emulation), which connections
+    /// resolve against their peer.
+    device_caps: Capabilities,
+    /// Operations the options forced through emulation.
+    forced: Vec<OpKind>,
     /// The `send_ops_flags` its QPs are created with (`None`: legacy
     /// `ibv_create_qp` and `ibv_post_send`).
     wr_ops: Option<ibv::SendOps>,
@@ -129,11 +139,12 @@ impl Context {
     pub fn open_with(name: &str, options: &ContextOptions) -> Result<Context> {
         let (backend, mut caps, mut wr_ops) = if name == USERSPACE_DEVICE {
             let dev = provider::device::Device::open(name)?;
-            (
-                ContextBackend::User(dev),
-                Capabilities::userspace(name),
-                None,
-            )
+            let caps = if options.rfc5040_only {
+                Capabilities::userspace_rfc5040(name)
+            } else {
+                Capabilities::userspace(name)
+            };
+            (ContextBackend::User(dev), caps, None)
         } else {
             // librdmacm's own context, so that QPs created on rdma_cm ids
             // share it with our PDs and CQs.
@@ -149,6 +160,7 @@ impl Context {
             let wr_ops = attr.wr_api.then_some(attr.wr_ops);
             (ContextBackend::Ibv(ctx), caps, wr_ops)
         };
+        let device_caps = caps.clone();
         caps.force_emulation(&options.force_emulation);
         if options.legacy_post && caps.post_path == PostPath::Extended {
             caps.post_path = PostPath::Legacy;
@@ -159,6 +171,8 @@ impl Context {
                 name: name.to_owned(),
                 backend,
                 caps,
+                device_caps,
+                forced: options.force_emulation.clone(),
                 wr_ops,
                 mrs: Mutex::new(HashMap::new()),
             }),
@@ -185,6 +199,29 @@ impl Context {
     /// What the device can do, natively or emulated.
     pub fn capabilities(&self) -> &Capabilities {
         &self.inner.caps
+    }
+
+    /// What the device executes natively, forced emulation aside (what a
+    /// peer may send it).
+    pub fn native_ops(&self) -> OpSet {
+        self.inner.device_caps.native_ops()
+    }
+
+    /// The matrix of a connection to a peer whose device executes
+    /// `peer_native` (`None`: the peer runs no stag).
+    pub(crate) fn connection_caps(&self, peer_native: Option<OpSet>) -> Capabilities {
+        let mut c = self
+            .inner
+            .device_caps
+            .for_connection(&self.inner.forced, peer_native);
+        c.post_path = self.inner.caps.post_path;
+        c
+    }
+
+    /// Whether its QPs run the RDMAP extensions on the wire (userspace
+    /// provider; see [`ContextOptions::rfc5040_only`]).
+    pub(crate) fn rdmap_extensions(&self) -> bool {
+        self.inner.device_caps.get(OpKind::FetchAdd) == &crate::caps::Support::Native
     }
 
     /// The `send_ops_flags` QPs are created with on the extended path.

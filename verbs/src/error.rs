@@ -42,6 +42,9 @@ pub enum Error {
     /// The connection could not be set up.
     #[error("connection failed: {0}")]
     Connect(String),
+    /// No answer in time.
+    #[error("timed out: {0}")]
+    Timeout(&'static str),
     /// The peer rejected the connection, with its private data.
     #[error("connection rejected by the peer")]
     Rejected(Vec<u8>),

@@ -24,7 +24,7 @@ pub mod srq;
 #[doc(hidden)]
 pub mod ibv;
 
-pub use caps::{Capabilities, Emulation, OpKind, PostPath, Support};
+pub use caps::{Capabilities, Emulation, OpKind, OpSet, PostPath, Support};
 pub use cm::{connect, connect_with, ConnectOptions, Incoming, Listener};
 pub use cq::{Completion, CompletionKind, CompletionQueue, WcStatus};
 pub use device::{
@@ -33,5 +33,5 @@ pub use device::{
 pub use error::{Error, Result};
 pub use mr::{Access, MemoryRegion, Slice};
 pub use provider::wr::{Remote, SendOp};
-pub use qp::{op_kind, QpCaps, QueuePair, WorkRequest};
+pub use qp::{op_kind, PeerAtomics, QpCaps, QueuePair, WorkRequest};
 pub use srq::SharedReceiveQueue;

@@ -10,13 +10,14 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use tracing::warn;
 
 use provider::wr::{Remote, SendOp, Sge, WcStatus};
 
 use crate::agent::{Agent, AgentOp};
-use crate::caps::{Emulation, OpKind, PostPath, Support};
+use crate::caps::{Capabilities, Emulation, OpKind, OpSet, PostPath, Support};
 use crate::cq::{Completion, CompletionKind, CompletionQueue, RawCompletion};
 use crate::device::{Context, ProtectionDomain};
 use crate::error::{Error, Result};
@@ -113,11 +114,16 @@ pub(crate) struct QpInner {
     send_cq: CompletionQueue,
     /// The agent channel, when this connection has one.
     pub(crate) agent: OnceLock<Arc<Agent>>,
+    /// The matrix of this connection (set when it is established) and the
+    /// peer's native set (`None`: the peer runs no stag).
+    connection: OnceLock<(Capabilities, Option<OpSet>)>,
     backend: QpBackend,
     qp_num: u32,
     pending: Mutex<HashMap<u64, Pending>>,
     /// The SRQ its receives come from, if any.
     srq: Option<SharedReceiveQueue>,
+    /// Answers to probes, by token.
+    probes: Mutex<HashMap<u64, (WcStatus, u32)>>,
     /// 8-byte slots for emulation steps' results.
     scratch: MemoryRegion,
     free_slots: Mutex<Vec<usize>>,
@@ -170,6 +176,29 @@ enum Emu {
     /// The zero-length Read that orders a Commit after earlier Writes;
     /// then the agent's msync.
     CommitAfterRead { remote: Remote, len: u32 },
+    /// RFC 7306 §1.1's FetchAdd of 0; its result goes to the prober.
+    Probe { slot: usize },
+}
+
+/// What RFC 7306 §1.1's probe learnt of the peer's atomics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerAtomics {
+    /// The peer's device executes them: its stag header says so, or a
+    /// FetchAdd of 0 completed.
+    Native,
+    /// A stag peer whose device lacks them: its agent runs them (nothing
+    /// was sent).
+    Agent,
+    /// The peer refused the FetchAdd of 0 (RFC 7306 §1.1: "Remote Operation
+    /// Error or Unexpected OpCode"). The refusal took the connection down,
+    /// as any refused request does (an iWARP Terminate, an IB NAK): the QP
+    /// is in Error and its other work completes with flush errors.
+    Refused {
+        /// The probe's completion status.
+        status: WcStatus,
+        /// The device's vendor error.
+        vendor_err: u32,
+    },
 }
 
 /// An atomic emulated by a CmpSwap retry loop: read the target, compute
@@ -197,9 +226,11 @@ impl QpInner {
             ctx: ctx.clone(),
             send_cq: send_cq.clone(),
             agent: OnceLock::new(),
+            connection: OnceLock::new(),
             backend,
             qp_num,
             pending: Mutex::new(HashMap::new()),
+            probes: Mutex::new(HashMap::new()),
             srq,
             scratch,
             free_slots: Mutex::new((0..SCRATCH_SLOTS).rev().collect()),
@@ -207,6 +238,18 @@ impl QpInner {
     }
     fn token(&self) -> u64 {
         next_token()
+    }
+
+    pub(crate) fn set_connection(&self, caps: Capabilities, peer_native: Option<OpSet>) {
+        tracing::debug!(qp = self.qp_num, ?peer_native, "connection matrix:\n{caps}");
+        let _ = self.connection.set((caps, peer_native));
+    }
+
+    /// The matrix this QP posts by: its connection's, else the device's.
+    fn caps(&self) -> &Capabilities {
+        self.connection
+            .get()
+            .map_or_else(|| self.ctx.capabilities(), |(c, _)| c)
     }
 
     /// Post one WR to the device under `token` (the pending entry must
@@ -276,7 +319,7 @@ impl QpInner {
 
     fn post_send(self: &Arc<Self>, wr: WorkRequest) -> Result<()> {
         let kind = op_kind(&wr.op);
-        let support = self.ctx.capabilities().get(kind).clone();
+        let support = self.caps().get(kind).clone();
         match support {
             Support::Native => {
                 // With an agent channel, zero-length Sends are numbered so
@@ -382,6 +425,58 @@ impl QpInner {
         Ok(())
     }
 
+    /// Post a native FetchAdd of 0 at `target` and drive the send CQ until
+    /// it completes (other completions stay queued for the application).
+    fn probe(&self, target: Remote, timeout: Duration) -> Result<(WcStatus, u32)> {
+        let slot = self
+            .free_slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .ok_or(Error::InvalidRequest(
+                "too many emulated atomics outstanding on this QP",
+            ))?;
+        let op = SendOp::FetchAdd {
+            remote: target,
+            add: 0,
+            mask: 0,
+        };
+        let token = self.token();
+        let sge = self.scratch.slice(slot * 8, 8)?.sge();
+        self.insert(
+            token,
+            Pending {
+                wr_id: 0,
+                op: Some(op),
+                local: Vec::new(),
+                signaled: true,
+                emulation: Some(Emu::Probe { slot }),
+            },
+        );
+        if let Err(e) = self.post_raw(token, op, &[sge], false) {
+            self.remove(token);
+            self.free_slot(slot);
+            return Err(e);
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(r) = self
+                .probes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&token)
+            {
+                return Ok(r);
+            }
+            if Instant::now() >= deadline {
+                // The entry stays: a late completion still frees the slot.
+                return Err(Error::Timeout("the peer did not answer the atomics probe"));
+            }
+            self.send_cq.drive()?;
+            std::thread::yield_now();
+        }
+    }
+
     fn free_slot(&self, slot: usize) {
         self.free_slots
             .lock()
@@ -450,6 +545,14 @@ impl QpInner {
             Some(Emu::Cas(cas)) => return self.cas_step(rc, p, cas),
             Some(Emu::CommitAfterRead { remote, len }) => {
                 return self.commit_step(rc, p, remote, len)
+            }
+            Some(Emu::Probe { slot }) => {
+                self.free_slot(slot);
+                self.probes
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(rc.token, (rc.status, rc.vendor_err));
+                return None;
             }
             Some(Emu::Agent) | None => {}
         }
@@ -886,6 +989,55 @@ impl QueuePair {
     /// The QP number.
     pub fn qp_num(&self) -> u32 {
         self.inner.qp_num
+    }
+
+    /// What this connection runs natively, emulated or not at all: the
+    /// device's matrix resolved against the peer's device (a stag peer
+    /// says in its connection header what its device executes).
+    pub fn capabilities(&self) -> &Capabilities {
+        self.inner.caps()
+    }
+
+    /// What the peer's device executes natively, from its stag header;
+    /// `None` when the peer runs no stag (then see
+    /// [`QueuePair::probe_atomics`]).
+    pub fn peer_native(&self) -> Option<OpSet> {
+        self.inner.connection.get().and_then(|(_, p)| *p)
+    }
+
+    /// Whether the peer executes RFC 7306 atomics. A stag peer said so in
+    /// its connection header, and nothing is sent. Otherwise this is
+    /// RFC 7306 §1.1's probe: a FetchAdd of 0 at `target` (8 aligned bytes
+    /// the peer advertised; their value does not change), answered by a
+    /// completion or refused by the peer — which, on iWARP as on IB, takes
+    /// the connection down ([`PeerAtomics::Refused`]). Other completions
+    /// that arrive meanwhile stay queued for the application.
+    pub fn probe_atomics(&self, target: Remote, timeout: Duration) -> Result<PeerAtomics> {
+        if let Some(native) = self.peer_native() {
+            return Ok(if native.contains(OpKind::FetchAdd) {
+                PeerAtomics::Native
+            } else {
+                PeerAtomics::Agent
+            });
+        }
+        if !self.inner.ctx.native_ops().contains(OpKind::FetchAdd) {
+            return Err(Error::Unsupported {
+                op: OpKind::FetchAdd,
+                device: self.inner.ctx.name().to_owned(),
+                why: "the device cannot send atomics, and the peer runs no stag agent to \
+                      run them for it"
+                    .into(),
+            });
+        }
+        if !target.addr.is_multiple_of(8) {
+            return Err(Error::InvalidRequest("an atomic target is 8-byte aligned"));
+        }
+        let (status, vendor_err) = self.inner.probe(target, timeout)?;
+        Ok(if status == WcStatus::Success {
+            PeerAtomics::Native
+        } else {
+            PeerAtomics::Refused { status, vendor_err }
+        })
     }
 
     /// How this QP posts: the userspace provider's queue, the extended

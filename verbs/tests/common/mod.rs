@@ -71,16 +71,26 @@ pub fn wait_one(cq: &CompletionQueue) -> Completion {
 /// Two connected ends; `recvs` receives are posted on each before the
 /// connection exists.
 pub fn pair_with(options: &ContextOptions, recvs: usize) -> (End, End) {
-    let name = device();
-    let make = || {
-        let ctx = Context::open_with(&name, options).unwrap();
+    pair_between(&device(), options, options, recvs)
+}
+
+/// Two connected ends on device `name`, the client's context opened with
+/// `client`, the server's with `server`.
+pub fn pair_between(
+    name: &str,
+    client: &ContextOptions,
+    server: &ContextOptions,
+    recvs: usize,
+) -> (End, End) {
+    let make = |options: &ContextOptions| {
+        let ctx = Context::open_with(name, options).unwrap();
         let pd = ctx.alloc_pd().unwrap();
         let cq = ctx.create_cq(1024).unwrap();
         let mr = pd.alloc_mr(1 << 20, ALL).unwrap();
         (ctx, pd, cq, mr)
     };
-    let (sctx, spd, scq, smr) = make();
-    let (cctx, cpd, ccq, cmr) = make();
+    let (sctx, spd, scq, smr) = make(server);
+    let (cctx, cpd, ccq, cmr) = make(client);
     let listener = Listener::bind(&sctx, listen_addr()).unwrap();
     let addr = listener.local_addr().unwrap();
     let post = |mr: &MemoryRegion| {
