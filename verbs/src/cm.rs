@@ -37,6 +37,12 @@ pub struct ConnectOptions {
     pub peer_to_peer: Option<provider::setup::RtrModes>,
     /// Take receives from this shared receive queue (same PD as the QP).
     pub srq: Option<crate::srq::SharedReceiveQueue>,
+    /// Put stag's header in front of the private data (default). Without
+    /// it the connection is a plain RDMA one, for peers that would take
+    /// the header for their own data: the peer's device is unknown, only
+    /// what this device does natively can run, and RFC 7306 §1.1's probe
+    /// ([`QueuePair::probe_atomics`]) tells whether the peer has atomics.
+    pub stag_header: bool,
 }
 
 impl Default for ConnectOptions {
@@ -49,6 +55,7 @@ impl Default for ConnectOptions {
             crc: true,
             peer_to_peer: None,
             srq: None,
+            stag_header: true,
         }
     }
 }
@@ -141,6 +148,11 @@ pub fn connect_with(
     pre_post: impl FnOnce(&QueuePair) -> Result<()>,
 ) -> Result<(QueuePair, Vec<u8>)> {
     let ctx = pd.context();
+    if !opts.stag_header {
+        let (qp, reply) = connect_raw(pd, cq, addr, opts, pre_post)?;
+        qp.inner.set_connection(ctx.connection_caps(None), None);
+        return Ok((qp, reply));
+    }
     let wants_agent = ctx.capabilities().needs_agent();
     let native = ctx.native_ops();
     let token = new_token();

@@ -10,9 +10,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use verbs::{
-    CompletionKind, ContextOptions, Emulation, OpKind, PeerAtomics, SendOp, Support, WcStatus,
-};
+use verbs::{ContextOptions, Emulation, OpKind, PeerAtomics, SendOp, Support, WcStatus};
 
 fn rfc5040() -> ContextOptions {
     ContextOptions {
@@ -26,117 +24,6 @@ fn method(s: &Support) -> Option<Emulation> {
         Support::Emulated { method, .. } => Some(*method),
         _ => None,
     }
-}
-
-/// Every RFC 7306 operation and Commit from `c` to `s`, checked.
-fn run_extensions(c: &End, s: &End) {
-    s.mr.write_at(0, &100u64.to_ne_bytes()).unwrap();
-    c.post(
-        1,
-        SendOp::FetchAdd {
-            remote: s.mr.remote(0),
-            add: 5,
-            mask: 0,
-        },
-        &[(64, 8)],
-    );
-    let r = c.wait();
-    assert_eq!(
-        (r.status, r.kind),
-        (
-            WcStatus::Success,
-            CompletionKind::FetchAdd { original: 100 }
-        )
-    );
-    c.post(
-        2,
-        SendOp::CmpSwap {
-            remote: s.mr.remote(0),
-            compare: 105,
-            compare_mask: u64::MAX,
-            swap: 7,
-            swap_mask: u64::MAX,
-        },
-        &[(64, 8)],
-    );
-    assert!(matches!(
-        c.wait().kind,
-        CompletionKind::CmpSwap {
-            original: 105,
-            swapped: true
-        }
-    ));
-    c.post(
-        3,
-        SendOp::FetchAdd {
-            remote: s.mr.remote(0),
-            add: 0x0101,
-            mask: 0x00ff,
-        },
-        &[(64, 8)],
-    );
-    assert_eq!(
-        c.wait().kind,
-        CompletionKind::FetchAdd { original: 7 },
-        "masked"
-    );
-    c.post(
-        4,
-        SendOp::Swap {
-            remote: s.mr.remote(0),
-            swap: 42,
-        },
-        &[(64, 8)],
-    );
-    let sw = c.wait();
-    assert_eq!(sw.status, WcStatus::Success);
-    assert_eq!(s.mr.load_u64(0).unwrap(), 42);
-
-    c.post(
-        5,
-        SendOp::Imm {
-            imm: 0xfeed_f00d_0000_0001,
-            solicited: false,
-        },
-        &[],
-    );
-    assert_eq!(c.wait().kind, CompletionKind::Imm);
-    match s.wait().kind {
-        CompletionKind::Recv { imm, .. } => assert_eq!(imm, Some(0xfeed_f00d_0000_0001)),
-        other => panic!("{other:?}"),
-    }
-
-    static RUN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let run = RUN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let dir = std::env::temp_dir().join(format!("stag-peers-{}-{run}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("durable.bin");
-    let durable = s.pd.alloc_file_mr(&path, 4096, ALL).unwrap();
-    c.mr.write_at(128, b"committed").unwrap();
-    c.post(
-        6,
-        SendOp::Write {
-            remote: durable.remote(8),
-        },
-        &[(128, 9)],
-    );
-    c.post(
-        7,
-        SendOp::Commit {
-            remote: durable.remote(8),
-            len: 9,
-        },
-        &[],
-    );
-    assert_eq!(c.wait().kind, CompletionKind::Write);
-    let done = c.wait();
-    assert_eq!(
-        (done.status, done.kind),
-        (WcStatus::Success, CompletionKind::Commit)
-    );
-    assert_eq!(&std::fs::read(&path).unwrap()[8..17], b"committed");
-    drop(durable);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A full provider talking to an RFC 5040 one: the header tells the
@@ -364,4 +251,27 @@ fn without_extensions_or_a_stag_peer_the_error_says_why() {
     // Nothing was sent: the connection still works.
     assert_eq!(vqp.outstanding(), 0);
     qp.set_error();
+}
+
+/// `stag_header: false` makes a plain RDMA connection even between two
+/// stag ends: the server sees no header, the client knows nothing of the
+/// server's device, and the probe asks the wire — refused here, by a
+/// server running RFC 5040 only.
+#[test]
+fn a_plain_connection_probes_the_wire() {
+    let opts = verbs::ConnectOptions {
+        stag_header: false,
+        ..verbs::ConnectOptions::default()
+    };
+    let default = ContextOptions::default();
+    let (c, s) = pair_across(("stag0", &default), ("stag0", &rfc5040()), 0, &opts);
+    assert_eq!(c.qp.peer_native(), None);
+    assert_eq!(s.qp.peer_native(), None);
+    let got =
+        c.qp.probe_atomics(s.mr.remote(0), Duration::from_secs(10))
+            .unwrap();
+    assert!(
+        matches!(got, PeerAtomics::Refused { status, .. } if status != WcStatus::Success),
+        "{got:?}"
+    );
 }

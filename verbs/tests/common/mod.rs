@@ -82,7 +82,22 @@ pub fn pair_between(
     server: &ContextOptions,
     recvs: usize,
 ) -> (End, End) {
-    let make = |options: &ContextOptions| {
+    pair_across(
+        (name, client),
+        (name, server),
+        recvs,
+        &ConnectOptions::default(),
+    )
+}
+
+/// Two connected ends, each on its own device with its own options.
+pub fn pair_across(
+    client: (&str, &ContextOptions),
+    server: (&str, &ContextOptions),
+    recvs: usize,
+    opts: &ConnectOptions,
+) -> (End, End) {
+    let make = |(name, options): (&str, &ContextOptions)| {
         let ctx = Context::open_with(name, options).unwrap();
         let pd = ctx.alloc_pd().unwrap();
         let cq = ctx.create_cq(1024).unwrap();
@@ -105,13 +120,13 @@ pub fn pair_between(
             Ok(())
         }
     };
-    let opts = ConnectOptions::default();
     let (server_qp, client_qp) = std::thread::scope(|s| {
         let h = s.spawn(|| {
             let req = listener.get_request().unwrap();
-            req.accept_with(&spd, &scq, &opts, post(&smr)).unwrap()
+            req.accept_with(&spd, &scq, &ConnectOptions::default(), post(&smr))
+                .unwrap()
         });
-        let (qp, _) = verbs::connect_with(&cpd, &ccq, addr, &opts, post(&cmr)).unwrap();
+        let (qp, _) = verbs::connect_with(&cpd, &ccq, addr, opts, post(&cmr)).unwrap();
         (h.join().unwrap(), qp)
     });
     (
@@ -188,4 +203,116 @@ pub fn star(options: &ContextOptions, n: usize) -> Star {
         server_cq: scq,
         clients,
     }
+}
+
+/// Every RFC 7306 operation and Commit from `c` to `s`, checked.
+pub fn run_extensions(c: &End, s: &End) {
+    use verbs::{CompletionKind, WcStatus};
+    s.mr.write_at(0, &100u64.to_ne_bytes()).unwrap();
+    c.post(
+        1,
+        SendOp::FetchAdd {
+            remote: s.mr.remote(0),
+            add: 5,
+            mask: 0,
+        },
+        &[(64, 8)],
+    );
+    let r = c.wait();
+    assert_eq!(
+        (r.status, r.kind),
+        (
+            WcStatus::Success,
+            CompletionKind::FetchAdd { original: 100 }
+        )
+    );
+    c.post(
+        2,
+        SendOp::CmpSwap {
+            remote: s.mr.remote(0),
+            compare: 105,
+            compare_mask: u64::MAX,
+            swap: 7,
+            swap_mask: u64::MAX,
+        },
+        &[(64, 8)],
+    );
+    assert!(matches!(
+        c.wait().kind,
+        CompletionKind::CmpSwap {
+            original: 105,
+            swapped: true
+        }
+    ));
+    c.post(
+        3,
+        SendOp::FetchAdd {
+            remote: s.mr.remote(0),
+            add: 0x0101,
+            mask: 0x00ff,
+        },
+        &[(64, 8)],
+    );
+    assert_eq!(
+        c.wait().kind,
+        CompletionKind::FetchAdd { original: 7 },
+        "masked"
+    );
+    c.post(
+        4,
+        SendOp::Swap {
+            remote: s.mr.remote(0),
+            swap: 42,
+        },
+        &[(64, 8)],
+    );
+    let sw = c.wait();
+    assert_eq!(sw.status, WcStatus::Success);
+    assert_eq!(s.mr.load_u64(0).unwrap(), 42);
+
+    c.post(
+        5,
+        SendOp::Imm {
+            imm: 0xfeed_f00d_0000_0001,
+            solicited: false,
+        },
+        &[],
+    );
+    assert_eq!(c.wait().kind, CompletionKind::Imm);
+    match s.wait().kind {
+        CompletionKind::Recv { imm, .. } => assert_eq!(imm, Some(0xfeed_f00d_0000_0001)),
+        other => panic!("{other:?}"),
+    }
+
+    static RUN: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let run = RUN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("stag-peers-{}-{run}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("durable.bin");
+    let durable = s.pd.alloc_file_mr(&path, 4096, ALL).unwrap();
+    c.mr.write_at(128, b"committed").unwrap();
+    c.post(
+        6,
+        SendOp::Write {
+            remote: durable.remote(8),
+        },
+        &[(128, 9)],
+    );
+    c.post(
+        7,
+        SendOp::Commit {
+            remote: durable.remote(8),
+            len: 9,
+        },
+        &[],
+    );
+    assert_eq!(c.wait().kind, CompletionKind::Write);
+    let done = c.wait();
+    assert_eq!(
+        (done.status, done.kind),
+        (WcStatus::Success, CompletionKind::Commit)
+    );
+    assert_eq!(&std::fs::read(&path).unwrap()[8..17], b"committed");
+    drop(durable);
+    let _ = std::fs::remove_dir_all(&dir);
 }
