@@ -296,15 +296,20 @@ impl Capabilities {
                 | OpKind::MaskedFetchAdd
                 | OpKind::MaskedCmpSwap
                 | OpKind::Swap => Emulation::Agent.support_for(k),
-                // IBV_WR_FLUSH needs rdma-core ≥ 45 (Debian 12 has 44) and
-                // the ibv_wr_* API: until both are there the agent does
-                // Commit everywhere. Say when the device itself could.
+                // Commit promises durability. A native FLUSH would need
+                // rdma-core ≥ 45 (Debian 12 has 44) and, to be durable, a
+                // persistent FLUSH into pmem; stag's durable regions are
+                // files, made durable by msync. So the agent commits, and
+                // the report says what the device advertises.
                 OpKind::Commit => {
                     let mut s = Emulation::Agent.support_for(k);
                     if attr.flush_global || attr.flush_persistent {
                         if let Support::Emulated { how, .. } = &mut s {
                             how.push_str(&format!(
-                                "; the device advertises FLUSH ({}{}) but {}",
+                                "; the device advertises FLUSH ({}{}), but {}a persistent FLUSH \
+                                 is only as durable as the responder's memory (rxe grants \
+                                 FLUSH_PERSISTENT access to pmem pages only) and stag's durable \
+                                 regions are page-cache files that need msync",
                                 if attr.flush_global { "global" } else { "" },
                                 match (attr.flush_global, attr.flush_persistent) {
                                     (true, true) => "+persistent",
@@ -312,9 +317,9 @@ impl Capabilities {
                                     _ => "",
                                 },
                                 if crate::ibv::HAS_WR_FLUSH {
-                                    "native FLUSH is not wired to Commit yet"
+                                    ""
                                 } else {
-                                    "the installed rdma-core has no ibv_wr_flush"
+                                    "the installed rdma-core has no ibv_wr_flush (≥ 45 has), and "
                                 }
                             ));
                         }
