@@ -91,7 +91,7 @@ pub fn run_bw(args: BwArgs) -> Result<()> {
     let client = |ctx: Context, addr: SocketAddr| -> Result<(RunInfo, Vec<BwStats>)> {
         let mut ep = connect_client(&ctx, &plan, common.all, addr, blocking)?;
         let results = measure(&mut ep, &plan)?;
-        Ok((RunInfo::new(&ctx, &common, Test::Bw), results))
+        Ok((RunInfo::new(&ctx, &ep.qp, &common, Test::Bw), results))
     };
     let Some((info, results)) = super::run_roles(&common, server, client)? else {
         eprintln!("# {op} bandwidth server done");

@@ -85,7 +85,7 @@ pub fn run_lat(args: LatArgs) -> Result<()> {
     let client = |ctx: Context, addr: SocketAddr| -> Result<(RunInfo, Vec<Measured>)> {
         let mut ep = connect_client(&ctx, &plan, common.all, addr, blocking)?;
         let results = measure(&mut ep, &plan)?;
-        Ok((RunInfo::new(&ctx, &common, Test::Lat), results))
+        Ok((RunInfo::new(&ctx, &ep.qp, &common, Test::Lat), results))
     };
     let Some((info, results)) = super::run_roles(&common, server, client)? else {
         eprintln!("# {} latency server done", op);

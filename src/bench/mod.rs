@@ -955,8 +955,10 @@ fn common_op(common: &CommonArgs) -> OpKind {
 }
 
 /// How the operation runs on this device, for the report.
-pub(crate) fn support_label(ctx: &Context, op: OpKind) -> String {
-    match ctx.capabilities().get(op) {
+/// Native or emulated on this connection (its matrix is the device's
+/// resolved against the peer's).
+pub(crate) fn support_label(qp: &QueuePair, op: OpKind) -> String {
+    match qp.capabilities().get(op) {
         Support::Native => "native".into(),
         Support::Emulated { .. } => "emulated".into(),
         Support::Unsupported { .. } => "unsupported".into(),
@@ -990,13 +992,13 @@ pub struct RunInfo {
 }
 
 impl RunInfo {
-    pub(crate) fn new(ctx: &Context, common: &CommonArgs, test: Test) -> RunInfo {
+    pub(crate) fn new(ctx: &Context, qp: &QueuePair, common: &CommonArgs, test: Test) -> RunInfo {
         RunInfo {
             test,
             op: common.op.name().to_owned(),
             device: ctx.name().to_owned(),
             backend: ctx.backend_kind(),
-            support: support_label(ctx, common.op),
+            support: support_label(qp, common.op),
             emulate: common.emulate.iter().map(|k| k.name().to_owned()).collect(),
             not_emulated: common
                 .emulate
