@@ -86,7 +86,8 @@ fn main() -> Res<()> {
         sqp.qp_num()
     );
 
-    let caps = client_ctx.capabilities().clone();
+    // This connection's matrix: the device's, resolved against the peer's.
+    let caps = cqp.capabilities().clone();
     let support = |op: OpKind| match caps.get(op) {
         Support::Native => "native".to_owned(),
         other => other.to_string(),
@@ -260,6 +261,25 @@ fn main() -> Res<()> {
                 smr.load_u64(0)?
             );
         }
+    }
+
+    // Atomic Write: the value replaces the counter whole; nothing returns.
+    if post(
+        16,
+        SendOp::AtomicWrite {
+            remote: counter,
+            value: 0x0123_4567_89ab_cdef,
+        },
+        vec![],
+    )?
+    .is_some()
+    {
+        println!(
+            "{:<17} [{}] counter now {:#x}",
+            "atomic-write",
+            support(OpKind::AtomicWrite),
+            smr.load_u64(0)?
+        );
     }
 
     // Write + Commit to the durable region: the bytes reach the file.

@@ -339,10 +339,18 @@ impl Connection {
             wr.op,
             SendOp::FetchAdd { .. } | SendOp::CmpSwap { .. } | SendOp::Swap { .. }
         );
+        if matches!(wr.op, SendOp::AtomicWrite { .. }) && !wr.sg_list.is_empty() {
+            return Err(PostError::Invalid(
+                "an Atomic Write carries its value in the WR, not in SGEs",
+            ));
+        }
         let extension = atomic
             || matches!(
                 wr.op,
-                SendOp::Imm { .. } | SendOp::WriteImm { .. } | SendOp::Commit { .. }
+                SendOp::Imm { .. }
+                    | SendOp::WriteImm { .. }
+                    | SendOp::Commit { .. }
+                    | SendOp::AtomicWrite { .. }
             );
         if extension && !self.caps.rdmap_extensions {
             return Err(PostError::Invalid(
@@ -849,6 +857,9 @@ impl Connection {
             }
             SendOp::Swap { remote, swap } => {
                 self.send_atomic(AtomicOpcode::Swap, remote, swap, 0, 0, 0);
+            }
+            SendOp::AtomicWrite { remote, value } => {
+                self.send_atomic(AtomicOpcode::Swap, remote, value, 0, 0, 0);
             }
             SendOp::Commit { remote, len } => {
                 let msn = self.next_msn(QN_REQUEST);
@@ -1462,15 +1473,18 @@ impl Connection {
                     head.op,
                     SendOp::FetchAdd { .. } | SendOp::CmpSwap { .. } | SendOp::Swap { .. }
                 );
-                if !is_atomic || head.req_id != req_id {
+                let is_write = matches!(head.op, SendOp::AtomicWrite { .. });
+                if !(is_atomic || is_write) || head.req_id != req_id {
                     return Err(Error::UnexpectedOpcode(0xb).into());
                 }
-                // The original value lands in host order, as libibverbs
-                // delivers it.
-                scatter(env.mem, pd, &head.sg_list, 0, &original.to_ne_bytes())
-                    .map_err(|_| Error::Catastrophic)?;
+                if is_atomic {
+                    // The original value lands in host order, as libibverbs
+                    // delivers it.
+                    scatter(env.mem, pd, &head.sg_list, 0, &original.to_ne_bytes())
+                        .map_err(|_| Error::Catastrophic)?;
+                    head.byte_len = 8;
+                }
                 head.status = Some(WcStatus::Success);
-                head.byte_len = 8;
                 *rx.ord_used = rx.ord_used.saturating_sub(1);
             }
             RdmapRepr::CommitResponse {

@@ -99,6 +99,17 @@ pub enum SendOp {
         /// Length of the range.
         len: u32,
     },
+    /// 64-bit Atomic Write (`IBV_WR_ATOMIC_WRITE`; the commit draft's "log
+    /// update" after a Commit): store `value` at the 8-byte aligned
+    /// `remote` as one atomic operation. iWARP has no opcode for it, so
+    /// the provider sends draft-03's Swap and drops the original value.
+    /// No local SGE.
+    AtomicWrite {
+        /// The 8-byte aligned target.
+        remote: Remote,
+        /// The value stored.
+        value: u64,
+    },
 }
 
 impl SendOp {
@@ -110,6 +121,7 @@ impl SendOp {
                 | SendOp::FetchAdd { .. }
                 | SendOp::CmpSwap { .. }
                 | SendOp::Swap { .. }
+                | SendOp::AtomicWrite { .. }
                 | SendOp::Commit { .. }
         )
     }
@@ -126,6 +138,7 @@ impl SendOp {
             SendOp::CmpSwap { .. } => WcOpcode::CmpSwap,
             SendOp::Swap { .. } => WcOpcode::Swap,
             SendOp::Commit { .. } => WcOpcode::Commit,
+            SendOp::AtomicWrite { .. } => WcOpcode::AtomicWrite,
         }
     }
 }
@@ -216,6 +229,8 @@ pub enum WcOpcode {
     Swap,
     /// RDMA Commit.
     Commit,
+    /// Atomic Write (`IBV_WC_ATOMIC_WRITE`).
+    AtomicWrite,
     /// Immediate Data sent.
     Imm,
     /// `IBV_WC_RECV`: a Send (or Immediate Data) arrived.

@@ -64,14 +64,17 @@ check_caps() { # dev kind(rxe|siw) matrix-file
         expect masked-fetch-add 'emulated \(RDMA Read, then CmpSwap'
         expect swap 'emulated \(RDMA Read, then CmpSwap'
         if [[ $STAG_VM_KERNEL == 6.12 ]]; then
-            # 6.12's rxe advertises FLUSH (device_cap_flags_ex bits 38/39).
+            # 6.12's rxe advertises FLUSH and ATOMIC_WRITE
+            # (device_cap_flags_ex bits 38-40); librxe takes the flag.
             expect commit 'advertises FLUSH \(global\+persistent\)'
+            expect atomic-write ' native$'
         else
+            expect atomic-write 'emulated \(RDMA Read, then CmpSwap'
             expect commit 'emulated \(a zero-length RDMA Read places earlier Writes, then the responder.s stag agent msyncs; ≥2 RTT\)$'
         fi
     else
         local op
-        for op in fetch-add cmp-swap masked-fetch-add masked-cmp-swap swap; do
+        for op in fetch-add cmp-swap masked-fetch-add masked-cmp-swap swap atomic-write; do
             expect "$op" "emulated \(the responder.s stag agent[^;]*; ≥1 RTT\)$"
         done
         expect commit 'emulated \(a zero-length RDMA Read places earlier Writes, then the responder.s stag agent msyncs; ≥2 RTT\)$'

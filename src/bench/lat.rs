@@ -201,6 +201,7 @@ pub(crate) fn atomic_op(op: OpKind, remote: Remote, n: u64) -> SendOp {
             swap_mask: 0xffff_ffff,
         },
         OpKind::Swap => SendOp::Swap { remote, swap: n },
+        OpKind::AtomicWrite => SendOp::AtomicWrite { remote, value: n },
         other => unreachable!("{other} is not an atomic"),
     }
 }
@@ -213,6 +214,7 @@ fn is_atomic(op: OpKind) -> bool {
             | OpKind::CmpSwap
             | OpKind::MaskedCmpSwap
             | OpKind::Swap
+            | OpKind::AtomicWrite
     )
 }
 
@@ -258,7 +260,9 @@ pub(crate) fn post_op(
                 addr: remote.addr + 8 * slot as u64,
                 rkey: remote.rkey,
             };
-            ep.post(wr, atomic_op(k, target, n), Some((8 * slot, 8)))
+            // An Atomic Write carries its value; the others return one.
+            let local = (k != OpKind::AtomicWrite).then_some((8 * slot, 8));
+            ep.post(wr, atomic_op(k, target, n), local)
         }
         other => Err(BenchError::Args(format!("{other} is not benchmarked"))),
     }
@@ -285,6 +289,7 @@ pub(crate) fn is_main_completion(op: OpKind, wr_id: u64, kind: &CompletionKind) 
                 CompletionKind::CmpSwap { .. }
             )
             | (OpKind::Swap, CompletionKind::Swap { .. })
+            | (OpKind::AtomicWrite, CompletionKind::AtomicWrite)
             | (OpKind::Commit, CompletionKind::Commit)
     )
 }
@@ -445,6 +450,7 @@ mod tests {
             OpKind::CmpSwap,
             OpKind::MaskedCmpSwap,
             OpKind::Swap,
+            OpKind::AtomicWrite,
         ] {
             assert_eq!(stag::op_kind(&atomic_op(op, r, 5)), op);
         }

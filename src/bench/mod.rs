@@ -136,7 +136,7 @@ fn parse_op_kind(s: &str) -> std::result::Result<OpKind, String> {
 }
 
 /// The operations `lat` and `bw` measure.
-pub const BENCH_OPS: [OpKind; 11] = [
+pub const BENCH_OPS: [OpKind; 12] = [
     OpKind::Send,
     OpKind::Write,
     OpKind::Read,
@@ -147,6 +147,7 @@ pub const BENCH_OPS: [OpKind; 11] = [
     OpKind::Swap,
     OpKind::MaskedFetchAdd,
     OpKind::MaskedCmpSwap,
+    OpKind::AtomicWrite,
     OpKind::Commit,
 ];
 
@@ -154,7 +155,7 @@ pub const BENCH_OPS: [OpKind; 11] = [
 #[derive(Debug, Clone, clap::Args)]
 pub struct CommonArgs {
     /// Operation: send, write, read, write-imm, imm, fetch-add, cmp-swap,
-    /// swap, masked-fetch-add, masked-cmp-swap, commit.
+    /// swap, masked-fetch-add, masked-cmp-swap, atomic-write, commit.
     #[arg(value_parser = parse_op)]
     pub op: OpKind,
     /// Server to connect to (client mode). Without it, wait for one client
@@ -242,6 +243,7 @@ pub(crate) fn fixed_eight(op: OpKind) -> bool {
             | OpKind::CmpSwap
             | OpKind::MaskedCmpSwap
             | OpKind::Swap
+            | OpKind::AtomicWrite
     )
 }
 
@@ -266,6 +268,7 @@ pub(crate) fn title(op: OpKind) -> &'static str {
         OpKind::MaskedCmpSwap => "Atomic_Masked_CmpSwap",
         OpKind::Swap => "Atomic_Swap",
         OpKind::Commit => "RDMA_Commit",
+        OpKind::AtomicWrite => "Atomic_Write",
     }
 }
 

@@ -36,11 +36,14 @@ pub enum OpKind {
     Swap,
     /// RDMA Commit (draft-talpey-rdma-commit).
     Commit,
+    /// 64-bit Atomic Write (IBTA `IBV_WR_ATOMIC_WRITE`; the commit draft's
+    /// "log update" after a Commit).
+    AtomicWrite,
 }
 
 impl OpKind {
     /// Every operation, in display order.
-    pub const ALL: [OpKind; 12] = [
+    pub const ALL: [OpKind; 13] = [
         OpKind::Send,
         OpKind::SendInvalidate,
         OpKind::Write,
@@ -53,6 +56,7 @@ impl OpKind {
         OpKind::MaskedCmpSwap,
         OpKind::Swap,
         OpKind::Commit,
+        OpKind::AtomicWrite,
     ];
 
     /// The name used on the command line and in JSON.
@@ -70,6 +74,7 @@ impl OpKind {
             OpKind::MaskedCmpSwap => "masked-cmp-swap",
             OpKind::Swap => "swap",
             OpKind::Commit => "commit",
+            OpKind::AtomicWrite => "atomic-write",
         }
     }
 
@@ -285,7 +290,17 @@ impl Capabilities {
                 // RFC 7306 8-byte form always goes through the mailbox.
                 OpKind::WriteImm | OpKind::Imm => Emulation::ImmMailbox.support_for(k),
                 OpKind::FetchAdd | OpKind::CmpSwap if atomics => Support::Native,
-                OpKind::MaskedFetchAdd | OpKind::MaskedCmpSwap | OpKind::Swap if atomics => {
+                // IBV_WR_ATOMIC_WRITE: the device advertises it (rxe from
+                // Linux 6.2) and its provider takes the send_ops flag.
+                OpKind::AtomicWrite if atomics && attr.atomic_write && attr.wr_atomic_write => {
+                    Support::Native
+                }
+                OpKind::MaskedFetchAdd
+                | OpKind::MaskedCmpSwap
+                | OpKind::Swap
+                | OpKind::AtomicWrite
+                    if atomics =>
+                {
                     Emulation::CasLoop.support_for(k)
                 }
                 // No atomics at all (siw): the peer's agent runs them, all
@@ -295,7 +310,8 @@ impl Capabilities {
                 | OpKind::CmpSwap
                 | OpKind::MaskedFetchAdd
                 | OpKind::MaskedCmpSwap
-                | OpKind::Swap => Emulation::Agent.support_for(k),
+                | OpKind::Swap
+                | OpKind::AtomicWrite => Emulation::Agent.support_for(k),
                 // Commit promises durability. A native FLUSH would need
                 // rdma-core ≥ 45 (Debian 12 has 44) and, to be durable, a
                 // persistent FLUSH into pmem; stag's durable regions are
@@ -351,7 +367,10 @@ impl Capabilities {
                 continue;
             }
             let method = match k {
-                OpKind::MaskedFetchAdd | OpKind::MaskedCmpSwap | OpKind::Swap => Emulation::CasLoop,
+                OpKind::MaskedFetchAdd
+                | OpKind::MaskedCmpSwap
+                | OpKind::Swap
+                | OpKind::AtomicWrite => Emulation::CasLoop,
                 OpKind::FetchAdd | OpKind::CmpSwap | OpKind::Commit => Emulation::Agent,
                 OpKind::Imm | OpKind::WriteImm => Emulation::ImmMailbox,
                 _ => continue,
@@ -424,12 +443,13 @@ impl FromIterator<OpKind> for OpSet {
 
 /// The atomics, which stay on one path per connection (an agent's atomic
 /// is not atomic with respect to the device's on the same word).
-const ATOMICS: [OpKind; 5] = [
+const ATOMICS: [OpKind; 6] = [
     OpKind::FetchAdd,
     OpKind::CmpSwap,
     OpKind::MaskedFetchAdd,
     OpKind::MaskedCmpSwap,
     OpKind::Swap,
+    OpKind::AtomicWrite,
 ];
 
 /// What runs `op` on a connection whose responder lacks it natively (the
@@ -460,6 +480,17 @@ pub(crate) fn gap_needs_agent(native: OpSet, peer_native: OpSet) -> bool {
 }
 
 impl Capabilities {
+    /// Posting with `ibv_post_send`: Atomic Write, which stag posts with
+    /// `ibv_wr_atomic_write` only, falls back to the CmpSwap loop.
+    pub(crate) fn on_legacy_post(&mut self) {
+        self.post_path = PostPath::Legacy;
+        for (k, s) in self.ops.iter_mut() {
+            if *k == OpKind::AtomicWrite && *s == Support::Native {
+                *s = Emulation::CasLoop.support_for(*k);
+            }
+        }
+    }
+
     /// The operations the device does natively.
     pub fn native_ops(&self) -> OpSet {
         self.ops

@@ -43,6 +43,8 @@ pub enum CompletionKind {
     },
     /// A Commit completed: the responder made the range durable.
     Commit,
+    /// An Atomic Write completed: the value is in place.
+    AtomicWrite,
     /// A message arrived in a posted receive.
     Recv {
         /// Bytes placed.

@@ -157,15 +157,19 @@ impl Context {
             })?;
             let attr = ctx.query_device()?;
             let caps = Capabilities::ibverbs(name, &attr);
-            let wr_ops = attr.wr_api.then_some(attr.wr_ops);
+            let mut ops = attr.wr_ops;
+            if caps.get(OpKind::AtomicWrite) == &crate::caps::Support::Native {
+                ops = ops | ibv::SendOps::ATOMIC_WRITE;
+            }
+            let wr_ops = attr.wr_api.then_some(ops);
             (ContextBackend::Ibv(ctx), caps, wr_ops)
         };
-        let device_caps = caps.clone();
-        caps.force_emulation(&options.force_emulation);
         if options.legacy_post && caps.post_path == PostPath::Extended {
-            caps.post_path = PostPath::Legacy;
+            caps.on_legacy_post();
             wr_ops = None;
         }
+        let device_caps = caps.clone();
+        caps.force_emulation(&options.force_emulation);
         Ok(Context {
             inner: Arc::new(ContextInner {
                 name: name.to_owned(),

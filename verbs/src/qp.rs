@@ -79,6 +79,7 @@ pub fn op_kind(op: &SendOp) -> OpKind {
         SendOp::CmpSwap { .. } => OpKind::MaskedCmpSwap,
         SendOp::Swap { .. } => OpKind::Swap,
         SendOp::Commit { .. } => OpKind::Commit,
+        SendOp::AtomicWrite { .. } => OpKind::AtomicWrite,
     }
 }
 
@@ -268,18 +269,32 @@ impl QpInner {
                 })?;
             }
             QpBackend::Ibv { qp, .. } => {
+                let mut flags = ibv::SendFlags::SIGNALED;
+                if fence {
+                    flags = ibv::SendFlags(flags.0 | ibv::SendFlags::FENCE.0);
+                }
+                if let SendOp::AtomicWrite { remote, value } = op {
+                    // Only through ibv_wr_atomic_write (the matrix says
+                    // native only on a QP created with its flag).
+                    let mut batch = qp.start_wr()?;
+                    batch.atomic_write(
+                        token,
+                        flags,
+                        remote.rkey,
+                        remote.addr,
+                        value.to_ne_bytes(),
+                    )?;
+                    batch.commit()?;
+                    return Ok(());
+                }
                 let iop = ibv_op(&op)
                     .ok_or(Error::InvalidRequest("operation has no libibverbs opcode"))?;
                 let isges = ibv_sges(sges);
-                let mut flags = ibv::SendFlags::SIGNALED;
                 if let SendOp::Send {
                     solicited: true, ..
                 } = op
                 {
                     flags = ibv::SendFlags(flags.0 | ibv::SendFlags::SOLICITED.0);
-                }
-                if fence {
-                    flags = ibv::SendFlags(flags.0 | ibv::SendFlags::FENCE.0);
                 }
                 if qp.has_wr_api() {
                     let mut batch = qp.start_wr()?;
@@ -319,6 +334,16 @@ impl QpInner {
 
     fn post_send(self: &Arc<Self>, wr: WorkRequest) -> Result<()> {
         let kind = op_kind(&wr.op);
+        if matches!(
+            wr.op,
+            SendOp::FetchAdd { .. }
+                | SendOp::CmpSwap { .. }
+                | SendOp::Swap { .. }
+                | SendOp::AtomicWrite { .. }
+        ) {
+            // The same answer whichever path runs it.
+            check_atomic_local(&wr)?;
+        }
         let support = self.caps().get(kind).clone();
         match support {
             Support::Native => {
@@ -381,18 +406,15 @@ impl QpInner {
         let remote = match wr.op {
             SendOp::FetchAdd { remote, .. }
             | SendOp::CmpSwap { remote, .. }
-            | SendOp::Swap { remote, .. } => remote,
+            | SendOp::Swap { remote, .. }
+            | SendOp::AtomicWrite { remote, .. } => remote,
             _ => {
                 return Err(Error::InvalidRequest(
                     "only atomics are emulated by a CmpSwap loop",
                 ))
             }
         };
-        if wr.local.len() != 1 || wr.local[0].len() != 8 {
-            return Err(Error::InvalidRequest(
-                "an atomic needs one 8-byte local slice",
-            ));
-        }
+        check_atomic_local(&wr)?;
         let slot = self
             .free_slots
             .lock()
@@ -625,6 +647,7 @@ impl QpInner {
             },
             SendOp::Swap { .. } => CompletionKind::Swap { original },
             SendOp::Commit { .. } => CompletionKind::Commit,
+            SendOp::AtomicWrite { .. } => CompletionKind::AtomicWrite,
         }
     }
 
@@ -663,6 +686,7 @@ impl QpInner {
                 ..
             } => provider::wire::atomic::cmp_swap(current, compare, compare_mask, swap, swap_mask),
             SendOp::Swap { swap, .. } => swap,
+            SendOp::AtomicWrite { value, .. } => value,
             _ => current,
         };
         if new == current {
@@ -726,6 +750,8 @@ impl QpInner {
                 },
             ),
             SendOp::Swap { remote, swap } => (remote, AgentOp::Swap { swap }),
+            // The agent's Swap, its original value dropped.
+            SendOp::AtomicWrite { remote, value } => (remote, AgentOp::Swap { swap: value }),
             SendOp::Commit { remote, len } => {
                 // Read-after-write: a zero-length Read returns only after
                 // every earlier Write on this QP is placed; then msync.
@@ -751,11 +777,7 @@ impl QpInner {
                 ))
             }
         };
-        if wr.local.len() != 1 || wr.local[0].len() != 8 {
-            return Err(Error::InvalidRequest(
-                "an atomic needs one 8-byte local slice",
-            ));
-        }
+        check_atomic_local(&wr)?;
         self.insert(
             token,
             Pending {
@@ -913,6 +935,26 @@ impl QpInner {
             kind,
             vendor_err: 0,
         })
+    }
+}
+
+/// An atomic names one 8-byte local slice for the original value; an
+/// Atomic Write carries its value in the request and names none.
+fn check_atomic_local(wr: &WorkRequest) -> Result<()> {
+    let ok = match wr.op {
+        SendOp::AtomicWrite { .. } => wr.local.is_empty(),
+        _ => wr.local.len() == 1 && wr.local[0].len() == 8,
+    };
+    if ok {
+        Ok(())
+    } else if matches!(wr.op, SendOp::AtomicWrite { .. }) {
+        Err(Error::InvalidRequest(
+            "an Atomic Write carries its value in the request, not in local slices",
+        ))
+    } else {
+        Err(Error::InvalidRequest(
+            "an atomic needs one 8-byte local slice",
+        ))
     }
 }
 

@@ -11,7 +11,12 @@ use verbs::{CompletionKind, OpKind, SendOp, Support};
 
 extern crate provider;
 
-const EMULATED: [OpKind; 3] = [OpKind::MaskedFetchAdd, OpKind::MaskedCmpSwap, OpKind::Swap];
+const EMULATED: [OpKind; 4] = [
+    OpKind::MaskedFetchAdd,
+    OpKind::MaskedCmpSwap,
+    OpKind::Swap,
+    OpKind::AtomicWrite,
+];
 
 #[test]
 fn forced_emulation_shows_in_the_matrix() {
@@ -91,6 +96,17 @@ fn emulated_masked_fetch_add_and_swap_are_exact() {
         }
     );
     assert_eq!(s.mr.load_u64(0).unwrap(), 77);
+    // Atomic Write through the loop: the value lands whole.
+    c.post(
+        4,
+        SendOp::AtomicWrite {
+            remote: s.mr.remote(0),
+            value: u64::MAX - 1,
+        },
+        &[],
+    );
+    assert_eq!(c.wait().kind, CompletionKind::AtomicWrite);
+    assert_eq!(s.mr.load_u64(0).unwrap(), u64::MAX - 1);
 }
 
 /// Several clients, each on its own connection, hammer one counter with

@@ -214,6 +214,33 @@ fn atomics_native_or_emulated() {
     // The original values also landed in the local slices, as in verbs.
     assert_eq!(c.mr.load_u64(0).unwrap(), 10);
     assert_eq!(c.mr.load_u64(24).unwrap(), 100);
+    // Atomic Write: the value lands whole; no local slice.
+    c.post(
+        7,
+        SendOp::AtomicWrite {
+            remote: r,
+            value: 0x0123_4567_89ab_cdef,
+        },
+        &[],
+    );
+    let done = c.wait();
+    assert_eq!(
+        (done.wr_id, done.status, done.kind),
+        (7, WcStatus::Success, CompletionKind::AtomicWrite)
+    );
+    assert_eq!(s.mr.load_u64(0).unwrap(), 0x0123_4567_89ab_cdef);
+    // ... and is refused with one.
+    let err =
+        c.qp.post_send(verbs::WorkRequest::new(
+            8,
+            SendOp::AtomicWrite {
+                remote: r,
+                value: 1,
+            },
+            vec![c.mr.slice(48, 8).unwrap()],
+        ))
+        .unwrap_err();
+    assert!(matches!(err, verbs::Error::InvalidRequest(_)), "{err}");
 }
 
 #[test]
@@ -255,7 +282,7 @@ fn commit_makes_written_bytes_durable() {
 
 /// The operations every device must offer, natively or emulated: Send,
 /// Write, Read, the RFC 7306 operations and Commit.
-const REQUIRED: [OpKind; 11] = [
+const REQUIRED: [OpKind; 12] = [
     OpKind::Send,
     OpKind::Write,
     OpKind::Read,
@@ -266,6 +293,7 @@ const REQUIRED: [OpKind; 11] = [
     OpKind::CmpSwap,
     OpKind::MaskedCmpSwap,
     OpKind::Swap,
+    OpKind::AtomicWrite,
     OpKind::Commit,
 ];
 
@@ -520,5 +548,22 @@ fn both_post_paths_carry_the_operations() {
             (WcStatus::Success, CompletionKind::FetchAdd { original: 7 })
         );
         assert_eq!(s.mr.load_u64(256).unwrap(), 12);
+
+        // Native only through ibv_wr_atomic_write: on ibv_post_send the
+        // matrix moves it to the CmpSwap loop, and either way it lands.
+        let aw = c.qp.capabilities().get(OpKind::AtomicWrite).clone();
+        if legacy_post && c.ctx.backend_kind() == verbs::Backend::Ibverbs {
+            assert_ne!(aw, Support::Native);
+        }
+        c.post(
+            5,
+            SendOp::AtomicWrite {
+                remote: s.mr.remote(256),
+                value: 99,
+            },
+            &[],
+        );
+        assert_eq!(c.wait().kind, CompletionKind::AtomicWrite, "{aw}");
+        assert_eq!(s.mr.load_u64(256).unwrap(), 99);
     }
 }

@@ -269,6 +269,20 @@ pub fn run_extensions(c: &End, s: &End) {
     let sw = c.wait();
     assert_eq!(sw.status, WcStatus::Success);
     assert_eq!(s.mr.load_u64(0).unwrap(), 42);
+    c.post(
+        41,
+        SendOp::AtomicWrite {
+            remote: s.mr.remote(0),
+            value: 0xa70_0000_0000_0001,
+        },
+        &[],
+    );
+    let aw = c.wait();
+    assert_eq!(
+        (aw.status, aw.kind),
+        (WcStatus::Success, CompletionKind::AtomicWrite)
+    );
+    assert_eq!(s.mr.load_u64(0).unwrap(), 0xa70_0000_0000_0001);
 
     c.post(
         5,
