@@ -1,9 +1,12 @@
 //! Completion queues and typed completions.
 
 use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
+use nix::sys::eventfd::{EfdFlags, EventFd};
 use tracing::warn;
 
 use crate::device::{Context, ContextBackend};
@@ -155,6 +158,12 @@ pub(crate) struct CqInner {
     /// Completions given meaning but not yet handed out (a raw batch can
     /// hold more than the caller asked for).
     ready: Mutex<VecDeque<Completion>>,
+    /// Readable after an emulation thread queued a completion (the device
+    /// knows nothing of those).
+    ready_fd: EventFd,
+    /// Readable when `ready_fd` or the device's notification fd is: what
+    /// [`CompletionQueue::as_fd`] hands to an event loop.
+    epoll: Epoll,
 }
 
 #[derive(Debug)]
@@ -180,14 +189,79 @@ impl CompletionQueue {
                 CqBackend::Ibv(ictx.create_cq(depth, Some(&channel), 0)?)
             }
         };
+        let ready_fd =
+            EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
+                .map_err(std::io::Error::from)?;
+        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(std::io::Error::from)?;
+        let watch = |fd: BorrowedFd<'_>| {
+            epoll
+                .add(fd, EpollEvent::new(EpollFlags::EPOLLIN, 0))
+                .map_err(std::io::Error::from)
+        };
+        watch(ready_fd.as_fd())?;
+        match &backend {
+            CqBackend::User(cq) => watch(cq.as_fd())?,
+            CqBackend::Ibv(cq) => {
+                if let Some(ch) = cq.channel() {
+                    // Events are taken only when there are some (readable),
+                    // and `req_notify` drains them without blocking.
+                    ch.set_nonblocking(true)?;
+                    watch(ch.as_fd())?;
+                }
+            }
+        }
         Ok(CompletionQueue {
             inner: Arc::new(CqInner {
                 ctx: ctx.clone(),
                 backend,
                 qps: Mutex::new(HashMap::new()),
                 ready: Mutex::new(VecDeque::new()),
+                ready_fd,
+                epoll,
             }),
         })
+    }
+
+    /// Arm the completion notification of [`as_fd`](AsFd::as_fd)
+    /// (`ibv_req_notify_cq`, after taking the events that woke the caller,
+    /// as `ibv_get_cq_event` + `ibv_ack_cq_events` do). Returns whether
+    /// completions are already waiting: then poll instead of sleeping. The
+    /// event-loop pattern is
+    ///
+    /// ```text
+    /// loop {
+    ///     while cq.poll(&mut out, 16)? > 0 { /* handle out */ }
+    ///     if !cq.req_notify()? { /* sleep until cq.as_fd() is readable */ }
+    /// }
+    /// ```
+    ///
+    /// Completions the emulation layer makes on its own threads (agent
+    /// answers) make the fd readable too.
+    pub fn req_notify(&self) -> Result<bool> {
+        let _ = self.inner.ready_fd.read();
+        match &self.inner.backend {
+            CqBackend::User(cq) => {
+                cq.ack_events();
+                cq.req_notify(false);
+                if !cq.is_empty() {
+                    return Ok(true);
+                }
+            }
+            CqBackend::Ibv(cq) => {
+                if let Some(ch) = cq.channel() {
+                    while ch.get_event().is_ok() {}
+                }
+                cq.req_notify(false)?;
+                // A completion that arrived before arming raised no event.
+                self.drive()?;
+            }
+        }
+        Ok(!self
+            .inner
+            .ready
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty())
     }
 
     /// The device context.
@@ -262,6 +336,7 @@ impl CompletionQueue {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push_back(c);
+        let _ = self.inner.ready_fd.write(1);
     }
 
     /// Move up to `max` ready completions to `out`.
@@ -355,6 +430,16 @@ impl CompletionQueue {
                 }
             }
         }
+    }
+}
+
+impl AsFd for CompletionQueue {
+    /// Readable when completions may be waiting, once armed with
+    /// [`CompletionQueue::req_notify`] (an epoll fd over the device's
+    /// notification fd and the emulation layer's): for `poll(2)`, epoll or
+    /// an async runtime's fd readiness.
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.inner.epoll.0.as_fd()
     }
 }
 

@@ -567,3 +567,51 @@ fn both_post_paths_carry_the_operations() {
         assert_eq!(s.mr.load_u64(256).unwrap(), 99);
     }
 }
+
+/// A thread sleeping in poll(2) on the CQ's fd wakes for a device
+/// completion and for one the emulation layer makes on its own thread (a
+/// FetchAdd answered by the peer's agent).
+#[test]
+fn completion_fd_wakes_a_sleeping_thread() {
+    use std::os::fd::AsFd;
+    for forced in [vec![], vec![OpKind::FetchAdd]] {
+        let (c, s) = pair_with(&emulating(&forced), 1);
+        s.mr.store_u64(0, 31).unwrap();
+        let cq = c.cq.clone();
+        let waiter = std::thread::spawn(move || {
+            let mut wakes = 0;
+            loop {
+                let mut out = Vec::new();
+                if cq.poll(&mut out, 4).unwrap() > 0 {
+                    return (out, wakes);
+                }
+                if cq.req_notify().unwrap() {
+                    continue;
+                }
+                let mut fds = [nix::poll::PollFd::new(
+                    cq.as_fd(),
+                    nix::poll::PollFlags::POLLIN,
+                )];
+                let n = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(20_000u16)).unwrap();
+                assert!(n > 0, "the fd did not become readable ({forced:?})");
+                wakes += 1;
+            }
+        });
+        // Let the waiter reach poll(2) before anything can complete.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        c.post(
+            1,
+            SendOp::FetchAdd {
+                remote: s.mr.remote(0),
+                add: 1,
+                mask: 0,
+            },
+            &[(0, 8)],
+        );
+        let (got, wakes) = waiter.join().unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].kind, CompletionKind::FetchAdd { original: 31 });
+        assert!(wakes >= 1, "the completion came without a wake-up");
+        assert_eq!(s.mr.load_u64(0).unwrap(), 32);
+    }
+}
