@@ -40,6 +40,9 @@ pub struct CompletionQueue {
     wake: EventFd,
     /// Threads asleep in [`wait`](Self::wait).
     waiters: AtomicU32,
+    /// Set by [`interrupt_wait`](Self::interrupt_wait): the next (or
+    /// current) wait returns early.
+    interrupted: AtomicBool,
 }
 
 impl CompletionQueue {
@@ -58,6 +61,7 @@ impl CompletionQueue {
             qps: RwLock::new(Vec::new()),
             wake,
             waiters: AtomicU32::new(0),
+            interrupted: AtomicBool::new(false),
         }))
     }
 
@@ -140,6 +144,9 @@ impl CompletionQueue {
             if n > 0 || out.is_empty() {
                 return n;
             }
+            if self.interrupted.swap(false, Ordering::SeqCst) {
+                return 0;
+            }
             let now = Instant::now();
             if now >= deadline {
                 return 0;
@@ -166,8 +173,9 @@ impl CompletionQueue {
                 qp.set_waiting(true);
             }
             // A completion pushed before we counted ourselves is in the
-            // queue now; one pushed after will write `wake`.
-            if self.is_empty() {
+            // queue now; one pushed after will write `wake`. The same holds
+            // for an interruption.
+            if self.is_empty() && !self.interrupted.load(Ordering::SeqCst) {
                 // Round up so that a short remainder still sleeps.
                 let left = deadline.saturating_duration_since(now) + Duration::from_micros(999);
                 let ms = PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX);
@@ -182,6 +190,14 @@ impl CompletionQueue {
             }
             drive = fds[1..].iter().any(|f| f.any().unwrap_or(false));
         }
+    }
+
+    /// Make a [`wait`](Self::wait) in progress, or else the next one,
+    /// return at once (with what it has): for a layer above that queues
+    /// completions of its own and needs the waiter to look at them.
+    pub fn interrupt_wait(&self) {
+        self.interrupted.store(true, Ordering::SeqCst);
+        let _ = self.wake.write(1);
     }
 
     /// `ibv_req_notify_cq`: make the event fd readable at the next
@@ -242,5 +258,59 @@ impl CompletionQueue {
 impl AsFd for CompletionQueue {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.event_fd.as_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blank() -> WorkCompletion {
+        WorkCompletion {
+            wr_id: 0,
+            status: WcStatus::Success,
+            opcode: crate::wr::WcOpcode::Send,
+            byte_len: 0,
+            imm: None,
+            invalidated_rkey: None,
+            qp_num: 0,
+            vendor_err: 0,
+            solicited: false,
+        }
+    }
+
+    /// A waiter blocked for 60 s comes back when interrupted, with nothing;
+    /// an interruption with nobody waiting ends the next wait at once.
+    #[test]
+    fn interrupt_ends_a_wait_in_progress_or_the_next() {
+        let cq = CompletionQueue::new(4).unwrap();
+        let waiter = {
+            let cq = cq.clone();
+            std::thread::spawn(move || {
+                let start = Instant::now();
+                let n = cq.wait(&mut [blank()], Duration::from_secs(60));
+                (n, start.elapsed())
+            })
+        };
+        while cq.waiters.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
+        cq.interrupt_wait();
+        let (n, took) = waiter.join().unwrap();
+        assert_eq!(n, 0);
+        assert!(took < Duration::from_secs(30), "{took:?}");
+
+        cq.interrupt_wait();
+        let start = Instant::now();
+        assert_eq!(cq.wait(&mut [blank()], Duration::from_secs(60)), 0);
+        assert!(start.elapsed() < Duration::from_secs(30));
+        // Consumed: a completion is what ends the wait after that.
+        cq.push(WorkCompletion {
+            wr_id: 7,
+            ..blank()
+        });
+        let mut out = [blank()];
+        assert_eq!(cq.wait(&mut out, Duration::from_secs(60)), 1);
+        assert_eq!(out[0].wr_id, 7);
     }
 }

@@ -172,9 +172,6 @@ pub(crate) enum CqBackend {
     Ibv(Arc<ibv::CompletionQueue>),
 }
 
-/// The longest a blocking wait sleeps before looking at the ready queue.
-const WAIT_SLICE: Duration = Duration::from_millis(2);
-
 /// Raw completions taken from the backend per round.
 const BATCH: usize = 32;
 
@@ -337,6 +334,10 @@ impl CompletionQueue {
             .unwrap_or_else(|p| p.into_inner())
             .push_back(c);
         let _ = self.inner.ready_fd.write(1);
+        // A thread blocked in `wait` on the provider must look at it.
+        if let CqBackend::User(cq) = &self.inner.backend {
+            cq.interrupt_wait();
+        }
     }
 
     /// Move up to `max` ready completions to `out`.
@@ -398,11 +399,9 @@ impl CompletionQueue {
             if left.is_zero() {
                 return Ok(0);
             }
-            // Completions of emulated work can also come from an agent
-            // thread, which does not wake the device's waiters: sleep in
-            // slices.
-            let left = left.min(WAIT_SLICE);
             match &self.inner.backend {
+                // The provider's wait also returns when the emulation layer
+                // queues a completion (`push_ready` interrupts it).
                 CqBackend::User(cq) => {
                     let mut buf = [blank(); BATCH];
                     let k = cq.wait(&mut buf[..max.clamp(1, BATCH)], left);
@@ -414,18 +413,11 @@ impl CompletionQueue {
                         return Ok(n);
                     }
                 }
-                CqBackend::Ibv(cq) => {
-                    cq.req_notify(false)?;
-                    // A completion that arrived before arming is polled
-                    // first; then sleep on the channel.
-                    let n = self.poll(out, max)?;
-                    if n > 0 {
-                        return Ok(n);
-                    }
-                    if let Some(ch) = cq.channel() {
-                        if wait_readable(std::os::fd::AsFd::as_fd(&**ch), left)? {
-                            let _ = ch.get_event();
-                        }
+                // The completion channel and the emulation layer's eventfd
+                // together, through the epoll fd.
+                CqBackend::Ibv(_) => {
+                    if !self.req_notify()? {
+                        wait_readable(self.as_fd(), left)?;
                     }
                 }
             }
