@@ -270,17 +270,7 @@ fn pair() -> (Side, Side) {
 }
 
 fn blank() -> WorkCompletion {
-    WorkCompletion {
-        wr_id: 0,
-        status: WcStatus::GeneralErr,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        invalidated_rkey: None,
-        qp_num: 0,
-        vendor_err: 0,
-        solicited: false,
-    }
+    WorkCompletion::BLANK
 }
 
 /// Post `batch` signaled WRs, then poll until all completed; time per WR.

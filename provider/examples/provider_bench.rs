@@ -370,17 +370,7 @@ fn check(wc: &WorkCompletion) {
 }
 
 fn blank() -> [WorkCompletion; 1] {
-    [WorkCompletion {
-        wr_id: 0,
-        status: WcStatus::GeneralErr,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        invalidated_rkey: None,
-        qp_num: 0,
-        vendor_err: 0,
-        solicited: false,
-    }]
+    [WorkCompletion::BLANK]
 }
 
 fn provider_pair(mr_len: usize, crc: bool) -> (Side, Side) {

@@ -400,17 +400,7 @@ impl Drop for StagSide {
 }
 
 fn blank() -> WorkCompletion {
-    WorkCompletion {
-        wr_id: 0,
-        status: WcStatus::GeneralErr,
-        opcode: provider::wr::WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        invalidated_rkey: None,
-        qp_num: 0,
-        vendor_err: 0,
-        solicited: false,
-    }
+    WorkCompletion::BLANK
 }
 
 fn parse_token(pd: &[u8]) -> Res<(u64, u32)> {

@@ -266,17 +266,7 @@ mod tests {
     use super::*;
 
     fn blank() -> WorkCompletion {
-        WorkCompletion {
-            wr_id: 0,
-            status: WcStatus::Success,
-            opcode: crate::wr::WcOpcode::Send,
-            byte_len: 0,
-            imm: None,
-            invalidated_rkey: None,
-            qp_num: 0,
-            vendor_err: 0,
-            solicited: false,
-        }
+        WorkCompletion::BLANK
     }
 
     /// A waiter blocked for 60 s comes back when interrupted, with nothing;

@@ -57,6 +57,9 @@ pub mod flags {
     pub const P2P_SHIFT: u8 = 3;
     /// Our IRD is 1 instead of 4.
     pub const SMALL_IRD: u8 = 1 << 5;
+    /// Our QP runs RFC 5040 only (no Atomics, Immediate Data or Commit):
+    /// posting those fails, and a peer's draw a Terminate.
+    pub const RFC5040_ONLY: u8 = 1 << 6;
 }
 
 fn sge(off: usize, len: u32) -> Sge {
@@ -134,6 +137,7 @@ fn connect(f: u8) -> Connection {
         PD,
         QpCaps {
             max_segment: 512,
+            rdmap_extensions: f & flags::RFC5040_ONLY == 0,
             ..QpCaps::default()
         },
         neg,
@@ -218,8 +222,11 @@ pub fn run(mem: &MrTable, region: &Region, data: &[u8]) -> Outcome {
             vec![sge(600, 16)],
         ),
     ];
+    let rfc5040_only = f & flags::RFC5040_ONLY != 0;
+    let mut posted = Vec::new();
     for (id, (op, sg_list)) in SEND_IDS.iter().zip(ops) {
-        conn.post_send(
+        let extension = matches!(op, SendOp::FetchAdd { .. } | SendOp::Commit { .. });
+        let r = conn.post_send(
             SendWr {
                 wr_id: *id,
                 op,
@@ -228,8 +235,13 @@ pub fn run(mem: &MrTable, region: &Region, data: &[u8]) -> Outcome {
                 fence: false,
             },
             &env,
-        )
-        .expect("post");
+        );
+        if rfc5040_only && extension {
+            assert!(matches!(r, Err(crate::qp::PostError::Invalid(_))), "{r:?}");
+        } else {
+            r.expect("post");
+            posted.push(*id);
+        }
     }
 
     let mut out = Vec::new();
@@ -315,7 +327,7 @@ pub fn run(mem: &MrTable, region: &Region, data: &[u8]) -> Outcome {
     }
 
     // Every WR completed exactly once, on the right CQ.
-    for (side, ids) in [(CqSide::Send, &SEND_IDS[..]), (CqSide::Recv, &RECV_IDS[..])] {
+    for (side, ids) in [(CqSide::Send, &posted[..]), (CqSide::Recv, &RECV_IDS[..])] {
         let mut got: Vec<u64> = completions
             .iter()
             .filter(|(s, _)| *s == side)
@@ -555,6 +567,10 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             one(crc, &|p| {
                 p.put(RdmapRepr::ImmediateData { se: false, msn: 1 }, &[5; 8]);
             }),
+        ),
+        (
+            "rfc5040_refuses_requests",
+            one(crc | flags::RFC5040_ONLY, &|p| requests(p)),
         ),
         (
             "terminate",

@@ -264,3 +264,19 @@ pub struct WorkCompletion {
     /// The message asked for a solicited event.
     pub solicited: bool,
 }
+
+impl WorkCompletion {
+    /// A placeholder to fill poll buffers with; its status is an error so
+    /// that a slot no poll filled never reads as a success.
+    pub const BLANK: WorkCompletion = WorkCompletion {
+        wr_id: 0,
+        status: WcStatus::GeneralErr,
+        opcode: WcOpcode::Send,
+        byte_len: 0,
+        imm: None,
+        invalidated_rkey: None,
+        qp_num: 0,
+        vendor_err: 0,
+        solicited: false,
+    };
+}

@@ -277,7 +277,7 @@ impl CompletionQueue {
     fn poll_raw(&self, out: &mut Vec<RawCompletion>) -> Result<()> {
         match &self.inner.backend {
             CqBackend::User(cq) => {
-                let mut buf = [blank(); BATCH];
+                let mut buf = [provider::wr::WorkCompletion::BLANK; BATCH];
                 let n = cq.poll(&mut buf);
                 out.extend(buf[..n].iter().map(RawCompletion::from));
             }
@@ -403,7 +403,7 @@ impl CompletionQueue {
                 // The provider's wait also returns when the emulation layer
                 // queues a completion (`push_ready` interrupts it).
                 CqBackend::User(cq) => {
-                    let mut buf = [blank(); BATCH];
+                    let mut buf = [provider::wr::WorkCompletion::BLANK; BATCH];
                     let k = cq.wait(&mut buf[..max.clamp(1, BATCH)], left);
                     let raw: Vec<RawCompletion> =
                         buf[..k].iter().map(RawCompletion::from).collect();
@@ -444,19 +444,5 @@ fn wait_readable(fd: std::os::fd::BorrowedFd<'_>, timeout: Duration) -> Result<b
         Ok(n) => Ok(n > 0),
         Err(nix::errno::Errno::EINTR) => Ok(false),
         Err(e) => Err(std::io::Error::from(e).into()),
-    }
-}
-
-fn blank() -> provider::wr::WorkCompletion {
-    provider::wr::WorkCompletion {
-        wr_id: 0,
-        status: WcStatus::GeneralErr,
-        opcode: provider::wr::WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        invalidated_rkey: None,
-        qp_num: 0,
-        vendor_err: 0,
-        solicited: false,
     }
 }

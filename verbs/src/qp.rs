@@ -415,14 +415,7 @@ impl QpInner {
             }
         };
         check_atomic_local(&wr)?;
-        let slot = self
-            .free_slots
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .ok_or(Error::InvalidRequest(
-                "too many emulated atomics outstanding on this QP",
-            ))?;
+        let slot = self.take_slot()?;
         let token = self.token();
         let sge = self.scratch.slice(slot * 8, 8)?.sge();
         self.insert(
@@ -450,14 +443,7 @@ impl QpInner {
     /// Post a native FetchAdd of 0 at `target` and drive the send CQ until
     /// it completes (other completions stay queued for the application).
     fn probe(&self, target: Remote, timeout: Duration) -> Result<(WcStatus, u32)> {
-        let slot = self
-            .free_slots
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .ok_or(Error::InvalidRequest(
-                "too many emulated atomics outstanding on this QP",
-            ))?;
+        let slot = self.take_slot()?;
         let op = SendOp::FetchAdd {
             remote: target,
             add: 0,
@@ -497,6 +483,17 @@ impl QpInner {
             self.send_cq.drive()?;
             std::thread::yield_now();
         }
+    }
+
+    /// An 8-byte scratch slot for an emulation step's result.
+    fn take_slot(&self) -> Result<usize> {
+        self.free_slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .ok_or(Error::InvalidRequest(
+                "too many emulated atomics outstanding on this QP",
+            ))
     }
 
     fn free_slot(&self, slot: usize) {

@@ -163,17 +163,7 @@ pub fn wait_cq(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
 }
 
 pub fn blank() -> WorkCompletion {
-    WorkCompletion {
-        wr_id: 0,
-        status: provider::wr::WcStatus::GeneralErr,
-        opcode: provider::wr::WcOpcode::Send,
-        byte_len: 0,
-        imm: None,
-        invalidated_rkey: None,
-        qp_num: 0,
-        vendor_err: 0,
-        solicited: false,
-    }
+    WorkCompletion::BLANK
 }
 
 /// Connect `client` to `server` over loopback with the given parameters.
