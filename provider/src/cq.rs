@@ -114,12 +114,7 @@ impl CompletionQueue {
         if n > 0 || out.is_empty() {
             return n;
         }
-        {
-            let qps = self.qps.read().unwrap_or_else(|p| p.into_inner());
-            for qp in qps.iter().filter_map(Weak::upgrade) {
-                qp.try_progress();
-            }
-        }
+        self.drive_qps();
         self.try_poll(out)
     }
 
@@ -130,18 +125,51 @@ impl CompletionQueue {
     /// costs one wake-up of this thread (the device's engine leaves those
     /// sockets alone meanwhile).
     pub fn wait(&self, out: &mut [WorkCompletion], timeout: Duration) -> usize {
+        if out.is_empty() {
+            return 0;
+        }
+        self.sleep_until(timeout, |drive| {
+            if drive {
+                self.poll(out)
+            } else {
+                self.try_poll(out)
+            }
+        })
+    }
+
+    /// Like [`wait`](Self::wait), but leave the completions queued: returns
+    /// how many are waiting (0 after `timeout` or an
+    /// [`interrupt_wait`](Self::interrupt_wait)). For a layer above that
+    /// must take completions under its own lock, in CQ order.
+    pub fn wait_ready(&self, timeout: Duration) -> usize {
+        self.sleep_until(timeout, |drive| {
+            if drive {
+                self.drive_qps();
+            }
+            self.len()
+        })
+    }
+
+    /// Drive the CQ's QPs once from this thread.
+    fn drive_qps(&self) {
+        let qps = self.qps.read().unwrap_or_else(|p| p.into_inner());
+        for qp in qps.iter().filter_map(Weak::upgrade) {
+            qp.try_progress();
+        }
+    }
+
+    /// The sleeping loop of [`wait`](Self::wait): `check(drive)` looks (after
+    /// driving the QPs when a socket woke us) and returns how many
+    /// completions it found.
+    fn sleep_until(&self, timeout: Duration, mut check: impl FnMut(bool) -> usize) -> usize {
         let deadline = Instant::now() + timeout;
         // Drive only after a socket woke us: input already waiting makes
         // `poll(2)` return at once, so a read beforehand would be a wasted
         // syscall in the common case (the peer has not answered yet).
         let mut drive = false;
         loop {
-            let n = if drive {
-                self.poll(out)
-            } else {
-                self.try_poll(out)
-            };
-            if n > 0 || out.is_empty() {
+            let n = check(drive);
+            if n > 0 {
                 return n;
             }
             if self.interrupted.swap(false, Ordering::SeqCst) {

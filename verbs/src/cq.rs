@@ -158,6 +158,10 @@ pub(crate) struct CqInner {
     /// Completions given meaning but not yet handed out (a raw batch can
     /// hold more than the caller asked for).
     ready: Mutex<VecDeque<Completion>>,
+    /// Held while completions are taken from the device and given their
+    /// meaning, so that concurrent pollers keep the device's order (the
+    /// mailbox numbers a QP's zero-length receives in that order).
+    taking: Mutex<()>,
     /// Readable after an emulation thread queued a completion (the device
     /// knows nothing of those).
     ready_fd: EventFd,
@@ -213,6 +217,7 @@ impl CompletionQueue {
                 backend,
                 qps: Mutex::new(HashMap::new()),
                 ready: Mutex::new(VecDeque::new()),
+                taking: Mutex::new(()),
                 ready_fd,
                 epoll,
             }),
@@ -320,10 +325,19 @@ impl CompletionQueue {
     /// One round of taking raw completions and giving them their meaning;
     /// the application's stay queued for its next poll.
     pub(crate) fn drive(&self) -> Result<()> {
+        let _taking = self.inner.taking.lock().unwrap_or_else(|p| p.into_inner());
+        self.take_raw()?;
+        Ok(())
+    }
+
+    /// Take a batch from the device and give it meaning (onto the ready
+    /// queue); whether there was any. Only under `taking`.
+    fn take_raw(&self) -> Result<bool> {
         let mut raw = Vec::new();
         self.poll_raw(&mut raw)?;
+        let any = !raw.is_empty();
         self.process(raw);
-        Ok(())
+        Ok(any)
     }
 
     /// Queue a completion produced outside a poll (by the agent thread).
@@ -360,12 +374,14 @@ impl CompletionQueue {
             if n >= max {
                 break;
             }
-            let mut raw = Vec::new();
-            self.poll_raw(&mut raw)?;
-            if raw.is_empty() {
+            // Another poller is taking a batch: what it finds lands on the
+            // ready queue, in order; never wait for it here.
+            let Ok(_taking) = self.inner.taking.try_lock() else {
+                break;
+            };
+            if !self.take_raw()? {
                 break;
             }
-            self.process(raw);
             n += self.take_ready(out, max - n);
         }
         Ok(n)
@@ -403,15 +419,9 @@ impl CompletionQueue {
                 // The provider's wait also returns when the emulation layer
                 // queues a completion (`push_ready` interrupts it).
                 CqBackend::User(cq) => {
-                    let mut buf = [provider::wr::WorkCompletion::BLANK; BATCH];
-                    let k = cq.wait(&mut buf[..max.clamp(1, BATCH)], left);
-                    let raw: Vec<RawCompletion> =
-                        buf[..k].iter().map(RawCompletion::from).collect();
-                    self.process(raw);
-                    let n = self.take_ready(out, max);
-                    if n > 0 {
-                        return Ok(n);
-                    }
+                    // Sleep until the provider has some; `poll` takes them
+                    // (under `taking`, in order).
+                    cq.wait_ready(left);
                 }
                 // The completion channel and the emulation layer's eventfd
                 // together, through the epoll fd.

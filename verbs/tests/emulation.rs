@@ -510,3 +510,74 @@ fn agent_emulation_against_a_peer_without_stag_is_refused() {
         other => panic!("expected Unsupported, got {other:?}"),
     }
 }
+
+/// Two threads polling the receiving CQ at once still pair every mailbox
+/// entry with its own zero-length receive: Immediate Data and empty Sends,
+/// interleaved, each arrive in the receive they consumed.
+#[test]
+fn mailbox_survives_concurrent_pollers() {
+    const ROUNDS: u64 = 20;
+    const N: u64 = 250;
+    let (c, s) = pair_with(&emulating(&AGENT), 0);
+    for round in 0..ROUNDS {
+        mailbox_round(&c, &s, round * N..(round + 1) * N);
+    }
+}
+
+/// Receive i is consumed by message i: Immediate Data 1000 + i when i is
+/// even, an empty Send when odd.
+fn mailbox_round(c: &End, s: &End, ids: std::ops::Range<u64>) {
+    use std::time::{Duration, Instant};
+    let expect = |i: u64| (i % 2 == 0).then_some(1000 + i);
+    for i in ids.clone() {
+        s.qp.post_recv(i, vec![]).unwrap();
+    }
+    let n = ids.clone().count();
+    let got = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|sc| {
+        for _ in 0..2 {
+            sc.spawn(|| {
+                let deadline = Instant::now() + Duration::from_secs(60);
+                let mut out = Vec::new();
+                while got.lock().unwrap().len() < n {
+                    assert!(Instant::now() < deadline, "receives missing");
+                    out.clear();
+                    s.cq.poll(&mut out, 3).unwrap();
+                    got.lock().unwrap().extend(out.iter().copied());
+                }
+            });
+        }
+        for i in ids.clone() {
+            let op = match expect(i) {
+                Some(imm) => SendOp::Imm {
+                    imm,
+                    solicited: false,
+                },
+                None => SendOp::Send {
+                    solicited: false,
+                    invalidate: None,
+                },
+            };
+            c.qp.post_send(verbs::WorkRequest {
+                signaled: false,
+                ..verbs::WorkRequest::new(i, op, vec![])
+            })
+            .unwrap();
+            // Keep the send queue (and the mailbox) from overflowing.
+            while c.qp.outstanding() > 64 {
+                let mut out = Vec::new();
+                c.cq.poll(&mut out, 16).unwrap();
+            }
+        }
+    });
+    let got = got.into_inner().unwrap();
+    assert_eq!(got.len(), n);
+    for r in &got {
+        match r.kind {
+            CompletionKind::Recv { len: 0, imm, .. } => {
+                assert_eq!(imm, expect(r.wr_id), "receive {}", r.wr_id)
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
