@@ -22,7 +22,7 @@ use provider::wire::marker::{Deframer, DeframerConfig, Framer, FramerConfig};
 use provider::wire::rdmap::{RdmapRepr, SendKind};
 use provider::wire::terminate::TerminateRepr;
 use provider::wire::Error;
-use provider::wr::{RecvWr, Remote, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion};
+use provider::wr::{RecvWr, Remote, SendOp, SendWr, Sge, WorkCompletion};
 
 fn frames() -> Vec<(&'static str, RdmapRepr)> {
     vec![

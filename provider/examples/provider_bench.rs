@@ -31,7 +31,7 @@ use provider::mem::Access;
 use provider::qp::QpCaps;
 use provider::region::Region;
 use provider::setup::MpaParams;
-use provider::wr::{RecvWr, Remote, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion};
+use provider::wr::{RecvWr, Remote, SendOp, SendWr, Sge, WcStatus, WorkCompletion};
 
 const MSG: usize = 8;
 const BIG: usize = 1 << 20;

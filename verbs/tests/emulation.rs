@@ -528,7 +528,7 @@ fn mailbox_survives_concurrent_pollers() {
 /// even, an empty Send when odd.
 fn mailbox_round(c: &End, s: &End, ids: std::ops::Range<u64>) {
     use std::time::{Duration, Instant};
-    let expect = |i: u64| (i % 2 == 0).then_some(1000 + i);
+    let expect = |i: u64| i.is_multiple_of(2).then_some(1000 + i);
     for i in ids.clone() {
         s.qp.post_recv(i, vec![]).unwrap();
     }
