@@ -37,6 +37,10 @@ for k in 6.12 6.1; do
 done
 echo "== wire interop with kernel siw (VM; prints interop: N passed, M failed)"
 bash scripts/vm.sh -- scripts/vm/interop.sh
+# Built against rdma-core 56's headers (ibv_wr_flush compiled in), run on
+# Debian 12's rdma-core 44 in the VM: the run-time gates must hold.
+echo "== newer headers, older library (VM)"
+bash scripts/newer-headers.sh
 if command -v cargo-fuzz >/dev/null 2>&1; then
     echo "== fuzz (short)"
     bash scripts/fuzz.sh "${STAG_FUZZ_SECONDS:-10}"

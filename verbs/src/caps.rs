@@ -332,10 +332,12 @@ impl Capabilities {
                                     (false, true) => "persistent",
                                     _ => "",
                                 },
-                                if crate::ibv::HAS_WR_FLUSH {
-                                    ""
-                                } else {
+                                if !crate::ibv::HAS_WR_FLUSH {
                                     "the installed rdma-core has no ibv_wr_flush (≥ 45 has), and "
+                                } else if !attr.wr_flush {
+                                    "its provider library refuses IBV_QP_EX_WITH_FLUSH, and "
+                                } else {
+                                    ""
                                 }
                             ));
                         }
