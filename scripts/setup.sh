@@ -7,6 +7,7 @@ packages=(
     build-essential pkg-config clang libclang-dev
     libibverbs-dev librdmacm-dev ibverbs-utils rdma-core
     iproute2 procps
+    curl xz-utils
 )
 
 missing=()
