@@ -50,8 +50,9 @@ pub(crate) struct Hello {
     pub token: u64,
     /// Agent channel only: where the peer writes our Immediate Data.
     pub mailbox: Option<Remote>,
-    /// What the sender's device executes natively.
-    pub native: Option<OpSet>,
+    /// What the sender's device executes natively ([`OpSet::RDMAP`] when
+    /// a header carries no set).
+    pub native: OpSet,
 }
 
 impl Hello {
@@ -67,11 +68,9 @@ impl Hello {
         if self.is_agent {
             flags |= FLAG_IS_AGENT;
         }
-        if self.native.is_some() {
-            flags |= FLAG_NATIVE;
-        }
+        flags |= FLAG_NATIVE;
         v.push(flags);
-        v.extend_from_slice(&self.native.unwrap_or_default().bits().to_le_bytes());
+        v.extend_from_slice(&self.native.bits().to_le_bytes());
         v.extend_from_slice(&self.token.to_le_bytes());
         if self.is_agent {
             let m = self.mailbox.unwrap_or(Remote { addr: 0, rkey: 0 });
@@ -92,8 +91,11 @@ impl Hello {
             return (None, data);
         }
         let flags = head[5];
-        let native = (flags & FLAG_NATIVE != 0)
-            .then(|| OpSet::from_bits(u16::from_le_bytes([head[6], head[7]])));
+        let native = if flags & FLAG_NATIVE != 0 {
+            OpSet::from_bits(u16::from_le_bytes([head[6], head[7]]))
+        } else {
+            OpSet::RDMAP
+        };
         let token = u64::from_le_bytes(head[8..16].try_into().unwrap_or([0; 8]));
         let is_agent = flags & FLAG_IS_AGENT != 0;
         let (mailbox, rest) = if is_agent {
@@ -263,7 +265,7 @@ impl AgentSetup {
             is_agent: true,
             token,
             mailbox: Some(self.mailbox.remote(0)),
-            native: None,
+            native: OpSet::RDMAP,
         }
     }
 
@@ -601,11 +603,9 @@ mod tests {
             is_agent: false,
             token: 0x0102_0304_0506_0708,
             mailbox: None,
-            native: Some(
-                OpSet::EMPTY
-                    .with(crate::OpKind::Send)
-                    .with(crate::OpKind::Commit),
-            ),
+            native: OpSet::EMPTY
+                .with(crate::OpKind::Send)
+                .with(crate::OpKind::Commit),
         };
         let bytes = h.encode(b"app");
         assert_eq!(Hello::decode(&bytes), (Some(h), &b"app"[..]));
@@ -617,7 +617,7 @@ mod tests {
                 addr: 0xdead_0000,
                 rkey: 77,
             }),
-            native: None,
+            native: OpSet::RDMAP,
         };
         let bytes = a.encode(b"");
         assert_eq!(bytes.len(), 28);
@@ -627,6 +627,11 @@ mod tests {
             (None, &b"plain private data"[..])
         );
         assert_eq!(Hello::decode(b"STA"), (None, &b"STA"[..]));
+        // A header without the native-set flag: RDMAP operations only.
+        let mut old = h.encode(b"");
+        old[5] &= !FLAG_NATIVE;
+        old[6..8].fill(0);
+        assert_eq!(Hello::decode(&old).0.map(|h| h.native), Some(OpSet::RDMAP));
     }
 
     #[test]

@@ -350,7 +350,7 @@ impl Capabilities {
         Capabilities {
             device: device.to_owned(),
             transport: format!("{:?}", attr.transport),
-            post_path: if attr.wr_api {
+            post_path: if attr.wr_api() {
                 PostPath::Extended
             } else {
                 PostPath::Legacy

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use crate::agent::{new_token, AgentSetup, Hello};
-use crate::caps::{gap_needs_agent, OpSet};
+use crate::caps::gap_needs_agent;
 
 use crate::cq::{CompletionQueue, CqBackend};
 use crate::device::{ContextBackend, PdBackend, ProtectionDomain};
@@ -161,18 +161,18 @@ pub fn connect_with(
         is_agent: false,
         token,
         mailbox: None,
-        native: Some(native),
+        native,
     };
     let mut main_opts = opts.clone();
     main_opts.private_data = hello.encode(&opts.private_data);
     let (qp, reply) = connect_raw(pd, cq, addr, &main_opts, pre_post)?;
     let (peer, app) = Hello::decode(&reply);
     let app = app.to_vec();
-    let peer_native = peer.map(|p| p.native.unwrap_or(OpSet::RDMAP));
+    let peer_native = peer.map(|p| p.native);
     qp.inner
         .set_connection(ctx.connection_caps(peer_native), peer_native);
     if let Some(peer) = peer {
-        let gap = gap_needs_agent(native, peer.native.unwrap_or(OpSet::RDMAP));
+        let gap = gap_needs_agent(native, peer.native);
         if wants_agent || gap || peer.wants_agent {
             let setup = AgentSetup::new(pd)?;
             let agent_opts = agent_options(&setup, token);
@@ -501,7 +501,7 @@ impl Incoming {
         let ctx = pd.context();
         let Incoming { raw, listener } = self;
         let peer = raw.hello;
-        let peer_native = peer.map(|p| p.native.unwrap_or(OpSet::RDMAP));
+        let peer_native = peer.map(|p| p.native);
         let caps = ctx.connection_caps(peer_native);
         let wants_agent = caps.needs_agent();
         let mut reply_opts = opts.clone();
@@ -513,7 +513,7 @@ impl Incoming {
                 is_agent: false,
                 token: peer.token,
                 mailbox: None,
-                native: Some(ctx.native_ops()),
+                native: ctx.native_ops(),
             }
             .encode(&opts.private_data);
         }
@@ -522,7 +522,7 @@ impl Incoming {
         if let Some(peer) = peer {
             // The initiator opens the channel when either end's matrix
             // needs it; the same test on the same two headers.
-            let gap = gap_needs_agent(peer.native.unwrap_or(OpSet::RDMAP), ctx.native_ops());
+            let gap = gap_needs_agent(peer.native, ctx.native_ops());
             if wants_agent || gap || peer.wants_agent {
                 let token = peer.token;
                 let agent_raw = listener

@@ -161,7 +161,7 @@ impl Context {
             if caps.get(OpKind::AtomicWrite) == &crate::caps::Support::Native {
                 ops = ops | ibv::SendOps::ATOMIC_WRITE;
             }
-            let wr_ops = attr.wr_api.then_some(ops);
+            let wr_ops = attr.wr_api().then_some(ops);
             (ContextBackend::Ibv(ctx), caps, wr_ops)
         };
         if options.legacy_post && caps.post_path == PostPath::Extended {
@@ -214,12 +214,9 @@ impl Context {
     /// The matrix of a connection to a peer whose device executes
     /// `peer_native` (`None`: the peer runs no stag).
     pub(crate) fn connection_caps(&self, peer_native: Option<OpSet>) -> Capabilities {
-        let mut c = self
-            .inner
+        self.inner
             .device_caps
-            .for_connection(&self.inner.forced, peer_native);
-        c.post_path = self.inner.caps.post_path;
-        c
+            .for_connection(&self.inner.forced, peer_native)
     }
 
     /// Whether its QPs run the RDMAP extensions on the wire (userspace

@@ -213,7 +213,7 @@ fn rc_loopback_over_rdma_cm() {
     println!("device attr: {attr:#?}");
     assert_eq!(attr.name, dev, "rdma_cm bound {ip} to another device");
     let atomics = attr.atomic_cap != AtomicCap::None;
-    let send_ops = attr.wr_api.then(|| {
+    let send_ops = attr.wr_api().then(|| {
         let mut ops = if atomics {
             SendOps::BASIC_ATOMICS
         } else {

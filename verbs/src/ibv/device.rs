@@ -200,12 +200,8 @@ pub struct DeviceAttr {
     pub node_type: NodeType,
     /// `ibv_device::transport_type`: iWARP vs IB/RoCE.
     pub transport: Transport,
-    /// The provider creates RC QPs through `ibv_create_qp_ex` with
-    /// `send_ops_flags`, i.e. supports the `ibv_wr_*` API (probed; siw,
-    /// irdma and cxgb4 do not).
-    pub wr_api: bool,
     /// The `send_ops_flags` the provider accepted for the operations stag
-    /// posts (empty without the `ibv_wr_*` API).
+    /// posts (probed; empty without the `ibv_wr_*` API: siw, irdma, cxgb4).
     pub wr_ops: super::qp::SendOps,
     /// ... and accepts `IBV_QP_EX_WITH_ATOMIC_WRITE` (probed; needs
     /// [`super::HAS_WR_ATOMIC_WRITE`]).
@@ -216,6 +212,12 @@ pub struct DeviceAttr {
 }
 
 impl DeviceAttr {
+    /// The provider creates RC QPs through `ibv_create_qp_ex` with
+    /// `send_ops_flags`, i.e. supports the `ibv_wr_*` API.
+    pub fn wr_api(&self) -> bool {
+        !self.wr_ops.is_empty()
+    }
+
     /// iWARP transport (RNIC node type or iWARP transport type).
     pub fn is_iwarp(&self) -> bool {
         self.transport == Transport::Iwarp || self.node_type == NodeType::Rnic
@@ -453,7 +455,6 @@ impl Context {
             atomic_write: caps.atomic_write,
             node_type: self.node_type,
             transport: self.transport,
-            wr_api: !wr.ops.is_empty(),
             wr_ops: wr.ops,
             wr_atomic_write: wr.atomic_write,
             wr_flush: wr.flush,
