@@ -341,7 +341,8 @@ impl QpInner {
                 | SendOp::Swap { .. }
                 | SendOp::AtomicWrite { .. }
         ) {
-            // The same answer whichever path runs it.
+            // The same answer whichever path runs it (the CmpSwap loop and
+            // the agent rely on this check).
             check_atomic_local(&wr)?;
         }
         let support = self.caps().get(kind).clone();
@@ -414,30 +415,45 @@ impl QpInner {
                 ))
             }
         };
-        check_atomic_local(&wr)?;
         let slot = self.take_slot()?;
-        let token = self.token();
-        let sge = self.scratch.slice(slot * 8, 8)?.sge();
-        self.insert(
-            token,
-            Pending {
-                wr_id: wr.wr_id,
-                op: Some(wr.op),
-                local: wr.local,
-                signaled: wr.signaled,
-                emulation: Some(Emu::Cas(CasLoop {
-                    remote,
-                    slot,
-                    expected: None,
-                })),
-            },
-        );
-        if let Err(e) = self.post_raw(token, SendOp::Read { remote }, &[sge], wr.fence) {
-            self.remove(token);
-            self.free_slot(slot);
-            return Err(e);
-        }
+        let pending = Pending {
+            wr_id: wr.wr_id,
+            op: Some(wr.op),
+            local: wr.local,
+            signaled: wr.signaled,
+            emulation: Some(Emu::Cas(CasLoop {
+                remote,
+                slot,
+                expected: None,
+            })),
+        };
+        self.post_slot_step(slot, pending, SendOp::Read { remote }, wr.fence)?;
         Ok(())
+    }
+
+    /// Post `step` with scratch slot `slot` as its one SGE, under a new
+    /// token whose table entry is `pending`; returns the token. If it
+    /// cannot be posted, the entry and the slot are released.
+    fn post_slot_step(
+        &self,
+        slot: usize,
+        pending: Pending,
+        step: SendOp,
+        fence: bool,
+    ) -> Result<u64> {
+        let posted = self.scratch.slice(slot * 8, 8).and_then(|s| {
+            let token = self.token();
+            self.insert(token, pending);
+            self.post_raw(token, step, &[s.sge()], fence)
+                .map(|()| token)
+                .inspect_err(|_| {
+                    self.remove(token);
+                })
+        });
+        if posted.is_err() {
+            self.free_slot(slot);
+        }
+        posted
     }
 
     /// Post a native FetchAdd of 0 at `target` and drive the send CQ until
@@ -449,23 +465,14 @@ impl QpInner {
             add: 0,
             mask: 0,
         };
-        let token = self.token();
-        let sge = self.scratch.slice(slot * 8, 8)?.sge();
-        self.insert(
-            token,
-            Pending {
-                wr_id: 0,
-                op: Some(op),
-                local: Vec::new(),
-                signaled: true,
-                emulation: Some(Emu::Probe { slot }),
-            },
-        );
-        if let Err(e) = self.post_raw(token, op, &[sge], false) {
-            self.remove(token);
-            self.free_slot(slot);
-            return Err(e);
-        }
+        let pending = Pending {
+            wr_id: 0,
+            op: Some(op),
+            local: Vec::new(),
+            signaled: true,
+            emulation: Some(Emu::Probe { slot }),
+        };
+        let token = self.post_slot_step(slot, pending, op, false)?;
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(r) = self
@@ -692,35 +699,22 @@ impl QpInner {
             return self.cas_done(p, op, cas.slot, current);
         }
         cas.expected = Some(current);
-        let token = self.token();
-        let sge = match self.scratch.slice(cas.slot * 8, 8) {
-            Ok(s) => s.sge(),
-            Err(_) => return fail(WcStatus::GeneralErr),
-        };
-        let remote = cas.remote;
-        let slot = cas.slot;
-        let (wr_id, local, signaled) = (p.wr_id, p.local.clone(), p.signaled);
-        self.insert(
-            token,
-            Pending {
-                wr_id,
-                op: Some(op),
-                local,
-                signaled,
-                emulation: Some(Emu::Cas(cas)),
-            },
-        );
         let step = SendOp::CmpSwap {
-            remote,
+            remote: cas.remote,
             compare: current,
             compare_mask: u64::MAX,
             swap: new,
             swap_mask: u64::MAX,
         };
-        if let Err(e) = self.post_raw(token, step, &[sge], false) {
+        let pending = Pending {
+            wr_id: p.wr_id,
+            op: Some(op),
+            local: p.local.clone(),
+            signaled: p.signaled,
+            emulation: Some(Emu::Cas(cas)),
+        };
+        if let Err(e) = self.post_slot_step(cas.slot, pending, step, false) {
             warn!(qp = self.qp_num, error = %e, "emulation step could not be posted");
-            self.remove(token);
-            self.free_slot(slot);
             return fail(WcStatus::LocQpOpErr);
         }
         None
@@ -774,7 +768,6 @@ impl QpInner {
                 ))
             }
         };
-        check_atomic_local(&wr)?;
         self.insert(
             token,
             Pending {
@@ -938,20 +931,15 @@ impl QpInner {
 /// An atomic names one 8-byte local slice for the original value; an
 /// Atomic Write carries its value in the request and names none.
 fn check_atomic_local(wr: &WorkRequest) -> Result<()> {
-    let ok = match wr.op {
-        SendOp::AtomicWrite { .. } => wr.local.is_empty(),
-        _ => wr.local.len() == 1 && wr.local[0].len() == 8,
-    };
-    if ok {
-        Ok(())
-    } else if matches!(wr.op, SendOp::AtomicWrite { .. }) {
-        Err(Error::InvalidRequest(
+    match wr.op {
+        SendOp::AtomicWrite { .. } if !wr.local.is_empty() => Err(Error::InvalidRequest(
             "an Atomic Write carries its value in the request, not in local slices",
-        ))
-    } else {
-        Err(Error::InvalidRequest(
+        )),
+        SendOp::AtomicWrite { .. } => Ok(()),
+        _ if wr.local.len() == 1 && wr.local[0].len() == 8 => Ok(()),
+        _ => Err(Error::InvalidRequest(
             "an atomic needs one 8-byte local slice",
-        ))
+        )),
     }
 }
 
