@@ -269,10 +269,6 @@ fn pair() -> (Side, Side) {
     (a, b)
 }
 
-fn blank() -> WorkCompletion {
-    WorkCompletion::BLANK
-}
-
 /// Post `batch` signaled WRs, then poll until all completed; time per WR.
 fn post_poll(c: &mut Criterion) {
     let mut g = c.benchmark_group("post_poll");
@@ -302,7 +298,7 @@ fn post_poll(c: &mut Criterion) {
     for (name, op) in ops {
         g.throughput(Throughput::Elements(batch));
         g.bench_function(name, |bch| {
-            let mut wcs = [blank(); 16];
+            let mut wcs = [WorkCompletion::BLANK; 16];
             bch.iter(|| {
                 if matches!(op, SendOp::Send { .. }) {
                     // Keep the peer's receive queue stocked; its completions
@@ -341,7 +337,7 @@ fn post_poll(c: &mut Criterion) {
         });
     }
     // Drain what the peer still holds.
-    let mut wcs = [blank(); 16];
+    let mut wcs = [WorkCompletion::BLANK; 16];
     while b.cq.poll(&mut wcs) > 0 {}
     g.finish();
 }

@@ -369,10 +369,6 @@ fn check(wc: &WorkCompletion) {
     assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
 }
 
-fn blank() -> [WorkCompletion; 1] {
-    [WorkCompletion::BLANK]
-}
-
 fn provider_pair(mr_len: usize, crc: bool) -> (Side, Side) {
     let a = Side::new(mr_len);
     let b = Side::new(mr_len);
@@ -482,7 +478,7 @@ fn send_lat(iters: usize, busy: bool, crc: bool) -> Vec<f64> {
         &a,
         &b,
         |a| {
-            let mut wc = blank();
+            let mut wc = [WorkCompletion::BLANK];
             let mut out = Vec::with_capacity(iters);
             for i in 1..=n {
                 let t = Instant::now();
@@ -497,7 +493,7 @@ fn send_lat(iters: usize, busy: bool, crc: bool) -> Vec<f64> {
             out
         },
         |b| {
-            let mut wc = blank();
+            let mut wc = [WorkCompletion::BLANK];
             for i in 1..=n {
                 let got = b.get(&mut wc, busy);
                 b.recv(got.wr_id);
@@ -526,7 +522,7 @@ fn rtt(iters: usize, op: RttOp, busy: bool, crc: bool) -> Vec<f64> {
         &a,
         &b,
         |a| {
-            let mut wc = blank();
+            let mut wc = [WorkCompletion::BLANK];
             let mut out = Vec::with_capacity(iters);
             for i in 0..n {
                 let op = match op {
@@ -595,7 +591,7 @@ fn write_bw(total: usize, trials: usize, busy: bool, crc: bool) -> Vec<f64> {
         &a,
         &b,
         |a| {
-            let mut wc = blank();
+            let mut wc = [WorkCompletion::BLANK];
             // Warm-up.
             for i in 0..depth as u64 {
                 write(a, i);

@@ -365,7 +365,7 @@ impl StagSide {
 
     fn wait(&self, wr_id: u64) -> Res<WorkCompletion> {
         let deadline = Instant::now() + TIMEOUT;
-        let mut wc = [blank(); 1];
+        let mut wc = [WorkCompletion::BLANK; 1];
         loop {
             if self.cq.poll(&mut wc) == 1 {
                 let wc = wc[0];
@@ -397,10 +397,6 @@ impl Drop for StagSide {
     fn drop(&mut self) {
         let _ = self.pd.dereg_mr(self.stag);
     }
-}
-
-fn blank() -> WorkCompletion {
-    WorkCompletion::BLANK
 }
 
 fn parse_token(pd: &[u8]) -> Res<(u64, u32)> {

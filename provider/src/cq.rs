@@ -293,10 +293,6 @@ impl AsFd for CompletionQueue {
 mod tests {
     use super::*;
 
-    fn blank() -> WorkCompletion {
-        WorkCompletion::BLANK
-    }
-
     /// A waiter blocked for 60 s comes back when interrupted, with nothing;
     /// an interruption with nobody waiting ends the next wait at once.
     #[test]
@@ -306,7 +302,7 @@ mod tests {
             let cq = cq.clone();
             std::thread::spawn(move || {
                 let start = Instant::now();
-                let n = cq.wait(&mut [blank()], Duration::from_secs(60));
+                let n = cq.wait(&mut [WorkCompletion::BLANK], Duration::from_secs(60));
                 (n, start.elapsed())
             })
         };
@@ -320,14 +316,17 @@ mod tests {
 
         cq.interrupt_wait();
         let start = Instant::now();
-        assert_eq!(cq.wait(&mut [blank()], Duration::from_secs(60)), 0);
+        assert_eq!(
+            cq.wait(&mut [WorkCompletion::BLANK], Duration::from_secs(60)),
+            0
+        );
         assert!(start.elapsed() < Duration::from_secs(30));
         // Consumed: a completion is what ends the wait after that.
         cq.push(WorkCompletion {
             wr_id: 7,
-            ..blank()
+            ..WorkCompletion::BLANK
         });
-        let mut out = [blank()];
+        let mut out = [WorkCompletion::BLANK];
         assert_eq!(cq.wait(&mut out, Duration::from_secs(60)), 1);
         assert_eq!(out[0].wr_id, 7);
     }

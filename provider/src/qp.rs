@@ -1021,17 +1021,7 @@ impl Connection {
     // ---- completion bookkeeping ----
 
     fn wc(&self, wr_id: u64, status: WcStatus, opcode: WcOpcode, byte_len: u32) -> WorkCompletion {
-        WorkCompletion {
-            wr_id,
-            status,
-            opcode,
-            byte_len,
-            imm: None,
-            invalidated_rkey: None,
-            qp_num: self.qp_num,
-            vendor_err: 0,
-            solicited: false,
-        }
+        completion(self.qp_num, wr_id, status, opcode, byte_len)
     }
 
     fn complete_send(
@@ -1206,19 +1196,28 @@ struct RxState<'a> {
     rtr: Option<Rtr>,
 }
 
+/// A completion of QP `qp_num` with no Immediate Data, invalidation or
+/// solicited event.
+fn completion(
+    qp_num: u32,
+    wr_id: u64,
+    status: WcStatus,
+    opcode: WcOpcode,
+    byte_len: u32,
+) -> WorkCompletion {
+    WorkCompletion {
+        wr_id,
+        status,
+        opcode,
+        byte_len,
+        qp_num,
+        ..WorkCompletion::BLANK
+    }
+}
+
 impl RxState<'_> {
     fn wc(&self, wr_id: u64, opcode: WcOpcode, byte_len: u32) -> WorkCompletion {
-        WorkCompletion {
-            wr_id,
-            status: WcStatus::Success,
-            opcode,
-            byte_len,
-            imm: None,
-            invalidated_rkey: None,
-            qp_num: self.qp_num,
-            vendor_err: 0,
-            solicited: false,
-        }
+        completion(self.qp_num, wr_id, WcStatus::Success, opcode, byte_len)
     }
 
     /// Check and advance the expected MSN of an untagged queue.

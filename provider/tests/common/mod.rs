@@ -146,7 +146,7 @@ impl Side {
 pub fn wait_cq(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut out = Vec::new();
-    let mut buf = [blank(); 16];
+    let mut buf = [WorkCompletion::BLANK; 16];
     while out.len() < n {
         let got = cq.poll(&mut buf[..(n - out.len()).min(16)]);
         out.extend_from_slice(&buf[..got]);
@@ -160,10 +160,6 @@ pub fn wait_cq(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
         }
     }
     out
-}
-
-pub fn blank() -> WorkCompletion {
-    WorkCompletion::BLANK
 }
 
 /// Connect `client` to `server` over loopback with the given parameters.
