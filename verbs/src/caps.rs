@@ -160,6 +160,14 @@ pub enum Support {
 }
 
 impl Support {
+    /// Which emulation runs it, if one does.
+    pub fn emulation(&self) -> Option<Emulation> {
+        match self {
+            Support::Emulated { method, .. } => Some(*method),
+            _ => None,
+        }
+    }
+
     /// Whether the operation can be posted at all.
     pub fn is_available(&self) -> bool {
         !matches!(self, Support::Unsupported { .. })
@@ -386,7 +394,7 @@ impl Capabilities {
     pub fn needs_agent(&self) -> bool {
         self.ops
             .iter()
-            .any(|(_, s)| matches!(s, Support::Emulated { method, .. } if method.needs_peer()))
+            .any(|(_, s)| s.emulation().is_some_and(Emulation::needs_peer))
     }
 }
 
@@ -633,13 +641,6 @@ mod tests {
         assert!(c.needs_agent());
     }
 
-    fn method(s: &Support) -> Option<Emulation> {
-        match s {
-            Support::Emulated { method, .. } => Some(*method),
-            _ => None,
-        }
-    }
-
     #[test]
     fn op_set_round_trips_and_drops_unknown_bits() {
         let set: OpSet = [OpKind::Send, OpKind::Swap, OpKind::Commit]
@@ -668,17 +669,17 @@ mod tests {
         let legacy = Capabilities::userspace_rfc5040("stag0");
         let conn = full.for_connection(&[], Some(legacy.native_ops()));
         for k in ATOMICS.into_iter().chain([OpKind::Commit]) {
-            assert_eq!(method(conn.get(k)), Some(Emulation::Agent), "{k}");
+            assert_eq!(conn.get(k).emulation(), Some(Emulation::Agent), "{k}");
         }
         for k in [OpKind::Imm, OpKind::WriteImm] {
-            assert_eq!(method(conn.get(k)), Some(Emulation::ImmMailbox), "{k}");
+            assert_eq!(conn.get(k).emulation(), Some(Emulation::ImmMailbox), "{k}");
         }
         assert_eq!(conn.get(OpKind::Read), &Support::Native);
         assert!(conn.needs_agent());
         assert!(gap_needs_agent(full.native_ops(), legacy.native_ops()));
         // Full to full: nothing changes; forced emulation still applies.
         let same = full.for_connection(&[OpKind::Swap], Some(full.native_ops()));
-        assert_eq!(method(same.get(OpKind::Swap)), Some(Emulation::CasLoop));
+        assert_eq!(same.get(OpKind::Swap).emulation(), Some(Emulation::CasLoop));
         assert_eq!(same.get(OpKind::FetchAdd), &Support::Native);
         assert!(!gap_needs_agent(full.native_ops(), full.native_ops()));
     }
@@ -691,7 +692,7 @@ mod tests {
         assert_eq!(conn.get(OpKind::FetchAdd), &Support::Native);
         assert_eq!(conn.get(OpKind::CmpSwap), &Support::Native);
         for k in [OpKind::MaskedFetchAdd, OpKind::MaskedCmpSwap, OpKind::Swap] {
-            assert_eq!(method(conn.get(k)), Some(Emulation::CasLoop), "{k}");
+            assert_eq!(conn.get(k).emulation(), Some(Emulation::CasLoop), "{k}");
         }
         // Send with Invalidate has no emulation.
         let conn = full.for_connection(&[], Some(OpSet::EMPTY.with(OpKind::Send)));

@@ -18,13 +18,7 @@ fn peer_device() -> String {
 }
 
 fn agent(s: &Support) -> bool {
-    matches!(
-        s,
-        Support::Emulated {
-            method: Emulation::Agent,
-            ..
-        }
-    )
+    s.emulation() == Some(Emulation::Agent)
 }
 
 #[test]

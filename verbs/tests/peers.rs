@@ -19,13 +19,6 @@ fn rfc5040() -> ContextOptions {
     }
 }
 
-fn method(s: &Support) -> Option<Emulation> {
-    match s {
-        Support::Emulated { method, .. } => Some(*method),
-        _ => None,
-    }
-}
-
 /// A full provider talking to an RFC 5040 one: the header tells the
 /// client what the server's device lacks, so the client emulates it
 /// instead of sending what the server would Terminate.
@@ -43,14 +36,14 @@ fn stag_peer_lacking_extensions_gets_them_emulated() {
         OpKind::Commit,
     ] {
         assert_eq!(dev.get(k), &Support::Native);
-        assert_eq!(method(conn.get(k)), Some(Emulation::Agent), "{k}");
+        assert_eq!(conn.get(k).emulation(), Some(Emulation::Agent), "{k}");
         assert!(conn
             .get(k)
             .to_string()
             .contains("the peer's device lacks it"));
     }
     for k in [OpKind::Imm, OpKind::WriteImm] {
-        assert_eq!(method(conn.get(k)), Some(Emulation::ImmMailbox), "{k}");
+        assert_eq!(conn.get(k).emulation(), Some(Emulation::ImmMailbox), "{k}");
     }
     for k in [
         OpKind::Send,
@@ -78,14 +71,14 @@ fn stag_peer_lacking_extensions_gets_them_emulated() {
 fn rfc5040_initiator_runs_extensions_through_the_peer() {
     let (c, s) = pair_between("stag0", &rfc5040(), &ContextOptions::default(), 2);
     assert_eq!(
-        method(c.qp.capabilities().get(OpKind::FetchAdd)),
+        c.qp.capabilities().get(OpKind::FetchAdd).emulation(),
         Some(Emulation::Agent)
     );
     // The server's own matrix is untouched by a peer that lacks what the
     // server only receives... except where it sends: its atomics towards
     // an RFC 5040 peer go through the client's agent too.
     assert_eq!(
-        method(s.qp.capabilities().get(OpKind::FetchAdd)),
+        s.qp.capabilities().get(OpKind::FetchAdd).emulation(),
         Some(Emulation::Agent)
     );
     run_extensions(&c, &s);
