@@ -206,18 +206,6 @@ pub(crate) fn atomic_op(op: OpKind, remote: Remote, n: u64) -> SendOp {
     }
 }
 
-fn is_atomic(op: OpKind) -> bool {
-    matches!(
-        op,
-        OpKind::FetchAdd
-            | OpKind::MaskedFetchAdd
-            | OpKind::CmpSwap
-            | OpKind::MaskedCmpSwap
-            | OpKind::Swap
-            | OpKind::AtomicWrite
-    )
-}
-
 /// Post the ping of iteration `i` (wr_id `i << 1`; a Commit's Write is
 /// `i << 1 | 1`).
 pub(crate) fn post_op(
@@ -255,7 +243,7 @@ pub(crate) fn post_op(
             ep.post(wr | 1, SendOp::Write { remote }, Some((0, sz)))?;
             ep.post(wr, SendOp::Commit { remote, len: size }, None)
         }
-        k if is_atomic(k) => {
+        k if k.is_atomic() => {
             let target = Remote {
                 addr: remote.addr + 8 * slot as u64,
                 rkey: remote.rkey,

@@ -235,16 +235,7 @@ pub(crate) fn consumes_recv(op: OpKind) -> bool {
 
 /// Whether `op` has a fixed 8-byte size.
 pub(crate) fn fixed_eight(op: OpKind) -> bool {
-    matches!(
-        op,
-        OpKind::Imm
-            | OpKind::FetchAdd
-            | OpKind::MaskedFetchAdd
-            | OpKind::CmpSwap
-            | OpKind::MaskedCmpSwap
-            | OpKind::Swap
-            | OpKind::AtomicWrite
-    )
+    op == OpKind::Imm || op.is_atomic()
 }
 
 pub(crate) fn shape(op: OpKind) -> Shape {
@@ -957,9 +948,8 @@ fn common_op(common: &CommonArgs) -> OpKind {
     common.op
 }
 
-/// How the operation runs on this device, for the report.
-/// Native or emulated on this connection (its matrix is the device's
-/// resolved against the peer's).
+/// Native or emulated on this connection, for the report (its matrix is
+/// the device's resolved against the peer's).
 pub(crate) fn support_label(qp: &QueuePair, op: OpKind) -> String {
     match qp.capabilities().get(op) {
         Support::Native => "native".into(),

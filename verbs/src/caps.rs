@@ -78,6 +78,11 @@ impl OpKind {
         }
     }
 
+    /// FetchAdd, CmpSwap (plain or masked), Swap or Atomic Write.
+    pub fn is_atomic(self) -> bool {
+        ATOMICS.contains(&self)
+    }
+
     /// Parse a command-line name.
     pub fn from_name(name: &str) -> Option<OpKind> {
         OpKind::ALL.into_iter().find(|k| k.name() == name)
@@ -262,7 +267,7 @@ impl Capabilities {
             .map(|&k| {
                 let s = match k {
                     OpKind::WriteImm | OpKind::Imm => Emulation::ImmMailbox.support_for(k),
-                    _ if ATOMICS.contains(&k) => Emulation::Agent.support_for(k),
+                    _ if k.is_atomic() => Emulation::Agent.support_for(k),
                     OpKind::Commit => Emulation::Agent.support_for(k),
                     _ => Support::Native,
                 };
@@ -468,7 +473,7 @@ const ATOMICS: [OpKind; 6] = [
 /// mailbox; Commit by the agent; Send with Invalidate nothing.
 fn fallback(op: OpKind, peer_native: OpSet) -> Option<Emulation> {
     match op {
-        _ if ATOMICS.contains(&op) => Some(if peer_native.contains(OpKind::CmpSwap) {
+        _ if op.is_atomic() => Some(if peer_native.contains(OpKind::CmpSwap) {
             Emulation::CasLoop
         } else {
             Emulation::Agent
@@ -554,7 +559,7 @@ impl Capabilities {
         for (k, s) in out.ops.iter_mut() {
             let peer_has = peer_native.contains(*k);
             let was_native = *s == Support::Native;
-            let new = if ATOMICS.contains(k) {
+            let new = if k.is_atomic() {
                 match s {
                     Support::Native if peer_has && cas_native => continue,
                     Support::Emulated {

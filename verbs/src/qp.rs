@@ -334,13 +334,7 @@ impl QpInner {
 
     fn post_send(self: &Arc<Self>, wr: WorkRequest) -> Result<()> {
         let kind = op_kind(&wr.op);
-        if matches!(
-            wr.op,
-            SendOp::FetchAdd { .. }
-                | SendOp::CmpSwap { .. }
-                | SendOp::Swap { .. }
-                | SendOp::AtomicWrite { .. }
-        ) {
+        if kind.is_atomic() {
             // The same answer whichever path runs it (the CmpSwap loop and
             // the agent rely on this check).
             check_atomic_local(&wr)?;
