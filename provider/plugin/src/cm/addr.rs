@@ -103,24 +103,26 @@ fn store(dst: &mut ffi::sockaddr_storage, addr: Option<&SocketAddr>) {
         .min(std::mem::size_of::<libc::sockaddr_storage>());
     // SAFETY: copying `n` bytes between two valid, distinct storages.
     unsafe {
-        std::ptr::copy_nonoverlapping(
-            &bytes as *const _ as *const u8,
-            dst as *mut _ as *mut u8,
-            n,
-        )
+        std::ptr::copy_nonoverlapping(&bytes as *const _ as *const u8, dst as *mut _ as *mut u8, n)
     };
 }
 
 /// Set `id->route.addr.src_addr`.
 pub(crate) fn set_src(id: &mut ffi::rdma_cm_id, addr: Option<&SocketAddr>) {
     // SAFETY: writing a union's storage member (plain data).
-    store(unsafe { &mut id.route.addr.__bindgen_anon_1.src_storage }, addr);
+    store(
+        unsafe { &mut id.route.addr.__bindgen_anon_1.src_storage },
+        addr,
+    );
 }
 
 /// Set `id->route.addr.dst_addr`.
 pub(crate) fn set_dst(id: &mut ffi::rdma_cm_id, addr: Option<&SocketAddr>) {
     // SAFETY: writing a union's storage member (plain data).
-    store(unsafe { &mut id.route.addr.__bindgen_anon_2.dst_storage }, addr);
+    store(
+        unsafe { &mut id.route.addr.__bindgen_anon_2.dst_storage },
+        addr,
+    );
 }
 
 /// The port (network order) of a C address in an id, as
@@ -221,11 +223,21 @@ impl Reservation {
             set(libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, &one);
         }
         let (ss, len) = to_c(&addr);
-        if addr.port() != 0 && lock(&BOUND).get_or_insert_with(HashSet::new).contains(&addr) {
+        if addr.port() != 0
+            && lock(&BOUND)
+                .get_or_insert_with(HashSet::new)
+                .contains(&addr)
+        {
             return Err(libc::EADDRINUSE);
         }
         // SAFETY: binding to a valid address of `len` bytes.
-        if unsafe { libc::bind(fd.as_raw_fd(), &ss as *const _ as *const libc::sockaddr, len) } != 0
+        if unsafe {
+            libc::bind(
+                fd.as_raw_fd(),
+                &ss as *const _ as *const libc::sockaddr,
+                len,
+            )
+        } != 0
         {
             return Err(super::verbs::last_errno(libc::EADDRINUSE));
         }
@@ -558,7 +570,10 @@ mod tests {
         // SAFETY: a valid sockaddr_in copy.
         let dst = unsafe { from_c(ai.ai_dst_addr) }.unwrap();
         assert_eq!(dst, "127.0.0.1:7471".parse().unwrap());
-        assert_eq!(ai.ai_dst_len as usize, std::mem::size_of::<libc::sockaddr_in>());
+        assert_eq!(
+            ai.ai_dst_len as usize,
+            std::mem::size_of::<libc::sockaddr_in>()
+        );
         // SAFETY: ours, freed once.
         unsafe { freeaddrinfo(r) };
     }
@@ -610,8 +625,14 @@ mod tests {
         // SAFETY: a list we just got; addresses are valid copies.
         unsafe {
             let ai = &*r;
-            assert_eq!(from_c(ai.ai_dst_addr).unwrap(), "10.1.2.3:99".parse().unwrap());
-            assert_eq!(from_c(ai.ai_src_addr).unwrap(), "10.1.2.4:0".parse().unwrap());
+            assert_eq!(
+                from_c(ai.ai_dst_addr).unwrap(),
+                "10.1.2.3:99".parse().unwrap()
+            );
+            assert_eq!(
+                from_c(ai.ai_src_addr).unwrap(),
+                "10.1.2.4:0".parse().unwrap()
+            );
             assert_ne!(ai.ai_dst_addr, dst);
             freeaddrinfo(r);
             libc::free(dst.cast());
@@ -621,7 +642,10 @@ mod tests {
 
     #[test]
     fn errors_follow_librdmacm() {
-        assert!(matches!(gai(None, None, None), Err(GaiError::Errno(libc::EINVAL))));
+        assert!(matches!(
+            gai(None, None, None),
+            Err(GaiError::Errno(libc::EINVAL))
+        ));
         let h = tcp_hints(ffi::RAI_NUMERICHOST);
         assert!(matches!(
             gai(Some("not-a-number.invalid"), Some("1"), Some(&h)),

@@ -251,7 +251,11 @@ mod tests {
         assert!(!readable(&ch));
         assert_eq!(ch.pop().unwrap_err(), libc::EAGAIN);
         let id = Id::new_for_test(&ch);
-        ch.push(Pending::new(id.clone(), ffi::RDMA_CM_EVENT_ADDR_RESOLVED, 0));
+        ch.push(Pending::new(
+            id.clone(),
+            ffi::RDMA_CM_EVENT_ADDR_RESOLVED,
+            0,
+        ));
         ch.push(Pending::new(id, ffi::RDMA_CM_EVENT_ROUTE_RESOLVED, 0));
         assert!(readable(&ch));
         assert_eq!(ch.pop().unwrap().kind, ffi::RDMA_CM_EVENT_ADDR_RESOLVED);

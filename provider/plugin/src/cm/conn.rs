@@ -306,7 +306,12 @@ pub(crate) fn accept(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmRe
     }
     let req = st.request.take().ok_or(libc::EINVAL)?;
     let params = mpa_params(param, &stag, Some((st.peer_ird, st.peer_ord)), &[]);
-    debug!(ird = params.ird, ord = params.ord, len = params.private_data.len(), "rdma_cm: accepting");
+    debug!(
+        ird = params.ird,
+        ord = params.ord,
+        len = params.private_data.len(),
+        "rdma_cm: accepting"
+    );
     if let Err(e) = req.accept(&qp, &params) {
         warn!(error = %e, "rdma_cm: accept failed");
         st.phase = Phase::Failed;

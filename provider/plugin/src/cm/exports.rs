@@ -151,7 +151,9 @@ pub unsafe extern "C" fn stag_cm_rdma_resolve_route(
     id: *mut ffi::rdma_cm_id,
     _timeout_ms: c_int,
 ) -> c_int {
-    entry_int("rdma_resolve_route", || ops::resolve_route(&Id::lookup(id)?))
+    entry_int("rdma_resolve_route", || {
+        ops::resolve_route(&Id::lookup(id)?)
+    })
 }
 
 #[no_mangle]
@@ -265,7 +267,9 @@ pub unsafe extern "C" fn stag_cm_rdma_migrate_id(
     id: *mut ffi::rdma_cm_id,
     channel: *mut ffi::rdma_event_channel,
 ) -> c_int {
-    entry_int("rdma_migrate_id", || ops::migrate(&Id::lookup(id)?, channel))
+    entry_int("rdma_migrate_id", || {
+        ops::migrate(&Id::lookup(id)?, channel)
+    })
 }
 
 #[no_mangle]
@@ -490,7 +494,9 @@ pub unsafe extern "C" fn stag_cm_rdma_getaddrinfo(
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_freeaddrinfo(res: *mut ffi::rdma_addrinfo) {
     // SAFETY: NULL or a list from rdma_getaddrinfo.
-    entry_val("rdma_freeaddrinfo", (), || unsafe { addr::freeaddrinfo(res) })
+    entry_val("rdma_freeaddrinfo", (), || unsafe {
+        addr::freeaddrinfo(res)
+    })
 }
 
 #[no_mangle]
@@ -521,14 +527,19 @@ pub unsafe extern "C" fn stag_cm_rdma_get_devices(n: *mut c_int) -> *mut *mut ff
 pub unsafe extern "C" fn stag_cm_rdma_free_devices(list: *mut *mut ffi::ibv_context) {
     // SAFETY: NULL or a list from rdma_get_devices (malloc'd; the context
     // stays open for the process).
-    entry_val("rdma_free_devices", (), || unsafe { libc::free(list.cast()) })
+    entry_val("rdma_free_devices", (), || unsafe {
+        libc::free(list.cast())
+    })
 }
 
 // ---- not on stag0: multicast ----
 
 fn no_multicast(call: &'static str) -> c_int {
     entry_int(call, || {
-        error!(call, "rdma_cm: multicast needs UD QPs; stag0 (iWARP) has none");
+        error!(
+            call,
+            "rdma_cm: multicast needs UD QPs; stag0 (iWARP) has none"
+        );
         Err(libc::ENOSYS)
     })
 }

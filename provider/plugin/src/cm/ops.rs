@@ -24,7 +24,10 @@ pub(crate) fn create_id(
     let qp_type = match ps {
         ffi::RDMA_PS_TCP | ffi::RDMA_PS_IB => qp_type.unwrap_or(ffi::IBV_QPT_RC),
         ffi::RDMA_PS_UDP | ffi::RDMA_PS_IPOIB => {
-            error!(ps, "rdma_cm: stag0 is an iWARP device: no UD QPs, so no UDP/IPoIB port space");
+            error!(
+                ps,
+                "rdma_cm: stag0 is an iWARP device: no UD QPs, so no UDP/IPoIB port space"
+            );
             return Err(libc::EPROTONOSUPPORT);
         }
         _ => return Err(libc::EINVAL),
@@ -83,11 +86,7 @@ pub(crate) fn bind(id: &Arc<Id>, addr: SocketAddr) -> CmResult<()> {
 
 /// `rdma_resolve_addr`: ADDR_RESOLVED (or ADDR_ERROR) at once; the local
 /// address is the routing table's choice for the peer.
-pub(crate) fn resolve_addr(
-    id: &Arc<Id>,
-    src: Option<SocketAddr>,
-    dst: SocketAddr,
-) -> CmResult<()> {
+pub(crate) fn resolve_addr(id: &Arc<Id>, src: Option<SocketAddr>, dst: SocketAddr) -> CmResult<()> {
     {
         let st = id.state();
         if !st.phase.allows(Op::ResolveAddr) {
@@ -223,9 +222,7 @@ pub(crate) fn set_option(
     let mut st = id.state();
     match (level as u32, name as u32) {
         (ffi::RDMA_OPTION_ID, ffi::RDMA_OPTION_ID_TOS) => st.options.tos = Some(byte()?),
-        (ffi::RDMA_OPTION_ID, ffi::RDMA_OPTION_ID_REUSEADDR) => {
-            st.options.reuseaddr = int()? != 0
-        }
+        (ffi::RDMA_OPTION_ID, ffi::RDMA_OPTION_ID_REUSEADDR) => st.options.reuseaddr = int()? != 0,
         (ffi::RDMA_OPTION_ID, ffi::RDMA_OPTION_ID_AFONLY) => st.options.afonly = int()? != 0,
         (ffi::RDMA_OPTION_ID, ffi::RDMA_OPTION_ID_ACK_TIMEOUT) => {
             st.options.ack_timeout = Some(byte()?)

@@ -65,7 +65,10 @@ unsafe fn init_conn_qp(id: &Id, qp: *mut ffi::ibv_qp) -> CmResult<()> {
     // SAFETY: live QP (caller).
     match unsafe { qp_handle(qp) } {
         Some(h) => {
-            warn!(rc, "rdma_cm: ibv_modify_qp(INIT) refused; recording INIT directly");
+            warn!(
+                rc,
+                "rdma_cm: ibv_modify_qp(INIT) refused; recording INIT directly"
+            );
             h.set_state(ffi::IBV_QPS_INIT);
             Ok(())
         }
@@ -78,7 +81,10 @@ unsafe fn init_conn_qp(id: &Id, qp: *mut ffi::ibv_qp) -> CmResult<()> {
 /// # Safety
 /// `attr` is a valid attribute block whose pointers are the application's
 /// libibverbs objects or NULL.
-pub(crate) unsafe fn create_qp_ex(id: &Arc<Id>, attr: &mut ffi::ibv_qp_init_attr_ex) -> CmResult<()> {
+pub(crate) unsafe fn create_qp_ex(
+    id: &Arc<Id>,
+    attr: &mut ffi::ibv_qp_init_attr_ex,
+) -> CmResult<()> {
     // SAFETY: application thread inside a cm call on `id`.
     let c = unsafe { id.c() };
     if !c.qp.is_null() {
@@ -389,9 +395,8 @@ unsafe fn setup_ep(
     }
     if res.ai_connect_len > 0 && !res.ai_connect.is_null() {
         // SAFETY: ai_connect holds ai_connect_len bytes (caller).
-        let data = unsafe {
-            std::slice::from_raw_parts(res.ai_connect as *const u8, res.ai_connect_len)
-        };
+        let data =
+            unsafe { std::slice::from_raw_parts(res.ai_connect as *const u8, res.ai_connect_len) };
         id.state().connect_data = data.to_vec();
     }
     Ok(())

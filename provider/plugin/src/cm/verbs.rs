@@ -65,7 +65,9 @@ fn open() -> CmResult<Stag> {
     // SAFETY: libibverbs' public call; `n` is a valid out-pointer.
     let list = unsafe { ffi::ibv_get_device_list(&mut n) };
     if list.is_null() {
-        error!("rdma_cm: ibv_get_device_list failed: no stag device visible (run under `stag run`)");
+        error!(
+            "rdma_cm: ibv_get_device_list failed: no stag device visible (run under `stag run`)"
+        );
         return Err(libc::ENODEV);
     }
     let mut ctx = std::ptr::null_mut();
@@ -82,7 +84,9 @@ fn open() -> CmResult<Stag> {
             continue;
         }
         // SAFETY: non-NULL, NUL-terminated (above).
-        let name = unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned();
+        let name = unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned();
         if !name.starts_with("stag") {
             continue;
         }
@@ -99,7 +103,9 @@ fn open() -> CmResult<Stag> {
     // valid after it is freed.
     unsafe { ffi::ibv_free_device_list(list) };
     if ctx.is_null() {
-        error!("rdma_cm: no stag device among libibverbs' devices (is SYSFS_PATH set by `stag run`?)");
+        error!(
+            "rdma_cm: no stag device among libibverbs' devices (is SYSFS_PATH set by `stag run`?)"
+        );
         return Err(libc::ENODEV);
     }
     if !super::is_stag_context(ctx) {
@@ -206,7 +212,11 @@ pub(crate) unsafe fn create_srq_ex(
         let need = std::mem::size_of::<ffi::verbs_context>()
             - std::mem::offset_of!(ffi::verbs_context, create_srq_ex);
         // SAFETY: as in create_qp_ex.
-        let op = unsafe { ((*vctx).sz >= need).then(|| (*vctx).create_srq_ex).flatten() };
+        let op = unsafe {
+            ((*vctx).sz >= need)
+                .then(|| (*vctx).create_srq_ex)
+                .flatten()
+        };
         let op = op.ok_or(libc::EOPNOTSUPP)?;
         // SAFETY: the provider's op, called as libibverbs would.
         unsafe { op(ctx, attr) }
