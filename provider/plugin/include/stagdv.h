@@ -24,6 +24,10 @@
 extern "C" {
 #endif
 
+/* Access flag of a durable region: its Commit msyncs the range (the value
+ * of rdma-core's IBV_ACCESS_FLUSH_PERSISTENT, which older headers lack). */
+#define STAGDV_ACCESS_DURABLE (1 << 9)
+
 /* Whether ctx is a stag0 context (the functions below need one). */
 int stagdv_is_stag_context(struct ibv_context *ctx);
 
