@@ -104,8 +104,7 @@ fn member_name(decl: &str) -> String {
     }
     let decl = decl.split('[').next().unwrap_or("");
     decl.split(|c: char| !(c.is_alphanumeric() || c == '_'))
-        .filter(|s| !s.is_empty())
-        .next_back()
+        .rfind(|s| !s.is_empty())
         .unwrap_or("")
         .to_owned()
 }
