@@ -8,6 +8,7 @@ packages=(
     libibverbs-dev librdmacm-dev ibverbs-utils rdma-core
     iproute2 procps
     curl xz-utils
+    perftest rdmacm-utils libfabric-bin
 )
 
 missing=()

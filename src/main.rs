@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod rdma_core;
 
 use stag::verbs::{self, Backend, Capabilities, Context};
 
@@ -32,6 +33,20 @@ enum Command {
     /// Bandwidth microbenchmark (perftest-style): server without HOST,
     /// client with it, or both with --loopback.
     Bw(bench::bw::BwArgs),
+    /// Run an unmodified libibverbs/librdmacm program on stag0 (no root, no
+    /// setup): `stag run -- ib_write_lat -R HOST`.
+    Run {
+        /// The program and its arguments.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        command: Vec<String>,
+    },
+    /// Make stag0 an rdma-core device for the whole machine (root, once):
+    /// plain `ibv_devices` lists it in new login sessions.
+    Install {
+        /// Undo a previous install.
+        #[arg(long)]
+        uninstall: bool,
+    },
 }
 
 #[derive(Debug, serde::Serialize)]
@@ -113,6 +128,17 @@ fn main() {
         Command::Devices { verbose, json } => devices(verbose, json),
         Command::Lat(args) => bench_exit(bench::run_lat(args)),
         Command::Bw(args) => bench_exit(bench::run_bw(args)),
+        Command::Run { command } => rdma_core::run(&command).unwrap_or_else(|e| {
+            eprintln!("stag run: {e}");
+            127
+        }),
+        Command::Install { uninstall } => match rdma_core::install(uninstall) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("stag install: {e}");
+                1
+            }
+        },
     };
     std::process::exit(code);
 }

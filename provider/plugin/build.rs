@@ -32,11 +32,17 @@ fn main() {
     if let Ok(dir) = env::var("STAG_RDMA_INCLUDE_DIR") {
         builder = builder.clang_arg(format!("-I{dir}"));
     }
-    builder
+    let bindings = builder
         .generate()
         .expect("bindgen over src/abi.h (needs libibverbs-dev and librdmacm-dev)")
-        .write_to_file(out.join("abi.rs"))
-        .expect("write bindings");
+        .to_string();
+    // rdma-core >= 45 headers: `ibv_qp_ex::wr_flush` exists, so the plugin
+    // can fill it in (and accept IBV_QP_EX_WITH_FLUSH).
+    println!("cargo:rustc-check-cfg=cfg(has_wr_flush)");
+    if bindings.contains("pub wr_flush:") {
+        println!("cargo:rustc-cfg=has_wr_flush");
+    }
+    std::fs::write(out.join("abi.rs"), bindings).expect("write bindings");
 
     println!("cargo:rustc-link-lib=ibverbs");
 

@@ -407,6 +407,9 @@ struct QpIo {
     rbuf: Vec<u8>,
     /// Receives posted before the connection exists.
     early_recv: VecDeque<RecvWr>,
+    /// Moved to Error before any connection: posts flush at once, and no
+    /// connection may start on it.
+    errored_early: bool,
     writable_wanted: bool,
     closed: bool,
     events: VecDeque<Event>,
@@ -695,6 +698,17 @@ impl QueuePair {
             srq: self.shared.srq.as_deref(),
         };
         let mut io = self.shared.io.lock().unwrap_or_else(|p| p.into_inner());
+        if io.conn.is_none() && io.errored_early {
+            // A QP in Error completes what is posted with a flush error.
+            self.shared.send_cq.push(WorkCompletion {
+                wr_id: wr.wr_id,
+                status: WcStatus::WrFlushErr,
+                opcode: wr.op.wc_opcode(),
+                qp_num: self.shared.qpn,
+                ..WorkCompletion::BLANK
+            });
+            return Ok(());
+        }
         let Some(conn) = io.conn.as_mut() else {
             return Err(DeviceError::InvalidState);
         };
@@ -709,8 +723,16 @@ impl QueuePair {
             return Err(PostError::HasSrq.into());
         }
         let mut io = self.shared.io.lock().unwrap_or_else(|p| p.into_inner());
+        let errored_early = io.errored_early;
         match io.conn.as_mut() {
             Some(conn) => conn.post_recv(wr)?,
+            None if errored_early => self.shared.recv_cq.push(WorkCompletion {
+                wr_id: wr.wr_id,
+                status: WcStatus::WrFlushErr,
+                opcode: WcOpcode::Recv,
+                qp_num: self.shared.qpn,
+                ..WorkCompletion::BLANK
+            }),
             None => {
                 if wr.sg_list.len() > self.shared.caps.max_recv_sge as usize {
                     return Err(PostError::TooManySges(
@@ -738,6 +760,7 @@ impl QueuePair {
         if let Some(conn) = io.conn.as_mut() {
             conn.set_error();
         } else {
+            io.errored_early = true;
             let flushed: Vec<_> = io.early_recv.drain(..).collect();
             for wr in flushed {
                 self.shared.recv_cq.push(WorkCompletion {
@@ -798,7 +821,7 @@ impl QueuePair {
             self.shared.srq.is_some(),
         );
         let mut io = self.shared.io.lock().unwrap_or_else(|p| p.into_inner());
-        if io.conn.is_some() {
+        if io.conn.is_some() || io.errored_early {
             return Err(DeviceError::InvalidState);
         }
         for wr in io.early_recv.drain(..) {

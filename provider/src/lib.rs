@@ -21,3 +21,32 @@ pub mod srq;
 pub mod testing;
 pub mod wire;
 pub mod wr;
+
+/// How stag0 presents itself to rdma-core: the names, GUID and limits that
+/// the device tree (`stag run`, `stag install`) and the rdma-core plugin
+/// (`provider/plugin`) must agree on.
+pub mod identity {
+    /// The device's name (`ibv_get_device_name`).
+    pub const DEVICE_NAME: &str = "stag0";
+    /// Its uverbs name: `/dev/infiniband/<this>` and
+    /// `class/infiniband_verbs/<this>` in the device tree. High, so that it
+    /// never meets a kernel device's `uverbsN`.
+    pub const UVERBS_NAME: &str = "uverbs64";
+    /// `major:minor` of the character device discovery checks: `/dev/null`'s,
+    /// so that a node made with `mknod c 1 3` (or the plugin's interposed
+    /// `open`) matches.
+    pub const UVERBS_DEV: (u32, u32) = (1, 3);
+    /// The uverbs ABI version the tree announces (libibverbs accepts 3..=6).
+    pub const UVERBS_ABI_VERSION: u32 = 6;
+    /// Node GUID, as libibverbs prints it (host order).
+    pub const NODE_GUID: u64 = 0x0273_7461_6700_0001;
+    /// IEEE OUI-shaped vendor id (`ibv_device_attr::vendor_id`).
+    pub const VENDOR_ID: u32 = 0x0053_5447;
+    /// `ibv_device_attr::vendor_part_id`.
+    pub const VENDOR_PART_ID: u32 = 0x7306;
+    /// The GID of port 1 (an iWARP GID carries the MAC; bytes 8..16 must
+    /// not be zero or `ibv_devinfo` hides it).
+    pub const GID: [u8; 16] = [
+        0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0x02, 0x73, 0x74, 0xff, 0xfe, 0x61, 0x67, 0x00,
+    ];
+}

@@ -184,3 +184,71 @@ fn a_killed_peer_process_flushes_outstanding_work() {
     assert_eq!(me.qp.state(), QpState::Error);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_qp_moved_to_error_before_connecting_flushes_what_is_posted() {
+    let me = Side::new(None);
+    let sge = me.mr.sge(0, 8);
+    me.qp
+        .post_recv(provider::wr::RecvWr {
+            wr_id: 1,
+            sg_list: vec![sge],
+        })
+        .unwrap();
+    me.qp.set_error();
+    me.qp
+        .post_recv(provider::wr::RecvWr {
+            wr_id: 2,
+            sg_list: vec![sge],
+        })
+        .unwrap();
+    me.qp
+        .post_send(SendWr {
+            wr_id: 3,
+            op: SendOp::Send {
+                solicited: false,
+                invalidate: None,
+            },
+            sg_list: vec![sge],
+            signaled: true,
+            fence: false,
+        })
+        .unwrap();
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while got.len() < 3 && Instant::now() < deadline {
+        let mut wc = [provider::wr::WorkCompletion::BLANK; 4];
+        let n = me.cq.poll(&mut wc);
+        got.extend(wc[..n].iter().map(|c| (c.wr_id, c.status)));
+    }
+    assert_eq!(
+        got,
+        [
+            (1, WcStatus::WrFlushErr),
+            (2, WcStatus::WrFlushErr),
+            (3, WcStatus::WrFlushErr)
+        ]
+    );
+    // And no connection may start on it.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let peer = std::thread::spawn(move || {
+        let (mut sock, _) = listener.accept().unwrap();
+        let mut reader = Request::reader();
+        let mut buf = [0u8; 1024];
+        let request = loop {
+            let n = sock.read(&mut buf).unwrap();
+            let mut input = &buf[..n];
+            if let Some(repr) = reader.read(&mut input).unwrap() {
+                break Request::from_repr(&repr);
+            }
+        };
+        let (_, reply) = request.accept(&MpaParams::default()).unwrap();
+        sock.write_all(&reply).unwrap();
+    });
+    assert!(matches!(
+        me.qp.connect(addr, &MpaParams::default()),
+        Err(DeviceError::InvalidState)
+    ));
+    peer.join().unwrap();
+}

@@ -1,1 +1,88 @@
-//! driver
+//! Registration with libibverbs and the device object.
+//!
+//! libibverbs finds devices in sysfs (here: the tree `stag run` or
+//! `stag install` wrote under `$SYSFS_PATH`) and asks every registered
+//! driver whether it takes each one. Ours takes the devices whose ibdev
+//! name starts with `stag`.
+
+use std::ffi::{c_char, CStr};
+use std::ptr;
+
+use crate::ffi::{verbs_device, verbs_device_ops, verbs_register_driver_34, verbs_sysfs_dev};
+
+/// The driver's ops table; a `static` because libibverbs keeps the pointer
+/// for the life of the process.
+#[repr(transparent)]
+struct DeviceOps(verbs_device_ops);
+
+// SAFETY: the table is immutable and its pointers (a string literal and
+// functions) are valid from any thread.
+unsafe impl Sync for DeviceOps {}
+
+static DEVICE_OPS: DeviceOps = DeviceOps(verbs_device_ops {
+    name: c"stag".as_ptr(),
+    match_min_abi_version: 0,
+    match_max_abi_version: u32::MAX,
+    match_table: ptr::null(),
+    static_providers: ptr::null_mut(),
+    match_device: Some(match_device),
+    alloc_context: Some(crate::context::alloc_context),
+    import_context: None,
+    alloc_device: Some(alloc_device),
+    uninit_device: Some(uninit_device),
+});
+
+/// Runs when the library is loaded (preloaded by `stag run`, or dlopened by
+/// libibverbs from its driver directory): hand libibverbs the driver.
+extern "C" fn register_driver() {
+    crate::log::init();
+    // SAFETY: DEVICE_OPS lives for the whole process, as libibverbs requires.
+    unsafe { verbs_register_driver_34(&DEVICE_OPS.0) };
+}
+
+#[used]
+#[link_section = ".init_array"]
+static REGISTER_DRIVER: extern "C" fn() = register_driver;
+
+/// Whether `dev` is one of ours (its ops table is ours).
+pub(crate) fn is_stag_device(dev: *const crate::ffi::ibv_device) -> bool {
+    if dev.is_null() {
+        return false;
+    }
+    // SAFETY: every ibv_device libibverbs hands out is the first member of
+    // a verbs_device (driver.h: "Must be first"), whoever's driver it is.
+    let ops = unsafe { (*dev.cast::<verbs_device>()).ops };
+    ptr::eq(ops, &DEVICE_OPS.0)
+}
+
+unsafe extern "C" fn match_device(sysfs_dev: *mut verbs_sysfs_dev) -> bool {
+    crate::errno::guard("match_device", false, || {
+        if sysfs_dev.is_null() {
+            return false;
+        }
+        // SAFETY: libibverbs passes a valid verbs_sysfs_dev whose ibdev_name
+        // is a NUL-terminated array inside it.
+        let name = unsafe { CStr::from_ptr((*sysfs_dev).ibdev_name.as_ptr() as *const c_char) };
+        name.to_bytes().starts_with(b"stag")
+    })
+}
+
+unsafe extern "C" fn alloc_device(_sysfs_dev: *mut verbs_sysfs_dev) -> *mut verbs_device {
+    crate::errno::guard("alloc_device", ptr::null_mut(), || {
+        // libibverbs fills in the names, node and transport type, ops and
+        // refcount after this returns; everything else starts zeroed.
+        // SAFETY: verbs_device is plain C data for which all-zero is valid.
+        let dev: Box<verbs_device> = Box::new(unsafe { std::mem::zeroed() });
+        Box::into_raw(dev)
+    })
+}
+
+unsafe extern "C" fn uninit_device(dev: *mut verbs_device) {
+    crate::errno::guard("uninit_device", (), || {
+        if !dev.is_null() {
+            // SAFETY: allocated by alloc_device; libibverbs calls this once,
+            // when the last reference is put.
+            drop(unsafe { Box::from_raw(dev) });
+        }
+    })
+}

@@ -1,1 +1,182 @@
-//! interpose
+//! The few libc and libibverbs calls the plugin must answer itself when
+//! `stag run` preloads it (a library dlopened by libibverbs interposes
+//! nothing, and needs none of this once `stag install` made the device
+//! node):
+//!
+//! - `stat`/`open` of `/dev/infiniband/uverbs64`: discovery checks that the
+//!   device node exists, and the context opens it as its command fd. Without
+//!   root there is no node; `/dev/null` (the rdev the tree announces)
+//!   stands in. Only that path, and only when it does not exist.
+//! - `socket(AF_NETLINK, …, NETLINK_RDMA)` fails when `stag run` asks
+//!   (`STAG_RUN_HIDE_NETLINK=1`, set where the kernel has RDMA devices), so
+//!   libibverbs discovers through the device tree, which lists the kernel's
+//!   devices next to stag0.
+//! - `ibv_create_comp_channel`/`ibv_destroy_comp_channel` on stag0: libibverbs
+//!   would ask the kernel for the channel's fd through the command fd.
+
+use std::ffi::{c_char, c_int, CStr};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::OnceLock;
+
+use crate::cq::channels;
+use crate::ffi::{ibv_comp_channel, ibv_context};
+
+/// `dlsym(RTLD_NEXT, name)`, cached per call site.
+macro_rules! next {
+    ($name:literal, $ty:ty) => {{
+        static NEXT: OnceLock<usize> = OnceLock::new();
+        let p = *NEXT.get_or_init(|| {
+            // SAFETY: a NUL-terminated literal; RTLD_NEXT looks past us.
+            unsafe { libc::dlsym(libc::RTLD_NEXT, concat!($name, "\0").as_ptr().cast()) as usize }
+        });
+        if p == 0 {
+            None
+        } else {
+            // SAFETY: the symbol named has this C signature.
+            Some(unsafe { std::mem::transmute::<usize, $ty>(p) })
+        }
+    }};
+}
+
+fn device_path() -> &'static CStr {
+    static PATH: OnceLock<std::ffi::CString> = OnceLock::new();
+    PATH.get_or_init(|| {
+        std::ffi::CString::new(format!(
+            "/dev/infiniband/{}",
+            provider::identity::UVERBS_NAME
+        ))
+        .expect("no NUL in the path")
+    })
+}
+
+/// Whether `path` is our device node and that node does not exist.
+///
+/// # Safety
+/// `path` must be NULL or a NUL-terminated string.
+unsafe fn stands_in(path: *const c_char) -> bool {
+    if path.is_null() {
+        return false;
+    }
+    // SAFETY: forwarded.
+    let p = unsafe { CStr::from_ptr(path) };
+    // SAFETY: access on a valid path.
+    p == device_path() && unsafe { libc::access(path, libc::F_OK) } != 0
+}
+
+const DEV_NULL: &CStr = c"/dev/null";
+
+#[no_mangle]
+pub unsafe extern "C" fn stat(path: *const c_char, buf: *mut libc::stat) -> c_int {
+    type F = unsafe extern "C" fn(*const c_char, *mut libc::stat) -> c_int;
+    let Some(real) = next!("stat", F) else {
+        crate::errno::set(libc::ENOSYS);
+        return -1;
+    };
+    // SAFETY: forwarded to libc with the caller's arguments (or /dev/null).
+    unsafe {
+        if stands_in(path) {
+            real(DEV_NULL.as_ptr(), buf)
+        } else {
+            real(path, buf)
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn open(path: *const c_char, flags: c_int, mode: libc::mode_t) -> c_int {
+    type F = unsafe extern "C" fn(*const c_char, c_int, libc::mode_t) -> c_int;
+    let Some(real) = next!("open", F) else {
+        crate::errno::set(libc::ENOSYS);
+        return -1;
+    };
+    // SAFETY: forwarded to libc with the caller's arguments (or /dev/null).
+    unsafe {
+        if stands_in(path) {
+            real(DEV_NULL.as_ptr(), flags, mode)
+        } else {
+            real(path, flags, mode)
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn socket(domain: c_int, ty: c_int, protocol: c_int) -> c_int {
+    type F = unsafe extern "C" fn(c_int, c_int, c_int) -> c_int;
+    const NETLINK_RDMA: c_int = 20;
+    if domain == libc::AF_NETLINK && protocol == NETLINK_RDMA && hide_netlink() {
+        crate::errno::set(libc::EPROTONOSUPPORT);
+        return -1;
+    }
+    let Some(real) = next!("socket", F) else {
+        crate::errno::set(libc::ENOSYS);
+        return -1;
+    };
+    // SAFETY: forwarded to libc.
+    unsafe { real(domain, ty, protocol) }
+}
+
+fn hide_netlink() -> bool {
+    static HIDE: OnceLock<bool> = OnceLock::new();
+    *HIDE.get_or_init(|| std::env::var_os("STAG_RUN_HIDE_NETLINK").is_some_and(|v| v == "1"))
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_create_comp_channel(ctx: *mut ibv_context) -> *mut ibv_comp_channel {
+    type F = unsafe extern "C" fn(*mut ibv_context) -> *mut ibv_comp_channel;
+    if !crate::context::is_stag_context(ctx) {
+        return match next!("ibv_create_comp_channel", F) {
+            // SAFETY: libibverbs' own, for its own devices.
+            Some(real) => unsafe { real(ctx) },
+            None => {
+                crate::errno::set(libc::ENOSYS);
+                std::ptr::null_mut()
+            }
+        };
+    }
+    crate::errno::guard("ibv_create_comp_channel", std::ptr::null_mut(), || {
+        let mut fds = [0; 2];
+        // SAFETY: pipe2 fills two fds.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: fresh fds we own.
+        let (rx, tx) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let ch = Box::into_raw(Box::new(ibv_comp_channel {
+            context: ctx,
+            fd: rx.as_raw_fd(),
+            refcnt: 0,
+        }));
+        std::mem::forget(rx); // closed by ibv_destroy_comp_channel
+        channels()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(ch as usize, tx);
+        ch
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_destroy_comp_channel(ch: *mut ibv_comp_channel) -> c_int {
+    type F = unsafe extern "C" fn(*mut ibv_comp_channel) -> c_int;
+    let mut chans = channels().lock().unwrap_or_else(|p| p.into_inner());
+    if ch.is_null() || !chans.contains_key(&(ch as usize)) {
+        drop(chans);
+        return match next!("ibv_destroy_comp_channel", F) {
+            // SAFETY: libibverbs' own channel.
+            Some(real) => unsafe { real(ch) },
+            None => libc::ENOSYS,
+        };
+    }
+    // SAFETY: ours (registered), alive until now.
+    if unsafe { (*ch).refcnt } != 0 {
+        return libc::EBUSY;
+    }
+    chans.remove(&(ch as usize));
+    // SAFETY: ours; the read end was forgotten at creation and is closed
+    // here, once.
+    unsafe {
+        libc::close((*ch).fd);
+        drop(Box::from_raw(ch));
+    }
+    0
+}

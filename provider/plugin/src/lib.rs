@@ -27,6 +27,7 @@ mod cq;
 mod driver;
 mod errno;
 mod interpose;
+mod log;
 mod mr;
 mod qp;
 mod srq;

@@ -1,1 +1,949 @@
-//! qp
+//! Queue pairs: creation, state, and posting (legacy `ibv_post_send` /
+//! `ibv_post_recv` and the extended `ibv_wr_*` API).
+//!
+//! stag0 is an iWARP RNIC: an RC QP gets its stream from the connection
+//! manager (rdma_cm, [`crate::cm`]), which runs the MPA exchange on the
+//! RNIC's QP and moves the QP to RTS. Until then receives may be posted and
+//! sends fail with `ENOTCONN`, as on siw.
+
+use std::ffi::{c_int, c_uint, c_void};
+use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use provider::device::{ProtectionDomain, QueuePair};
+use provider::mem::Access;
+use provider::qp::{QpCaps, QpState};
+use provider::wr::{RecvWr, Remote, SendOp, SendWr, Sge};
+
+use crate::context::limits;
+use crate::errno::{self, guard};
+use crate::ffi::*;
+
+/// `verbs_qp` as libibverbs lays it out (`ibv_qp_ex` first, then
+/// `comp_mask`), then ours.
+///
+/// rdma-core 45 appended `wr_flush` to `ibv_qp_ex`, which moved
+/// `verbs_qp::comp_mask` 8 bytes on; libibverbs' `ibv_qp_to_qp_ex` reads
+/// it to decide whether the QP is extended. `VERBS_QP_EX` is set at both
+/// places so that either library generation sees it.
+#[repr(C)]
+pub(crate) struct StagQp {
+    qpx: ibv_qp_ex,
+    comp_mask: u32,
+    /// The newer layout's `comp_mask` (and `xrcd`), or this layout's `xrcd`.
+    tail: [u64; 3],
+    shared: Arc<QpShared>,
+}
+
+const VERBS_QP_EX: u32 = 1 << 1;
+
+/// What the QP, its posts and the connection manager share.
+pub(crate) struct QpShared {
+    prov: Arc<QueuePair>,
+    /// The QP's `ibv_qp_state` as verbs sees it.
+    state: AtomicU32,
+    /// `ibv_qp.state` to mirror into, NULL once destroyed.
+    ibv: Mutex<*mut ibv_qp>,
+    sq_sig_all: bool,
+    caps: QpCaps,
+    max_inline: u32,
+    access: AtomicU32,
+    inline: Option<InlineRing>,
+    /// The `ibv_wr_*` batch under construction.
+    batch: Mutex<Batch>,
+    has_srq: bool,
+    send_ops: u64,
+}
+
+// SAFETY: the raw ibv_qp pointer is only dereferenced under its mutex while
+// the QP is alive (destroy_qp nulls it first); everything else is Sync.
+unsafe impl Send for QpShared {}
+// SAFETY: as above.
+unsafe impl Sync for QpShared {}
+
+/// A handle the connection manager keeps on a QP.
+#[allow(dead_code)] // used by crate::cm
+#[derive(Clone)]
+pub(crate) struct QpHandle(Arc<QpShared>);
+
+/// The handle of one of our QPs.
+#[allow(dead_code)] // used by crate::cm
+///
+/// # Safety
+/// `qp` must be NULL or a live `ibv_qp`.
+pub(crate) unsafe fn qp_handle(qp: *mut ibv_qp) -> Option<QpHandle> {
+    // SAFETY: forwarded.
+    unsafe { shared(qp) }.map(|s| QpHandle(s.clone()))
+}
+
+#[allow(dead_code)] // used by crate::cm
+impl QpHandle {
+    /// The userspace RNIC's QP behind the ibv_qp.
+    pub(crate) fn provider(&self) -> &Arc<QueuePair> {
+        &self.0.prov
+    }
+
+    /// Record a state change made by the connection manager.
+    pub(crate) fn set_state(&self, state: ibv_qp_state) {
+        self.0.set_state(state);
+    }
+}
+
+impl QpShared {
+    fn set_state(&self, state: ibv_qp_state) {
+        let ibv = *self.ibv.lock().unwrap_or_else(|p| p.into_inner());
+        self.state.store(state, Ordering::Release);
+        if !ibv.is_null() {
+            // SAFETY: non-NULL only while the QP is alive (destroy_qp nulls
+            // it under this lock before freeing).
+            unsafe { (*ibv).state = state };
+        }
+    }
+
+    /// The state, with what the stream did since (a Terminate or a closed
+    /// stream moved the RNIC's QP to Error).
+    fn state(&self) -> ibv_qp_state {
+        let s = self.state.load(Ordering::Acquire);
+        if matches!(s, IBV_QPS_RTS | IBV_QPS_RTR | IBV_QPS_SQD)
+            && self.prov.state() == QpState::Error
+        {
+            return IBV_QPS_ERR;
+        }
+        s
+    }
+}
+
+/// # Safety
+/// `qp` must be NULL or a live `ibv_qp`.
+unsafe fn shared<'a>(qp: *const ibv_qp) -> Option<&'a Arc<QpShared>> {
+    // SAFETY: a live ibv_qp has a live context; ours are StagQps.
+    if qp.is_null() || !crate::context::is_stag_context(unsafe { (*qp).context }) {
+        return None;
+    }
+    // SAFETY: ours (checked); StagQp starts with the ibv_qp.
+    Some(unsafe { &(*qp.cast::<StagQp>()).shared })
+}
+
+/// Bounce buffers for `IBV_SEND_INLINE`: the data is copied at post time,
+/// so the application may reuse its buffer at once, as verbs promises.
+/// `max_send_wr + 1` slots, the next one taken only by a post that
+/// succeeds: a slot is rewritten only once the WR that used it has left
+/// the send queue (a queue of `max_send_wr` cannot hold both).
+struct InlineRing {
+    buf: Box<[u8]>,
+    slot: usize,
+    lkey: u32,
+    next: Mutex<usize>,
+    pd: ProtectionDomain,
+}
+
+impl InlineRing {
+    fn new(pd: &ProtectionDomain, slots: usize, slot: usize) -> Result<InlineRing, c_int> {
+        let mut buf = vec![0u8; slots * slot].into_boxed_slice();
+        let base = NonNull::new(buf.as_mut_ptr()).ok_or(libc::ENOMEM)?;
+        // SAFETY: the ring owns buf and deregisters it before dropping it
+        // (Drop below); nothing else refers to it.
+        let lkey = unsafe {
+            pd.device().mem().register(
+                pd.id(),
+                base,
+                base.as_ptr() as u64,
+                buf.len() as u64,
+                Access::LOCAL_WRITE,
+                false,
+            )
+        }
+        .map_err(|_| libc::ENOMEM)?;
+        Ok(InlineRing {
+            buf,
+            slot,
+            lkey,
+            next: Mutex::new(0),
+            pd: pd.clone(),
+        })
+    }
+}
+
+impl Drop for InlineRing {
+    fn drop(&mut self) {
+        let _ = self.pd.dereg_mr(self.lkey);
+    }
+}
+
+/// One `ibv_wr_*` request being built.
+struct PendingWr {
+    wr_id: u64,
+    flags: c_uint,
+    op: SendOp,
+    sges: Vec<Sge>,
+    inline: Option<Vec<u8>>,
+}
+
+#[derive(Default)]
+struct Batch {
+    wrs: Vec<PendingWr>,
+    /// The first error a `wr_*` call met; `wr_complete` returns it.
+    error: Option<c_int>,
+}
+
+fn caps_of(cap: &ibv_qp_cap) -> Result<(QpCaps, u32), c_int> {
+    if cap.max_send_wr > limits::MAX_QP_WR as u32
+        || cap.max_recv_wr > limits::MAX_QP_WR as u32
+        || cap.max_send_sge > limits::MAX_SGE as u32
+        || cap.max_recv_sge > limits::MAX_SGE as u32
+        || cap.max_inline_data > limits::MAX_INLINE
+    {
+        return Err(libc::EINVAL);
+    }
+    let caps = QpCaps {
+        max_send_wr: cap.max_send_wr.max(1),
+        max_recv_wr: cap.max_recv_wr.max(1),
+        max_send_sge: cap.max_send_sge.max(1),
+        max_recv_sge: cap.max_recv_sge.max(1),
+        ..QpCaps::default()
+    };
+    Ok((caps, cap.max_inline_data))
+}
+
+/// The send operations the `ibv_wr_*` API offers on stag0.
+fn supported_send_ops() -> u64 {
+    let mut ops = (IBV_QP_EX_WITH_RDMA_WRITE
+        | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM
+        | IBV_QP_EX_WITH_SEND
+        | IBV_QP_EX_WITH_SEND_WITH_IMM
+        | IBV_QP_EX_WITH_RDMA_READ
+        | IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP
+        | IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD
+        | IBV_QP_EX_WITH_SEND_WITH_INV) as u64;
+    ops |= crate::wr::EXTRA_SEND_OPS;
+    ops
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn create(
+    ctx: *mut ibv_context,
+    pd: *mut ibv_pd,
+    qp_type: ibv_qp_type,
+    cap: &mut ibv_qp_cap,
+    send_cq: *mut ibv_cq,
+    recv_cq: *mut ibv_cq,
+    srq: *mut ibv_srq,
+    sq_sig_all: bool,
+    qp_context: *mut c_void,
+    send_ops: Option<u64>,
+) -> Result<*mut ibv_qp, c_int> {
+    // SAFETY: callers pass libibverbs' objects.
+    let Some(prov_pd) = (unsafe { crate::mr::pd(pd) }) else {
+        return Err(libc::EINVAL);
+    };
+    if qp_type != IBV_QPT_RC {
+        // What kernel siw answers for anything but RC.
+        tracing::warn!("stag0: only RC QPs are supported (asked for type {qp_type})");
+        return Err(libc::EOPNOTSUPP);
+    }
+    // SAFETY: as above.
+    let (Some(scq), Some(rcq)) = (unsafe { crate::cq::cq(send_cq) }, unsafe {
+        crate::cq::cq(recv_cq)
+    }) else {
+        return Err(libc::EINVAL);
+    };
+    let prov_srq = if srq.is_null() {
+        None
+    } else {
+        // SAFETY: as above.
+        Some(unsafe { crate::srq::srq(srq) }.ok_or(libc::EINVAL)?.clone())
+    };
+    if let Some(ops) = send_ops {
+        let unsupported = ops & !supported_send_ops();
+        if unsupported != 0 {
+            tracing::warn!("stag0: send_ops_flags {unsupported:#x} not supported");
+            return Err(libc::EOPNOTSUPP);
+        }
+    }
+    let (caps, max_inline) = caps_of(cap)?;
+    let inline = if max_inline > 0 {
+        Some(InlineRing::new(
+            prov_pd,
+            caps.max_send_wr as usize + 1,
+            max_inline as usize,
+        )?)
+    } else {
+        None
+    };
+    let prov = Arc::new(prov_pd.create_qp(caps, scq, rcq, prov_srq.as_ref()));
+    let qpn = prov.qp_num();
+    let shared = Arc::new(QpShared {
+        prov,
+        state: AtomicU32::new(IBV_QPS_RESET),
+        ibv: Mutex::new(ptr::null_mut()),
+        sq_sig_all,
+        caps,
+        max_inline,
+        access: AtomicU32::new(0),
+        inline,
+        batch: Mutex::new(Batch::default()),
+        has_srq: !srq.is_null(),
+        send_ops: send_ops.unwrap_or(0),
+    });
+    // SAFETY: all-zero is valid for the C part (pointers NULL, counters 0);
+    // the mutex and cond are initialised in place below, once boxed.
+    let mut qpx: ibv_qp_ex = unsafe { std::mem::zeroed() };
+    qpx.qp_base.context = ctx;
+    qpx.qp_base.qp_context = qp_context;
+    qpx.qp_base.pd = pd;
+    qpx.qp_base.send_cq = send_cq;
+    qpx.qp_base.recv_cq = recv_cq;
+    qpx.qp_base.srq = srq;
+    qpx.qp_base.handle = qpn;
+    qpx.qp_base.qp_num = qpn;
+    qpx.qp_base.state = IBV_QPS_RESET;
+    qpx.qp_base.qp_type = IBV_QPT_RC;
+    if send_ops.is_some() {
+        crate::wr::install(&mut qpx);
+    }
+    let raw = Box::into_raw(Box::new(StagQp {
+        qpx,
+        comp_mask: if send_ops.is_some() { VERBS_QP_EX } else { 0 },
+        tail: [
+            if send_ops.is_some() {
+                VERBS_QP_EX as u64
+            } else {
+                0
+            },
+            0,
+            0,
+        ],
+        shared: shared.clone(),
+    }));
+    // SAFETY: raw is the fresh allocation; the pthread objects are
+    // initialised where they will stay.
+    unsafe {
+        let base = ptr::addr_of_mut!((*raw).qpx.qp_base);
+        libc::pthread_mutex_init(ptr::addr_of_mut!((*base).mutex).cast(), ptr::null());
+        libc::pthread_cond_init(ptr::addr_of_mut!((*base).cond).cast(), ptr::null());
+        *shared.ibv.lock().unwrap_or_else(|p| p.into_inner()) = base;
+    }
+    cap.max_send_wr = caps.max_send_wr;
+    cap.max_recv_wr = caps.max_recv_wr;
+    cap.max_send_sge = caps.max_send_sge;
+    cap.max_recv_sge = caps.max_recv_sge;
+    cap.max_inline_data = max_inline;
+    Ok(raw.cast())
+}
+
+pub(crate) unsafe extern "C" fn create_qp(
+    pd: *mut ibv_pd,
+    attr: *mut ibv_qp_init_attr,
+) -> *mut ibv_qp {
+    guard("create_qp", ptr::null_mut(), || {
+        if pd.is_null() || attr.is_null() {
+            errno::set(libc::EINVAL);
+            return ptr::null_mut();
+        }
+        // SAFETY: libibverbs passes the caller's attr and pd.
+        let a = unsafe { &mut *attr };
+        // SAFETY: as above.
+        let r = unsafe {
+            create(
+                (*pd).context,
+                pd,
+                a.qp_type,
+                &mut a.cap,
+                a.send_cq,
+                a.recv_cq,
+                a.srq,
+                a.sq_sig_all != 0,
+                a.qp_context,
+                None,
+            )
+        };
+        r.unwrap_or_else(|e| {
+            errno::set(e);
+            ptr::null_mut()
+        })
+    })
+}
+
+pub(crate) unsafe extern "C" fn create_qp_ex(
+    ctx: *mut ibv_context,
+    attr: *mut ibv_qp_init_attr_ex,
+) -> *mut ibv_qp {
+    guard("create_qp_ex", ptr::null_mut(), || {
+        if attr.is_null() {
+            errno::set(libc::EINVAL);
+            return ptr::null_mut();
+        }
+        // SAFETY: libibverbs passes the caller's attr.
+        let a = unsafe { &mut *attr };
+        let known = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS;
+        if a.comp_mask & IBV_QP_INIT_ATTR_PD == 0 || a.comp_mask & !known != 0 {
+            tracing::warn!(
+                "stag0: ibv_create_qp_ex: comp_mask {:#x} not supported (PD and send_ops_flags are)",
+                a.comp_mask
+            );
+            errno::set(libc::EOPNOTSUPP);
+            return ptr::null_mut();
+        }
+        let send_ops =
+            (a.comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS != 0).then_some(a.send_ops_flags);
+        // SAFETY: as above.
+        let r = unsafe {
+            create(
+                ctx,
+                a.pd,
+                a.qp_type,
+                &mut a.cap,
+                a.send_cq,
+                a.recv_cq,
+                a.srq,
+                a.sq_sig_all != 0,
+                a.qp_context,
+                send_ops,
+            )
+        };
+        r.unwrap_or_else(|e| {
+            errno::set(e);
+            ptr::null_mut()
+        })
+    })
+}
+
+pub(crate) unsafe extern "C" fn destroy_qp(qp: *mut ibv_qp) -> c_int {
+    guard("destroy_qp", libc::EIO, || {
+        // SAFETY: libibverbs passes a qp of this context.
+        let Some(sh) = (unsafe { shared(qp) }) else {
+            return libc::EINVAL;
+        };
+        *sh.ibv.lock().unwrap_or_else(|p| p.into_inner()) = ptr::null_mut();
+        // Outstanding work completes with a flush error, then the stream
+        // closes (the RNIC QP's Drop) once nothing else holds it.
+        sh.prov.set_error();
+        // SAFETY: ours, freed once; the pthread objects die with it.
+        unsafe {
+            libc::pthread_mutex_destroy(ptr::addr_of_mut!((*qp).mutex).cast());
+            libc::pthread_cond_destroy(ptr::addr_of_mut!((*qp).cond).cast());
+            drop(Box::from_raw(qp.cast::<StagQp>()));
+        }
+        0
+    })
+}
+
+/// Whether verbs allows going from `from` to `to` (IB spec 10.3.1, as
+/// rdma-core's providers check it); Error and Reset are always reachable.
+fn transition_ok(from: ibv_qp_state, to: ibv_qp_state) -> bool {
+    matches!(
+        (from, to),
+        (_, IBV_QPS_RESET)
+            | (_, IBV_QPS_ERR)
+            | (IBV_QPS_RESET, IBV_QPS_INIT)
+            | (IBV_QPS_INIT, IBV_QPS_INIT)
+            | (IBV_QPS_INIT, IBV_QPS_RTR)
+            | (IBV_QPS_RTR, IBV_QPS_RTS)
+            | (IBV_QPS_RTS, IBV_QPS_RTS)
+            | (IBV_QPS_RTS, IBV_QPS_SQD)
+            | (IBV_QPS_SQD, IBV_QPS_RTS)
+            | (IBV_QPS_SQD, IBV_QPS_SQD)
+            | (IBV_QPS_SQE, IBV_QPS_RTS)
+    )
+}
+
+pub(crate) unsafe extern "C" fn modify_qp(
+    qp: *mut ibv_qp,
+    attr: *mut ibv_qp_attr,
+    mask: c_int,
+) -> c_int {
+    guard("modify_qp", libc::EIO, || {
+        // SAFETY: libibverbs passes a qp of this context.
+        let Some(sh) = (unsafe { shared(qp) }) else {
+            return libc::EINVAL;
+        };
+        if attr.is_null() {
+            return libc::EINVAL;
+        }
+        // SAFETY: the caller's attr.
+        let a = unsafe { &*attr };
+        let mask = mask as u32;
+        if mask & IBV_QP_ACCESS_FLAGS != 0 {
+            sh.access.store(a.qp_access_flags, Ordering::Relaxed);
+        }
+        if mask & IBV_QP_STATE != 0 {
+            let from = if mask & IBV_QP_CUR_STATE != 0 {
+                a.cur_qp_state
+            } else {
+                sh.state()
+            };
+            let to = a.qp_state;
+            if !transition_ok(from, to) {
+                return libc::EINVAL;
+            }
+            if to == IBV_QPS_ERR
+                || (to == IBV_QPS_RESET && from != IBV_QPS_RESET && from != IBV_QPS_INIT)
+            {
+                sh.prov.set_error();
+            }
+            sh.set_state(to);
+        }
+        0
+    })
+}
+
+pub(crate) unsafe extern "C" fn query_qp(
+    qp: *mut ibv_qp,
+    attr: *mut ibv_qp_attr,
+    _mask: c_int,
+    init: *mut ibv_qp_init_attr,
+) -> c_int {
+    guard("query_qp", libc::EIO, || {
+        // SAFETY: libibverbs passes a qp of this context.
+        let Some(sh) = (unsafe { shared(qp) }) else {
+            return libc::EINVAL;
+        };
+        if attr.is_null() || init.is_null() {
+            return libc::EINVAL;
+        }
+        let cap = ibv_qp_cap {
+            max_send_wr: sh.caps.max_send_wr,
+            max_recv_wr: sh.caps.max_recv_wr,
+            max_send_sge: sh.caps.max_send_sge,
+            max_recv_sge: sh.caps.max_recv_sge,
+            max_inline_data: sh.max_inline,
+        };
+        let (ird, ord) = sh
+            .prov
+            .negotiated()
+            .map(|n| (n.ird, n.ord))
+            .unwrap_or((limits::MAX_RD_ATOM as u16, limits::MAX_RD_ATOM as u16));
+        let state = sh.state();
+        // SAFETY: the caller's structs; qp is live.
+        unsafe {
+            ptr::write(
+                attr,
+                ibv_qp_attr {
+                    qp_state: state,
+                    cur_qp_state: state,
+                    path_mtu: IBV_MTU_4096,
+                    qp_access_flags: sh.access.load(Ordering::Relaxed),
+                    cap,
+                    max_rd_atomic: ord.min(255) as u8,
+                    max_dest_rd_atomic: ird.min(255) as u8,
+                    port_num: 1,
+                    ..Default::default()
+                },
+            );
+            ptr::write(
+                init,
+                ibv_qp_init_attr {
+                    qp_context: (*qp).qp_context,
+                    send_cq: (*qp).send_cq,
+                    recv_cq: (*qp).recv_cq,
+                    srq: (*qp).srq,
+                    cap,
+                    qp_type: IBV_QPT_RC,
+                    sq_sig_all: sh.sq_sig_all as c_int,
+                },
+            );
+        }
+        0
+    })
+}
+
+/// Copy inline data into the next bounce slot and return the one SGE that
+/// names it. `None` when the QP has no inline room or the data is longer.
+fn inline_sge(sh: &QpShared, data: &[&[u8]]) -> Result<(Vec<Sge>, usize), c_int> {
+    let total: usize = data.iter().map(|d| d.len()).sum();
+    let Some(ring) = sh.inline.as_ref() else {
+        return Err(libc::EINVAL);
+    };
+    if total > ring.slot {
+        return Err(libc::EINVAL);
+    }
+    let slots = ring.buf.len() / ring.slot;
+    let next = *ring.next.lock().unwrap_or_else(|p| p.into_inner());
+    let start = (next % slots) * ring.slot;
+    let base = ring.buf.as_ptr() as u64 + start as u64;
+    let mut at = base as *mut u8;
+    for d in data {
+        // SAFETY: the slot is inside the ring's buffer (start + total ≤
+        // start + slot ≤ len), and no queued WR uses it (see InlineRing).
+        unsafe {
+            ptr::copy_nonoverlapping(d.as_ptr(), at, d.len());
+            at = at.add(d.len());
+        }
+    }
+    Ok((
+        vec![Sge {
+            addr: base,
+            length: total as u32,
+            lkey: ring.lkey,
+        }],
+        next,
+    ))
+}
+
+/// Take the inline slot `used` (a post that used it succeeded).
+fn inline_advance(sh: &QpShared, used: usize) {
+    if let Some(ring) = sh.inline.as_ref() {
+        let mut next = ring.next.lock().unwrap_or_else(|p| p.into_inner());
+        if *next == used {
+            *next = next.wrapping_add(1);
+        }
+    }
+}
+
+/// Post one request to the RNIC, taking care of inline data.
+fn post_one(sh: &QpShared, p: PendingWr) -> Result<(), c_int> {
+    let signaled = sh.sq_sig_all || p.flags & IBV_SEND_SIGNALED != 0;
+    let fence = p.flags & IBV_SEND_FENCE != 0;
+    let (sg_list, slot) = match (&p.inline, p.flags & IBV_SEND_INLINE != 0) {
+        (Some(data), _) => {
+            let (s, n) = inline_sge(sh, &[data])?;
+            (s, Some(n))
+        }
+        (None, true) if !p.sges.is_empty() && sends_payload(&p.op) => {
+            let bufs: Vec<&[u8]> = p
+                .sges
+                .iter()
+                // SAFETY: for IBV_SEND_INLINE the SGEs are plain pointers
+                // into the caller's memory, valid for the duration of the
+                // post (verbs' contract; the lkey is ignored).
+                .map(|s| unsafe {
+                    std::slice::from_raw_parts(s.addr as *const u8, s.length as usize)
+                })
+                .collect();
+            let (s, n) = inline_sge(sh, &bufs)?;
+            (s, Some(n))
+        }
+        _ => (p.sges, None),
+    };
+    let wr = SendWr {
+        wr_id: p.wr_id,
+        op: p.op,
+        sg_list,
+        signaled,
+        fence,
+    };
+    match sh.prov.post_send(wr) {
+        Ok(()) => {
+            if let Some(n) = slot {
+                inline_advance(sh, n);
+            }
+            Ok(())
+        }
+        Err(e) => {
+            tracing::debug!("stag0: post_send refused: {e}");
+            Err(errno::of_device(&e))
+        }
+    }
+}
+
+fn sends_payload(op: &SendOp) -> bool {
+    matches!(
+        op,
+        SendOp::Send { .. } | SendOp::Write { .. } | SendOp::WriteImm { .. }
+    )
+}
+
+/// Gather a C SGE list.
+///
+/// # Safety
+/// `list` must point to `n` readable `ibv_sge`s when `n > 0`.
+unsafe fn sges(list: *const ibv_sge, n: c_int) -> Result<Vec<Sge>, c_int> {
+    if n < 0 || (n > 0 && list.is_null()) {
+        return Err(libc::EINVAL);
+    }
+    if n > limits::MAX_SGE {
+        return Err(libc::EINVAL);
+    }
+    // SAFETY: forwarded contract.
+    let s = unsafe { std::slice::from_raw_parts(list, n as usize) };
+    Ok(s.iter()
+        .map(|g| Sge {
+            addr: g.addr,
+            length: g.length,
+            lkey: g.lkey,
+        })
+        .collect())
+}
+
+/// Translate one legacy send WR.
+///
+/// # Safety
+/// `wr` must be a valid `ibv_send_wr`.
+unsafe fn translate(wr: &ibv_send_wr) -> Result<PendingWr, c_int> {
+    // SAFETY: forwarded.
+    let sges = unsafe { sges(wr.sg_list, wr.num_sge) }?;
+    let solicited = wr.send_flags & IBV_SEND_SOLICITED != 0;
+    // SAFETY: the unions are plain integers; which one counts depends on
+    // the opcode, as in every provider.
+    let (rdma, atomic, imm, inv) = unsafe {
+        (
+            wr.wr.rdma,
+            wr.wr.atomic,
+            u32::from_be(wr.__bindgen_anon_1.imm_data) as u64,
+            wr.__bindgen_anon_1.invalidate_rkey,
+        )
+    };
+    let op = match wr.opcode {
+        IBV_WR_SEND => SendOp::Send {
+            solicited,
+            invalidate: None,
+        },
+        IBV_WR_SEND_WITH_INV => SendOp::Send {
+            solicited,
+            invalidate: Some(inv),
+        },
+        IBV_WR_SEND_WITH_IMM => {
+            // iWARP's Immediate Data (RFC 7306 §6) is a message of its own
+            // with no payload; a Send with both has no wire form.
+            if sges.iter().any(|s| s.length > 0) {
+                tracing::warn!("stag0: IBV_WR_SEND_WITH_IMM with a payload has no iWARP form (RFC 7306 Immediate Data carries no data); post a Send and a zero-length Send with Immediate");
+                return Err(libc::EINVAL);
+            }
+            return Ok(PendingWr {
+                wr_id: wr.wr_id,
+                flags: wr.send_flags,
+                op: SendOp::Imm { imm, solicited },
+                sges: Vec::new(),
+                inline: None,
+            });
+        }
+        IBV_WR_RDMA_WRITE => SendOp::Write {
+            remote: Remote {
+                addr: rdma.remote_addr,
+                rkey: rdma.rkey,
+            },
+        },
+        IBV_WR_RDMA_WRITE_WITH_IMM => SendOp::WriteImm {
+            remote: Remote {
+                addr: rdma.remote_addr,
+                rkey: rdma.rkey,
+            },
+            imm,
+        },
+        IBV_WR_RDMA_READ => SendOp::Read {
+            remote: Remote {
+                addr: rdma.remote_addr,
+                rkey: rdma.rkey,
+            },
+        },
+        IBV_WR_ATOMIC_CMP_AND_SWP => SendOp::CmpSwap {
+            remote: Remote {
+                addr: atomic.remote_addr,
+                rkey: atomic.rkey,
+            },
+            compare: atomic.compare_add,
+            compare_mask: u64::MAX,
+            swap: atomic.swap,
+            swap_mask: u64::MAX,
+        },
+        IBV_WR_ATOMIC_FETCH_AND_ADD => SendOp::FetchAdd {
+            remote: Remote {
+                addr: atomic.remote_addr,
+                rkey: atomic.rkey,
+            },
+            add: atomic.compare_add,
+            mask: 0,
+        },
+        other => {
+            tracing::warn!("stag0: ibv_post_send opcode {other} is not supported on stag0");
+            return Err(libc::EINVAL);
+        }
+    };
+    Ok(PendingWr {
+        wr_id: wr.wr_id,
+        flags: wr.send_flags,
+        op,
+        sges,
+        inline: None,
+    })
+}
+
+fn posting_allowed(sh: &QpShared) -> Result<(), c_int> {
+    match sh.state() {
+        IBV_QPS_RESET | IBV_QPS_INIT | IBV_QPS_RTR => Err(libc::ENOTCONN),
+        _ => Ok(()),
+    }
+}
+
+pub(crate) unsafe extern "C" fn post_send(
+    qp: *mut ibv_qp,
+    wr: *mut ibv_send_wr,
+    bad: *mut *mut ibv_send_wr,
+) -> c_int {
+    guard("post_send", libc::EIO, || {
+        // SAFETY: libibverbs passes a qp of this context.
+        let Some(sh) = (unsafe { shared(qp) }) else {
+            return libc::EINVAL;
+        };
+        let mut cur = wr;
+        while !cur.is_null() {
+            // SAFETY: the caller's WR chain.
+            let w = unsafe { &*cur };
+            // SAFETY: as above.
+            let r = posting_allowed(sh)
+                .and_then(|()| unsafe { translate(w) })
+                .and_then(|p| post_one(sh, p));
+            if let Err(e) = r {
+                if !bad.is_null() {
+                    // SAFETY: the caller's out pointer.
+                    unsafe { *bad = cur };
+                }
+                return e;
+            }
+            cur = w.next;
+        }
+        0
+    })
+}
+
+pub(crate) unsafe extern "C" fn post_recv(
+    qp: *mut ibv_qp,
+    wr: *mut ibv_recv_wr,
+    bad: *mut *mut ibv_recv_wr,
+) -> c_int {
+    guard("post_recv", libc::EIO, || {
+        // SAFETY: libibverbs passes a qp of this context.
+        let Some(sh) = (unsafe { shared(qp) }) else {
+            return libc::EINVAL;
+        };
+        let mut cur = wr;
+        while !cur.is_null() {
+            // SAFETY: the caller's WR chain.
+            let w = unsafe { &*cur };
+            let r = if sh.has_srq || sh.state() == IBV_QPS_RESET {
+                Err(libc::EINVAL)
+            } else {
+                // SAFETY: the caller's SGE array.
+                unsafe { sges(w.sg_list, w.num_sge) }.and_then(|sg_list| {
+                    sh.prov
+                        .post_recv(RecvWr {
+                            wr_id: w.wr_id,
+                            sg_list,
+                        })
+                        .map_err(|e| errno::of_device(&e))
+                })
+            };
+            if let Err(e) = r {
+                if !bad.is_null() {
+                    // SAFETY: the caller's out pointer.
+                    unsafe { *bad = cur };
+                }
+                return e;
+            }
+            cur = w.next;
+        }
+        0
+    })
+}
+
+/// The shared part of an extended QP, for the `ibv_wr_*` entry points.
+///
+/// # Safety
+/// `qpx` must be one of our live `ibv_qp_ex`s.
+pub(crate) unsafe fn shared_ex<'a>(qpx: *mut ibv_qp_ex) -> Option<&'a Arc<QpShared>> {
+    // SAFETY: ibv_qp_ex starts with its ibv_qp.
+    unsafe { shared(qpx.cast::<ibv_qp>()) }
+}
+
+impl QpShared {
+    /// `wr_start`: a new batch.
+    pub(crate) fn batch_start(&self) {
+        let mut b = self.batch.lock().unwrap_or_else(|p| p.into_inner());
+        b.wrs.clear();
+        b.error = None;
+    }
+
+    /// A `wr_<op>` call: a new request, with the QP's current wr_id/flags.
+    pub(crate) fn batch_push(&self, wr_id: u64, flags: c_uint, op: SendOp, op_flag: u64) {
+        let mut b = self.batch.lock().unwrap_or_else(|p| p.into_inner());
+        if self.send_ops & op_flag == 0 {
+            tracing::warn!("stag0: ibv_wr_* operation not enabled in send_ops_flags");
+            b.error.get_or_insert(libc::EINVAL);
+            return;
+        }
+        b.wrs.push(PendingWr {
+            wr_id,
+            flags,
+            op,
+            sges: Vec::new(),
+            inline: None,
+        });
+    }
+
+    /// `wr_set_sge*` / `wr_set_inline_data*` on the last request.
+    pub(crate) fn batch_set_data(&self, sges: Vec<Sge>, inline: Option<Vec<u8>>) {
+        let mut b = self.batch.lock().unwrap_or_else(|p| p.into_inner());
+        match b.wrs.last_mut() {
+            Some(w) => {
+                w.sges = sges;
+                w.inline = inline;
+            }
+            None => {
+                b.error.get_or_insert(libc::EINVAL);
+            }
+        }
+    }
+
+    /// Record an error for `wr_complete` to return.
+    pub(crate) fn batch_fail(&self, e: c_int) {
+        let mut b = self.batch.lock().unwrap_or_else(|p| p.into_inner());
+        b.error.get_or_insert(e);
+    }
+
+    /// `wr_complete`: post the batch, or nothing if a call failed.
+    pub(crate) fn batch_complete(&self) -> c_int {
+        let (wrs, error) = {
+            let mut b = self.batch.lock().unwrap_or_else(|p| p.into_inner());
+            (std::mem::take(&mut b.wrs), b.error.take())
+        };
+        if let Some(e) = error {
+            return e;
+        }
+        if let Err(e) = posting_allowed(self) {
+            return e;
+        }
+        for w in wrs {
+            if let Err(e) = post_one(self, w) {
+                return e;
+            }
+        }
+        0
+    }
+
+    /// `wr_abort`: drop the batch.
+    pub(crate) fn batch_abort(&self) {
+        let mut b = self.batch.lock().unwrap_or_else(|p| p.into_inner());
+        b.wrs.clear();
+        b.error = None;
+    }
+
+    /// Post a stagdv operation (RFC 7306 / Commit) through the legacy path.
+    pub(crate) fn post_dv(&self, wr_id: u64, flags: c_uint, op: SendOp, sges: Vec<Sge>) -> c_int {
+        if let Err(e) = posting_allowed(self) {
+            return e;
+        }
+        match post_one(
+            self,
+            PendingWr {
+                wr_id,
+                flags,
+                op,
+                sges,
+                inline: None,
+            },
+        ) {
+            Ok(()) => 0,
+            Err(e) => e,
+        }
+    }
+}
+
+/// The shared part of one of our QPs, for stagdv.
+///
+/// # Safety
+/// `qp` must be NULL or a live `ibv_qp`.
+pub(crate) unsafe fn shared_of<'a>(qp: *mut ibv_qp) -> Option<&'a Arc<QpShared>> {
+    // SAFETY: forwarded.
+    unsafe { shared(qp) }
+}

@@ -1,1 +1,188 @@
-//! srq
+//! Shared receive queues.
+
+use std::ffi::c_int;
+use std::ptr;
+use std::sync::Arc;
+
+use provider::srq::Srq;
+use provider::wr::{RecvWr, Sge};
+
+use crate::context::limits;
+use crate::errno::{self, guard};
+use crate::ffi::*;
+
+/// `verbs_srq` first, then the RNIC's queue.
+#[repr(C)]
+struct StagSrq {
+    vsrq: verbs_srq,
+    inner: Arc<Srq>,
+    max_wr: u32,
+    max_sge: u32,
+    limit: u32,
+}
+
+/// The RNIC queue behind one of our `ibv_srq`s.
+///
+/// # Safety
+/// `srq` must be NULL or a live `ibv_srq`.
+pub(crate) unsafe fn srq<'a>(srq: *const ibv_srq) -> Option<&'a Arc<Srq>> {
+    // SAFETY: a live ibv_srq has a live context; ours are StagSrqs.
+    if srq.is_null() || !crate::context::is_stag_context(unsafe { (*srq).context }) {
+        return None;
+    }
+    // SAFETY: ours (checked).
+    Some(unsafe { &(*srq.cast::<StagSrq>()).inner })
+}
+
+pub(crate) unsafe extern "C" fn create_srq(
+    pd: *mut ibv_pd,
+    attr: *mut ibv_srq_init_attr,
+) -> *mut ibv_srq {
+    guard("create_srq", ptr::null_mut(), || {
+        // SAFETY: libibverbs passes a pd of this context.
+        if unsafe { crate::mr::pd(pd) }.is_none() || attr.is_null() {
+            errno::set(libc::EINVAL);
+            return ptr::null_mut();
+        }
+        // SAFETY: the caller's attr.
+        let a = unsafe { &mut *attr };
+        if a.attr.max_wr == 0
+            || a.attr.max_wr > limits::MAX_SRQ_WR as u32
+            || a.attr.max_sge > limits::MAX_SGE as u32
+        {
+            errno::set(libc::EINVAL);
+            return ptr::null_mut();
+        }
+        let max_sge = a.attr.max_sge.max(1);
+        let inner = Arc::new(Srq::new(a.attr.max_wr as usize, max_sge as usize));
+        // SAFETY: all-zero is valid for the C part; pthread objects are
+        // initialised in place below.
+        let mut vsrq: verbs_srq = unsafe { std::mem::zeroed() };
+        // SAFETY: pd is live.
+        vsrq.srq.context = unsafe { (*pd).context };
+        vsrq.srq.srq_context = a.srq_context;
+        vsrq.srq.pd = pd;
+        vsrq.srq_type = IBV_SRQT_BASIC;
+        let raw = Box::into_raw(Box::new(StagSrq {
+            vsrq,
+            inner,
+            max_wr: a.attr.max_wr,
+            max_sge,
+            limit: a.attr.srq_limit,
+        }));
+        // SAFETY: fresh allocation; initialised where they stay.
+        unsafe {
+            libc::pthread_mutex_init(ptr::addr_of_mut!((*raw).vsrq.srq.mutex).cast(), ptr::null());
+            libc::pthread_cond_init(ptr::addr_of_mut!((*raw).vsrq.srq.cond).cast(), ptr::null());
+        }
+        a.attr.max_sge = max_sge;
+        raw.cast()
+    })
+}
+
+pub(crate) unsafe extern "C" fn modify_srq(
+    srq: *mut ibv_srq,
+    attr: *mut ibv_srq_attr,
+    mask: c_int,
+) -> c_int {
+    guard("modify_srq", libc::EIO, || {
+        // SAFETY: libibverbs passes an srq of this context.
+        if unsafe { self::srq(srq) }.is_none() || attr.is_null() {
+            return libc::EINVAL;
+        }
+        if mask as u32 & IBV_SRQ_MAX_WR != 0 {
+            tracing::warn!("stag0: resizing an SRQ is not supported");
+            return libc::EOPNOTSUPP;
+        }
+        if mask as u32 & IBV_SRQ_LIMIT != 0 {
+            // SAFETY: ours (checked); the caller's attr.
+            unsafe { (*srq.cast::<StagSrq>()).limit = (*attr).srq_limit };
+        }
+        0
+    })
+}
+
+pub(crate) unsafe extern "C" fn query_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_attr) -> c_int {
+    guard("query_srq", libc::EIO, || {
+        // SAFETY: libibverbs passes an srq of this context.
+        if unsafe { self::srq(srq) }.is_none() || attr.is_null() {
+            return libc::EINVAL;
+        }
+        // SAFETY: ours (checked); the caller's attr.
+        unsafe {
+            let s = &*srq.cast::<StagSrq>();
+            *attr = ibv_srq_attr {
+                max_wr: s.max_wr,
+                max_sge: s.max_sge,
+                srq_limit: s.limit,
+            };
+        }
+        0
+    })
+}
+
+pub(crate) unsafe extern "C" fn destroy_srq(srq: *mut ibv_srq) -> c_int {
+    guard("destroy_srq", libc::EIO, || {
+        // SAFETY: libibverbs passes an srq of this context.
+        if unsafe { self::srq(srq) }.is_none() {
+            return libc::EINVAL;
+        }
+        // SAFETY: ours, freed once.
+        unsafe {
+            libc::pthread_mutex_destroy(ptr::addr_of_mut!((*srq).mutex).cast());
+            libc::pthread_cond_destroy(ptr::addr_of_mut!((*srq).cond).cast());
+            drop(Box::from_raw(srq.cast::<StagSrq>()));
+        }
+        0
+    })
+}
+
+pub(crate) unsafe extern "C" fn post_srq_recv(
+    srq: *mut ibv_srq,
+    wr: *mut ibv_recv_wr,
+    bad: *mut *mut ibv_recv_wr,
+) -> c_int {
+    guard("post_srq_recv", libc::EIO, || {
+        // SAFETY: libibverbs passes an srq of this context.
+        let Some(inner) = (unsafe { self::srq(srq) }) else {
+            return libc::EINVAL;
+        };
+        let mut cur = wr;
+        while !cur.is_null() {
+            // SAFETY: the caller's WR chain.
+            let w = unsafe { &*cur };
+            let r = if w.num_sge < 0 || (w.num_sge > 0 && w.sg_list.is_null()) {
+                Err(libc::EINVAL)
+            } else {
+                // SAFETY: the caller's SGE array.
+                let s = unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) };
+                let sg_list = s
+                    .iter()
+                    .map(|g| Sge {
+                        addr: g.addr,
+                        length: g.length,
+                        lkey: g.lkey,
+                    })
+                    .collect();
+                inner
+                    .post_recv(RecvWr {
+                        wr_id: w.wr_id,
+                        sg_list,
+                    })
+                    .map_err(|e| match e {
+                        provider::srq::PostRecvError::Full(_) => libc::ENOMEM,
+                        _ => libc::EINVAL,
+                    })
+            };
+            if let Err(e) = r {
+                if !bad.is_null() {
+                    // SAFETY: the caller's out pointer.
+                    unsafe { *bad = cur };
+                }
+                return e;
+            }
+            cur = w.next;
+        }
+        0
+    })
+}

@@ -1,1 +1,279 @@
-//! wr
+//! The extended post API (`ibv_qp_ex`'s `ibv_wr_*` function pointers).
+//!
+//! `ibv_wr_start` opens a batch, each `ibv_wr_<op>` adds a request with the
+//! QP's current `wr_id`/`wr_flags`, `ibv_wr_set_sge*`/`set_inline_data*`
+//! give it its data, and `ibv_wr_complete` posts the batch (or returns the
+//! first error any call met, posting nothing).
+
+use std::ffi::{c_int, c_void};
+
+use provider::wr::{Remote, SendOp, Sge};
+
+use crate::ffi::*;
+use crate::qp::shared_ex;
+
+/// Send operations beyond the basic set that this build can offer.
+#[cfg(has_wr_flush)]
+pub(crate) const EXTRA_SEND_OPS: u64 = (IBV_QP_EX_WITH_ATOMIC_WRITE | IBV_QP_EX_WITH_FLUSH) as u64;
+/// Send operations beyond the basic set that this build can offer.
+#[cfg(not(has_wr_flush))]
+pub(crate) const EXTRA_SEND_OPS: u64 = IBV_QP_EX_WITH_ATOMIC_WRITE as u64;
+
+/// Fill in the function pointers of a new extended QP.
+pub(crate) fn install(q: &mut ibv_qp_ex) {
+    q.wr_start = Some(wr_start);
+    q.wr_complete = Some(wr_complete);
+    q.wr_abort = Some(wr_abort);
+    q.wr_send = Some(wr_send);
+    q.wr_send_imm = Some(wr_send_imm);
+    q.wr_send_inv = Some(wr_send_inv);
+    q.wr_rdma_write = Some(wr_rdma_write);
+    q.wr_rdma_write_imm = Some(wr_rdma_write_imm);
+    q.wr_rdma_read = Some(wr_rdma_read);
+    q.wr_atomic_cmp_swp = Some(wr_atomic_cmp_swp);
+    q.wr_atomic_fetch_add = Some(wr_atomic_fetch_add);
+    q.wr_atomic_write = Some(wr_atomic_write);
+    q.wr_set_sge = Some(wr_set_sge);
+    q.wr_set_sge_list = Some(wr_set_sge_list);
+    q.wr_set_inline_data = Some(wr_set_inline_data);
+    q.wr_set_inline_data_list = Some(wr_set_inline_data_list);
+    #[cfg(has_wr_flush)]
+    {
+        q.wr_flush = Some(wr_flush);
+    }
+}
+
+/// Run a `wr_*` body on one of our QPs (others are ignored: libibverbs
+/// only calls these through pointers we installed).
+fn with(qp: *mut ibv_qp_ex, what: &'static str, f: impl FnOnce(&crate::qp::QpShared, u64, u32)) {
+    crate::errno::guard(what, (), || {
+        if qp.is_null() {
+            return;
+        }
+        // SAFETY: libibverbs' inline wrappers pass the QP they were called on.
+        let Some(sh) = (unsafe { shared_ex(qp) }) else {
+            return;
+        };
+        // SAFETY: a live ibv_qp_ex; wr_id and wr_flags are set by the caller.
+        let (id, flags) = unsafe { ((*qp).wr_id, (*qp).wr_flags) };
+        f(sh, id, flags)
+    })
+}
+
+fn remote(rkey: u32, addr: u64) -> Remote {
+    Remote { addr, rkey }
+}
+
+unsafe extern "C" fn wr_start(qp: *mut ibv_qp_ex) {
+    with(qp, "wr_start", |sh, _, _| sh.batch_start());
+}
+
+unsafe extern "C" fn wr_complete(qp: *mut ibv_qp_ex) -> c_int {
+    let mut rc = libc::EINVAL;
+    with(qp, "wr_complete", |sh, _, _| rc = sh.batch_complete());
+    rc
+}
+
+unsafe extern "C" fn wr_abort(qp: *mut ibv_qp_ex) {
+    with(qp, "wr_abort", |sh, _, _| sh.batch_abort());
+}
+
+unsafe extern "C" fn wr_send(qp: *mut ibv_qp_ex) {
+    with(qp, "wr_send", |sh, id, fl| {
+        let op = SendOp::Send {
+            solicited: fl & IBV_SEND_SOLICITED != 0,
+            invalidate: None,
+        };
+        sh.batch_push(id, fl, op, IBV_QP_EX_WITH_SEND as u64)
+    });
+}
+
+unsafe extern "C" fn wr_send_imm(qp: *mut ibv_qp_ex, imm: __be32) {
+    with(qp, "wr_send_imm", |sh, id, fl| {
+        let op = SendOp::Imm {
+            imm: u32::from_be(imm) as u64,
+            solicited: fl & IBV_SEND_SOLICITED != 0,
+        };
+        sh.batch_push(id, fl, op, IBV_QP_EX_WITH_SEND_WITH_IMM as u64)
+    });
+}
+
+unsafe extern "C" fn wr_send_inv(qp: *mut ibv_qp_ex, rkey: u32) {
+    with(qp, "wr_send_inv", |sh, id, fl| {
+        let op = SendOp::Send {
+            solicited: fl & IBV_SEND_SOLICITED != 0,
+            invalidate: Some(rkey),
+        };
+        sh.batch_push(id, fl, op, IBV_QP_EX_WITH_SEND_WITH_INV as u64)
+    });
+}
+
+unsafe extern "C" fn wr_rdma_write(qp: *mut ibv_qp_ex, rkey: u32, addr: u64) {
+    with(qp, "wr_rdma_write", |sh, id, fl| {
+        let op = SendOp::Write {
+            remote: remote(rkey, addr),
+        };
+        sh.batch_push(id, fl, op, IBV_QP_EX_WITH_RDMA_WRITE as u64)
+    });
+}
+
+unsafe extern "C" fn wr_rdma_write_imm(qp: *mut ibv_qp_ex, rkey: u32, addr: u64, imm: __be32) {
+    with(qp, "wr_rdma_write_imm", |sh, id, fl| {
+        let op = SendOp::WriteImm {
+            remote: remote(rkey, addr),
+            imm: u32::from_be(imm) as u64,
+        };
+        sh.batch_push(id, fl, op, IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM as u64)
+    });
+}
+
+unsafe extern "C" fn wr_rdma_read(qp: *mut ibv_qp_ex, rkey: u32, addr: u64) {
+    with(qp, "wr_rdma_read", |sh, id, fl| {
+        let op = SendOp::Read {
+            remote: remote(rkey, addr),
+        };
+        sh.batch_push(id, fl, op, IBV_QP_EX_WITH_RDMA_READ as u64)
+    });
+}
+
+unsafe extern "C" fn wr_atomic_cmp_swp(
+    qp: *mut ibv_qp_ex,
+    rkey: u32,
+    addr: u64,
+    compare: u64,
+    swap: u64,
+) {
+    with(qp, "wr_atomic_cmp_swp", |sh, id, fl| {
+        let op = SendOp::CmpSwap {
+            remote: remote(rkey, addr),
+            compare,
+            compare_mask: u64::MAX,
+            swap,
+            swap_mask: u64::MAX,
+        };
+        sh.batch_push(id, fl, op, IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP as u64)
+    });
+}
+
+unsafe extern "C" fn wr_atomic_fetch_add(qp: *mut ibv_qp_ex, rkey: u32, addr: u64, add: u64) {
+    with(qp, "wr_atomic_fetch_add", |sh, id, fl| {
+        let op = SendOp::FetchAdd {
+            remote: remote(rkey, addr),
+            add,
+            mask: 0,
+        };
+        sh.batch_push(id, fl, op, IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD as u64)
+    });
+}
+
+unsafe extern "C" fn wr_atomic_write(
+    qp: *mut ibv_qp_ex,
+    rkey: u32,
+    addr: u64,
+    value: *const c_void,
+) {
+    with(qp, "wr_atomic_write", |sh, id, fl| {
+        if value.is_null() {
+            sh.batch_fail(libc::EINVAL);
+            return;
+        }
+        // SAFETY: verbs passes 8 bytes (the value to store, in the
+        // responder's byte order: the bytes go as they are).
+        let v = unsafe { std::ptr::read_unaligned(value.cast::<u64>()) };
+        let op = SendOp::AtomicWrite {
+            remote: remote(rkey, addr),
+            value: v,
+        };
+        sh.batch_push(id, fl, op, IBV_QP_EX_WITH_ATOMIC_WRITE as u64)
+    });
+}
+
+#[cfg(has_wr_flush)]
+unsafe extern "C" fn wr_flush(
+    qp: *mut ibv_qp_ex,
+    rkey: u32,
+    addr: u64,
+    len: usize,
+    _ptype: u8,
+    _level: u8,
+) {
+    with(qp, "wr_flush", |sh, id, fl| {
+        let op = SendOp::Commit {
+            remote: remote(rkey, addr),
+            len: len.min(u32::MAX as usize) as u32,
+        };
+        sh.batch_push(id, fl, op, IBV_QP_EX_WITH_FLUSH as u64)
+    });
+}
+
+unsafe extern "C" fn wr_set_sge(qp: *mut ibv_qp_ex, lkey: u32, addr: u64, length: u32) {
+    with(qp, "wr_set_sge", |sh, _, _| {
+        sh.batch_set_data(vec![Sge { addr, length, lkey }], None)
+    });
+}
+
+unsafe extern "C" fn wr_set_sge_list(qp: *mut ibv_qp_ex, n: usize, list: *const ibv_sge) {
+    with(qp, "wr_set_sge_list", |sh, _, _| {
+        if n > crate::context::limits::MAX_SGE as usize || (n > 0 && list.is_null()) {
+            sh.batch_fail(libc::EINVAL);
+            return;
+        }
+        // SAFETY: the caller's array of n SGEs.
+        let s = unsafe { std::slice::from_raw_parts(list, n) };
+        let sges = s
+            .iter()
+            .map(|g| Sge {
+                addr: g.addr,
+                length: g.length,
+                lkey: g.lkey,
+            })
+            .collect();
+        sh.batch_set_data(sges, None)
+    });
+}
+
+unsafe extern "C" fn wr_set_inline_data(qp: *mut ibv_qp_ex, addr: *mut c_void, length: usize) {
+    with(qp, "wr_set_inline_data", |sh, _, _| {
+        if length > 0 && addr.is_null() {
+            sh.batch_fail(libc::EINVAL);
+            return;
+        }
+        let data = if length == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: the caller's buffer, valid during the call; copied now.
+            unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), length) }.to_vec()
+        };
+        sh.batch_set_data(Vec::new(), Some(data))
+    });
+}
+
+unsafe extern "C" fn wr_set_inline_data_list(
+    qp: *mut ibv_qp_ex,
+    n: usize,
+    list: *const ibv_data_buf,
+) {
+    with(qp, "wr_set_inline_data_list", |sh, _, _| {
+        if n > 0 && list.is_null() {
+            sh.batch_fail(libc::EINVAL);
+            return;
+        }
+        let mut data = Vec::new();
+        if n > 0 {
+            // SAFETY: the caller's array of n buffers.
+            for b in unsafe { std::slice::from_raw_parts(list, n) } {
+                if b.length > 0 {
+                    if b.addr.is_null() {
+                        sh.batch_fail(libc::EINVAL);
+                        return;
+                    }
+                    // SAFETY: the caller's buffer, valid during the call.
+                    data.extend_from_slice(unsafe {
+                        std::slice::from_raw_parts(b.addr.cast::<u8>(), b.length)
+                    });
+                }
+            }
+        }
+        sh.batch_set_data(Vec::new(), Some(data))
+    });
+}

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# Unmodified rdma-core programs on stag0, the userspace iWARP device, with
+# no kernel RDMA: Debian's own ibverbs-utils, rdmacm-utils, perftest and
+# libfabric binaries, each run as a server and a client process over
+# 127.0.0.1 through `stag run` (which preloads stag's libibverbs plugin and
+# rdma_cm), as root and as an ordinary user; the stagdv.h C example; and
+# `stag install`, after which a plain login shell's ibv_devices lists
+# stag0. Prints "rdma-core-apps: N passed, M failed" and exits non-zero on any
+# failure.
+#
+#   scripts/rdma-core-apps.sh [--quick]     (--quick: root only, no install check)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+QUICK=0
+[[ ${1:-} == --quick ]] && QUICK=1
+
+cargo build --quiet -p stag -p stag-rdma || exit 1
+STAG=$PWD/target/debug/stag
+out=$PWD/target/rdma-core
+rm -rf "$out" && mkdir -p "$out"
+chmod 755 "$out"
+cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/include -o "$out/stagdv_demo" \
+    examples/c/stagdv_demo.c -L target/debug -Wl,-rpath,"$PWD/target/debug" \
+    -lstag_rdmav34 -lrdmacm -libverbs -lpthread || exit 1
+cc -Wall -Wextra -Werror -O1 -o "$out/verbs_errors" provider/plugin/tests/c/verbs_errors.c -libverbs || exit 1
+
+passed=0 failed=0
+pass() { passed=$((passed + 1)); echo "ok    $1"; }
+fail() {
+    failed=$((failed + 1))
+    echo "FAIL  $1"
+    for f in "$out/$2".*.log; do
+        [[ -f $f ]] || continue
+        echo "---- $f (last 15 lines)"
+        tail -n 15 "$f"
+    done
+}
+
+# as USER CMD...: run CMD as USER (root: directly).
+as() {
+    local user=$1
+    shift
+    if [[ $user == root ]]; then
+        "$@"
+    else
+        runuser -u "$user" -- "$@"
+    fi
+}
+
+# single NAME USER PATTERN CMD...: CMD under stag run succeeds and prints PATTERN.
+single() {
+    local name=$1 user=$2 pattern=$3
+    shift 3
+    if as "$user" timeout 60 "$STAG" run -- "$@" >"$out/$name.run.log" 2>&1 &&
+        grep -Eq "$pattern" "$out/$name.run.log"; then
+        pass "$name"
+    else
+        fail "$name" "$name"
+    fi
+}
+
+# wait_port PORT: until something listens on 127.0.0.1:PORT (10 s).
+wait_port() {
+    for _ in $(seq 100); do
+        ss -Hltn "sport = :$1" | grep -q . && return 0
+        sleep 0.1
+    done
+    return 1
+}
+
+# pair NAME USER PORT 'SERVER ARGS' 'CLIENT ARGS' [PATTERN]: server then
+# client, both under stag run; both must exit 0 (and the client's output
+# match PATTERN).
+port=21000
+pair() {
+    local name=$1 user=$2 p=$3 server=$4 client=$5 pattern=${6:-.}
+    as "$user" timeout 120 "$STAG" run -- $server >"$out/$name.server.log" 2>&1 &
+    local spid=$!
+    local ok=1
+    wait_port "$p" || ok=0
+    if ((ok)); then
+        as "$user" timeout 120 "$STAG" run -- $client >"$out/$name.client.log" 2>&1 || ok=0
+    fi
+    wait "$spid" || ok=0
+    if ((ok)) && grep -Eq "$pattern" "$out/$name.client.log"; then
+        pass "$name"
+    else
+        kill "$spid" 2>/dev/null
+        fail "$name" "$name"
+    fi
+}
+
+suite() {
+    local user=$1 tag=$2
+    single "$tag-ibv_devices" "$user" 'stag0 +0273746167000001' ibv_devices
+    single "$tag-ibv_devinfo" "$user" 'PORT_ACTIVE' ibv_devinfo -v -d stag0
+    for t in write_lat read_lat send_lat atomic_lat write_bw read_bw send_bw; do
+        port=$((port + 1))
+        local n=1000
+        [[ $t == *_bw ]] && n=200
+        pair "$tag-ib_$t" "$user" "$port" "ib_$t -R -d stag0 -p $port -n $n" \
+            "ib_$t -R -d stag0 -p $port -n $n 127.0.0.1" '^ *[0-9]'
+    done
+    port=$((port + 1))
+    pair "$tag-rping" "$user" "$port" "rping -s -a 127.0.0.1 -p $port -C 1000 -V" \
+        "rping -c -a 127.0.0.1 -p $port -C 1000 -V"
+    port=$((port + 1))
+    pair "$tag-rdma_server" "$user" "$port" "rdma_server -p $port" \
+        "rdma_client -s 127.0.0.1 -p $port" 'rdma_client: end 0'
+    port=$((port + 1))
+    pair "$tag-fi_pingpong" "$user" "$port" "fi_pingpong -p verbs -e msg -B $port -I 100" \
+        "fi_pingpong -p verbs -e msg -P $port -I 100 127.0.0.1" 'bytes'
+    single "$tag-verbs_errors" "$user" 'verbs_errors: [1-9][0-9]* passed, 0 failed' "$out/verbs_errors"
+    single "$tag-stagdv_demo" "$user" 'stagdv_demo: [1-9][0-9]* passed, 0 failed' "$out/stagdv_demo"
+}
+
+suite root root
+if ((!QUICK)); then
+    id stagtest >/dev/null 2>&1 || useradd --system --no-create-home stagtest
+    suite stagtest user
+
+    # stag install: a plain login shell lists stag0 with no wrapper.
+    trap '"$STAG" install --uninstall >/dev/null 2>&1' EXIT
+    if "$STAG" install >"$out/install.run.log" 2>&1 &&
+        env -i HOME=/root PATH=/usr/bin:/bin bash -l -c 'ibv_devices; ibv_devinfo -d stag0' \
+            >>"$out/install.run.log" 2>&1 &&
+        grep -q 'stag0 *0273746167000001' "$out/install.run.log" &&
+        grep -q 'PORT_ACTIVE' "$out/install.run.log"; then
+        pass install
+    else
+        fail install install
+    fi
+    "$STAG" install --uninstall >"$out/uninstall.run.log" 2>&1
+    if ! env -i HOME=/root PATH=/usr/bin:/bin bash -l -c 'ibv_devices' 2>&1 | grep -q stag0; then
+        pass uninstall
+    else
+        fail uninstall uninstall
+    fi
+fi
+echo "rdma-core-apps: $passed passed, $failed failed"
+((failed == 0))

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Unmodified rdma-core programs on stag0 against the same programs on
+# kernel siw0, in both directions: the interop check with a peer nobody
+# here wrote. stag0's side runs under `stag run` (stag's plugin and rdma_cm,
+# over the guest's TCP), siw0's side is plain Debian (kernel rdma_cm and
+# siw). Prints `rdma-core-siw: N passed, M failed`.
+#
+#   scripts/vm.sh -- scripts/vm/rdma-core-siw.sh      (build first: cargo build -p stag -p stag-rdma)
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 2
+[[ ${STAG_IN_VM:-0} == 1 ]] || { echo "rdma-core-siw.sh: run me inside scripts/vm.sh" >&2; exit 2; }
+STAG=${CARGO_TARGET_DIR:-$PWD/target}/debug/stag
+[[ -x $STAG ]] || { echo "rdma-core-siw.sh: $STAG not built" >&2; exit 2; }
+addr=${STAG_SIW_ADDR:?}
+out=$(mktemp -d)
+passed=0 failed=0
+
+wait_port() {
+    for _ in $(seq 100); do
+        ss -Hltn "sport = :$1" | grep -q . && return 0
+        sleep 0.1
+    done
+    return 1
+}
+
+# case NAME PORT SERVER_SIDE(stag|siw) 'SERVER ARGS' 'CLIENT ARGS' PATTERN
+case_() {
+    local name=$1 port=$2 side=$3 server=$4 client=$5 pattern=$6
+    local srun=() crun=()
+    if [[ $side == stag ]]; then srun=("$STAG" run --); else crun=("$STAG" run --); fi
+    timeout 120 "${srun[@]}" $server >"$out/$name.server" 2>&1 &
+    local spid=$! ok=1
+    wait_port "$port" || ok=0
+    ((ok)) && { timeout 120 "${crun[@]}" $client >"$out/$name.client" 2>&1 || ok=0; }
+    wait "$spid" || ok=0
+    if ((ok)) && grep -Eq "$pattern" "$out/$name.client"; then
+        passed=$((passed + 1))
+        echo "ok    $name"
+    else
+        failed=$((failed + 1))
+        kill "$spid" 2>/dev/null
+        echo "FAIL  $name"
+        tail -n 8 "$out/$name.server" "$out/$name.client" | sed 's/^/  /'
+        dmesg 2>/dev/null | grep -i siw | tail -n 5 | sed 's/^/  dmesg: /'
+    fi
+}
+
+# The kernel's side names siw0 explicitly; stag0's side names stag0.
+case_ rping-stag-server 22001 stag "rping -s -a $addr -p 22001 -C 200 -V" \
+    "rping -c -a $addr -p 22001 -C 200 -V" .
+case_ rping-siw-server 22002 siw "rping -s -a $addr -p 22002 -C 200 -V" \
+    "rping -c -a $addr -p 22002 -C 200 -V" .
+case_ ib_write_lat-stag-server 22003 stag "ib_write_lat -R -d stag0 -p 22003 -n 200 -s 64" \
+    "ib_write_lat -R -d siw0 -p 22003 -n 200 -s 64 $addr" '^ *64 '
+case_ ib_write_lat-siw-server 22004 siw "ib_write_lat -R -d siw0 -p 22004 -n 200 -s 64" \
+    "ib_write_lat -R -d stag0 -p 22004 -n 200 -s 64 $addr" '^ *64 '
+rm -rf "$out"
+echo "rdma-core-siw: $passed passed, $failed failed"
+((failed == 0 && passed > 0))
