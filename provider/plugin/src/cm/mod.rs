@@ -44,16 +44,15 @@ mod listen;
 mod ops;
 mod qp;
 mod verbs;
-mod verbs_shim;
 
 use std::os::raw::c_int;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use tracing::error;
 
-// The verbs half's interface (swapped for `crate::context`/`crate::qp`
-// once merged).
-pub(crate) use verbs_shim::{is_stag_context, qp_handle, QpHandle};
+// The verbs half's interface.
+pub(crate) use crate::context::is_stag_context;
+pub(crate) use crate::qp::{qp_handle, QpHandle};
 
 /// An errno value: what a failed call leaves in `errno`.
 pub(crate) type Errno = c_int;
@@ -71,6 +70,7 @@ pub(crate) fn set_errno(e: Errno) {
 /// Run an entry point that returns `int`: 0 on success, -1 and `errno`
 /// otherwise (librdmacm's convention). No panic leaves.
 pub(crate) fn entry_int(name: &'static str, f: impl FnOnce() -> CmResult<()>) -> c_int {
+    crate::log::init();
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => 0,
         Ok(Err(e)) => {
@@ -87,6 +87,7 @@ pub(crate) fn entry_int(name: &'static str, f: impl FnOnce() -> CmResult<()>) ->
 
 /// Run an entry point that returns a pointer: NULL and `errno` on failure.
 pub(crate) fn entry_ptr<T>(name: &'static str, f: impl FnOnce() -> CmResult<*mut T>) -> *mut T {
+    crate::log::init();
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(p)) => p,
         Ok(Err(e)) => {
@@ -103,6 +104,7 @@ pub(crate) fn entry_ptr<T>(name: &'static str, f: impl FnOnce() -> CmResult<*mut
 
 /// Run an entry point with a plain value result (`fallback` on panic).
 pub(crate) fn entry_val<T>(name: &'static str, fallback: T, f: impl FnOnce() -> T) -> T {
+    crate::log::init();
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(v) => v,
         Err(_) => {
