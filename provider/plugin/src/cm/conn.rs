@@ -170,7 +170,10 @@ pub(crate) fn make_child(
     let channel = if sync {
         // A synchronous listener's children are synchronous too.
         match Channel::new() {
-            Ok(c) => c,
+            Ok(c) => {
+                c.register();
+                c
+            }
             Err(_) => return None,
         }
     } else {
@@ -352,10 +355,11 @@ pub(crate) fn disconnect(id: &Arc<Id>) -> CmResult<()> {
     }
     match st.phase {
         Phase::Connected => {
-            st.phase = Phase::Disconnected;
+            // The watcher reports DISCONNECTED once the stream is down
+            // (within a period): an application's cm thread meets it
+            // after the call returns, as with the kernel.
+            st.phase = Phase::Disconnecting;
             mirror_state(id, &st, ffi::IBV_QPS_ERR, true);
-            st.channel
-                .push(Pending::new(id.clone(), ffi::RDMA_CM_EVENT_DISCONNECTED, 0));
             drop(st);
             complete(id)
         }
@@ -387,7 +391,10 @@ pub(crate) fn disconnect(id: &Arc<Id>) -> CmResult<()> {
 pub(crate) fn teardown(id: &Arc<Id>) {
     let mut st = id.state();
     st.destroyed = true;
-    if matches!(st.phase, Phase::Connected | Phase::Connecting) {
+    if matches!(
+        st.phase,
+        Phase::Connected | Phase::Connecting | Phase::Disconnecting
+    ) {
         mirror_state(id, &st, ffi::IBV_QPS_ERR, true);
     }
     let listener = st.listener.take();
@@ -445,14 +452,14 @@ fn watcher() {
                 continue;
             };
             let mut st = id.state();
-            if st.destroyed || st.phase != Phase::Connected {
+            if st.destroyed || !matches!(st.phase, Phase::Connected | Phase::Disconnecting) {
                 done.push(w.as_ptr());
                 continue;
             }
             let closed = match live_qp(&st) {
                 None => true,
                 Some(qp) => qp.state() == QpState::Error,
-            };
+            } || st.phase == Phase::Disconnecting;
             if closed {
                 debug!("rdma_cm: stream closed; DISCONNECTED");
                 st.phase = Phase::Disconnected;

@@ -35,6 +35,9 @@ pub(crate) enum Phase {
     Connecting,
     /// The stream is up.
     Connected,
+    /// `rdma_disconnect` closed the stream; DISCONNECTED comes once it is
+    /// down (as the kernel reports it when the TCP close completes).
+    Disconnecting,
     /// Disconnected (either side); DISCONNECTED queued.
     Disconnected,
     /// Rejected, unreachable, or setup failed.
@@ -66,7 +69,7 @@ impl Phase {
             Op::Listen => matches!(self, Idle | Bound | Listening),
             Op::Connect => self == RouteResolved,
             Op::Accept | Op::Reject => self == Requested,
-            Op::Disconnect => matches!(self, Connecting | Connected | Disconnected),
+            Op::Disconnect => matches!(self, Connecting | Connected | Disconnecting | Disconnected),
         }
     }
 }

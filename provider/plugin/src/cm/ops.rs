@@ -33,7 +33,11 @@ pub(crate) fn create_id(
         _ => return Err(libc::EINVAL),
     };
     let (channel, sync) = if channel.is_null() {
-        (Channel::new()?, true)
+        // Registered like any channel: the application may poll
+        // id->channel->fd or call rdma_get_cm_event on it.
+        let ch = Channel::new()?;
+        ch.register();
+        (ch, true)
     } else {
         (Channel::lookup(channel)?, false)
     };
@@ -45,6 +49,10 @@ pub(crate) fn destroy_id(ptr: *mut ffi::rdma_cm_id) -> CmResult<()> {
     let id = Id::unregister(ptr).ok_or(libc::EINVAL)?;
     conn::teardown(&id);
     ack_held(&id);
+    let st = id.state();
+    if st.sync {
+        Channel::unregister(st.channel.raw());
+    }
     Ok(())
 }
 
@@ -174,7 +182,9 @@ pub(crate) fn migrate(id: &Arc<Id>, channel: *mut ffi::rdma_event_channel) -> Cm
         if id.state().sync {
             return Err(libc::EINVAL);
         }
-        (Channel::new()?, true)
+        let ch = Channel::new()?;
+        ch.register();
+        (ch, true)
     } else {
         (Channel::lookup(channel)?, false)
     };
@@ -183,6 +193,10 @@ pub(crate) fn migrate(id: &Arc<Id>, channel: *mut ffi::rdma_event_channel) -> Cm
     }
     let mut st = id.state();
     let old = std::mem::replace(&mut st.channel, new.clone());
+    if st.sync {
+        // The private channel goes with the id's synchronous mode.
+        Channel::unregister(old.raw());
+    }
     st.sync = sync;
     for p in old.withdraw(|p| Arc::ptr_eq(&p.id, id)) {
         new.push(p);
