@@ -132,18 +132,20 @@ pub(crate) fn resolve_addr(id: &Arc<Id>, src: Option<SocketAddr>, dst: SocketAdd
     st.src = Some(src);
     st.dst = Some(dst);
     st.phase = Phase::AddrResolved;
+    {
+        // The addresses are in place before another thread can take the
+        // event.
+        // SAFETY: application thread inside rdma_resolve_addr.
+        let c = unsafe { id.c() };
+        set_src(c, Some(&src));
+        set_dst(c, Some(&dst));
+    }
     st.channel.push(Pending::new(
         id.clone(),
         ffi::RDMA_CM_EVENT_ADDR_RESOLVED,
         0,
     ));
     drop(st);
-    {
-        // SAFETY: application thread inside rdma_resolve_addr.
-        let c = unsafe { id.c() };
-        set_src(c, Some(&src));
-        set_dst(c, Some(&dst));
-    }
     debug!(%src, %dst, "rdma_cm: address resolved");
     complete(id)
 }
@@ -162,16 +164,18 @@ pub(crate) fn resolve_route(id: &Arc<Id>) -> CmResult<()> {
         return Err(libc::EINVAL);
     }
     st.phase = Phase::RouteResolved;
+    {
+        // SAFETY: application thread inside rdma_resolve_route.
+        let c = unsafe { id.c() };
+        c.route.num_paths = 0;
+        c.route.path_rec = std::ptr::null_mut();
+    }
     st.channel.push(Pending::new(
         id.clone(),
         ffi::RDMA_CM_EVENT_ROUTE_RESOLVED,
         0,
     ));
     drop(st);
-    // SAFETY: application thread inside rdma_resolve_route.
-    let c = unsafe { id.c() };
-    c.route.num_paths = 0;
-    c.route.path_rec = std::ptr::null_mut();
     complete(id)
 }
 
