@@ -227,6 +227,9 @@ fn id_qp(id: &Id, call: &str) -> CmResult<super::QpHandle> {
 
 /// `rdma_connect`.
 pub(crate) fn connect(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmResult<()> {
+    if !id.state().phase.allows(Op::Connect) {
+        return Err(libc::EINVAL);
+    }
     let h = id_qp(id, "rdma_connect")?;
     let stag = verbs::stag()?;
     let qp = h.provider().clone();
@@ -300,6 +303,9 @@ fn finish_connect(id: &Arc<Id>, qp: &Arc<QueuePair>, r: Result<Vec<u8>, DeviceEr
 
 /// `rdma_accept`.
 pub(crate) fn accept(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmResult<()> {
+    if !id.state().phase.allows(Op::Accept) {
+        return Err(libc::EINVAL);
+    }
     let h = id_qp(id, "rdma_accept")?;
     let stag = verbs::stag()?;
     let qp = h.provider().clone();
