@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use provider::device::{DeviceError, Listener};
 use provider::wire::mpa::IRD_ORD_NO_NEGOTIATION;
-use tracing::{debug, warn};
+use tracing::debug;
 
 use super::addr::{local_ip_for, set_src, unmap};
 use super::channel::{Incoming, Pending};
@@ -19,22 +19,37 @@ use super::id::{Id, Op, Phase};
 use super::CmResult;
 use crate::ffi;
 
-/// A running listener; dropping it stops the thread and closes the port.
+/// Threads accepting on one listening id. `Listener::accept` reads the
+/// MPA Request before it returns, so one peer slow to send it would hold
+/// up every connection behind it on a single thread.
+const ACCEPTORS: usize = 4;
+
+/// A running listener; dropping it stops the threads and closes the port.
 #[derive(Debug)]
 pub(crate) struct ListenHandle {
     stop: Arc<AtomicBool>,
     wake: SocketAddr,
+    threads: usize,
     done: mpsc::Receiver<()>,
 }
 
 impl Drop for ListenHandle {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // The thread sits in accept(2): a connection that closes at once
-        // wakes it.
-        let _ = TcpStream::connect_timeout(&self.wake, Duration::from_millis(500));
-        if self.done.recv_timeout(Duration::from_secs(2)).is_err() {
-            warn!(addr = %self.wake, "rdma_cm: listener thread slow to stop");
+        // The threads sit in accept(2): a connection that closes at once
+        // wakes one.
+        for _ in 0..self.threads {
+            let _ = TcpStream::connect_timeout(&self.wake, Duration::from_millis(500));
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        for _ in 0..self.threads {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if self.done.recv_timeout(left).is_err() {
+                // One is still reading a slow peer's MPA Request; it stops
+                // (and the port closes) when that ends.
+                debug!(addr = %self.wake, "rdma_cm: a listener thread is still reading a peer");
+                break;
+            }
         }
     }
 }
@@ -67,20 +82,35 @@ pub(crate) fn listen(id: &Arc<Id>) -> CmResult<()> {
     );
     let stop = Arc::new(AtomicBool::new(false));
     let (done_tx, done) = mpsc::channel();
-    let weak = Arc::downgrade(id);
-    {
-        let stop = stop.clone();
-        std::thread::Builder::new()
-            .name(format!("stag-cm-listen-{}", local.port()))
+    let listener = Arc::new(listener);
+    let mut handle = ListenHandle {
+        stop: stop.clone(),
+        wake,
+        threads: 0,
+        done,
+    };
+    for i in 0..ACCEPTORS {
+        let (listener, weak, stop, done_tx) = (
+            listener.clone(),
+            Arc::downgrade(id),
+            stop.clone(),
+            done_tx.clone(),
+        );
+        let spawned = std::thread::Builder::new()
+            .name(format!("stag-cm-listen-{}-{i}", local.port()))
             .spawn(move || {
                 run(&listener, local, &weak, &stop);
                 drop(listener);
                 let _ = done_tx.send(());
-            })
-            .map_err(|_| libc::EAGAIN)?;
+            });
+        match spawned {
+            Ok(_) => handle.threads += 1,
+            Err(_) if handle.threads > 0 => break,
+            Err(_) => return Err(libc::EAGAIN),
+        }
     }
-    debug!(%local, "rdma_cm: listening");
-    st.listener = Some(ListenHandle { stop, wake, done });
+    debug!(%local, threads = handle.threads, "rdma_cm: listening");
+    st.listener = Some(handle);
     st.src = Some(local);
     st.phase = Phase::Listening;
     drop(st);
