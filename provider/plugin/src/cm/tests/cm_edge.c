@@ -220,6 +220,30 @@ int main(void)
 		rdma_destroy_qp(child);
 		rdma_destroy_id(child);
 	}
+
+	/* Destroying a connected QP closes its connection: both ids hear. */
+	c2 = client(cch, (struct sockaddr *)&dst);
+	CHECK(c2 != NULL && rdma_connect(c2, NULL) == 0, "connect 3");
+	child = NULL;
+	if (expect(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
+		child = ev->id;
+		rdma_ack_cm_event(ev);
+		CHECK(rdma_create_qp(child, NULL, &attr) == 0, "child QP 3");
+		CHECK(rdma_accept(child, NULL) == 0, "accept with no conn_param");
+	}
+	CHECK(expect(sch, RDMA_CM_EVENT_ESTABLISHED, NULL), "server ESTABLISHED 3");
+	CHECK(expect(cch, RDMA_CM_EVENT_ESTABLISHED, NULL), "client ESTABLISHED 3");
+	rdma_destroy_qp(c2);
+	CHECK(c2->qp == NULL, "rdma_destroy_qp clears id->qp");
+	CHECK(expect(sch, RDMA_CM_EVENT_DISCONNECTED, NULL),
+	      "peer DISCONNECTED after ibv_destroy_qp");
+	CHECK(expect(cch, RDMA_CM_EVENT_DISCONNECTED, NULL),
+	      "own DISCONNECTED after ibv_destroy_qp");
+	rdma_destroy_id(c2);
+	if (child) {
+		rdma_destroy_qp(child);
+		rdma_destroy_id(child);
+	}
 	CHECK(rdma_destroy_id(listen) == 0, "destroy listener");
 	CHECK(rdma_destroy_id(listen) == -1 && errno == EINVAL, "destroy twice: EINVAL");
 	rdma_destroy_event_channel(cch2);
