@@ -17,10 +17,13 @@
 //!   (with their private data) until `rdma_ack_cm_event`;
 //! - [`id`]: cm ids, their registry and state machine;
 //! - [`addr`]: socket addresses, binding and `rdma_getaddrinfo`;
-//! - [`listen`]: a thread per listening id, turning TCP+MPA Requests into
-//!   CONNECT_REQUEST events;
-//! - [`conn`]: connect/accept/reject/disconnect and the watcher that turns
-//!   a closed stream into DISCONNECTED;
+//! - [`listen`]: accept threads per listening id, turning TCP+MPA Requests
+//!   into CONNECT_REQUEST events (the child id is made when the
+//!   application takes the event);
+//! - [`conn`]: connect (the MPA exchange on a thread of its own), accept,
+//!   reject, disconnect, and the watcher that turns a stream that went
+//!   down (`rdma_disconnect`, the peer's close, the peer gone, the QP
+//!   destroyed) into DISCONNECTED;
 //! - [`ops`]: create/destroy, bind, address and route resolution, options,
 //!   migration;
 //! - [`qp`]: `rdma_create_qp` & co., SRQs, endpoints (`rdma_create_ep`,
@@ -32,7 +35,15 @@
 //!
 //! Threads never write into C-visible structures: background threads
 //! (listeners, connectors, the watcher) only queue events; `rdma_cm_id`
-//! fields are written on the application's threads, inside its calls.
+//! fields and QP states are written on the application's threads, inside
+//! its calls (`rdma_get_cm_event` included). The cm holds its QPs weakly,
+//! so `ibv_destroy_qp` closes a connection, which the peer sees as
+//! DISCONNECTED.
+//!
+//! Not provided: AF_IB addresses, UD port spaces (UDP/IPoIB) and
+//! multicast, which need UD QPs (ENOSYS/EPROTONOSUPPORT); connecting a QP
+//! the application made itself and names only by `conn_param->qp_num`
+//! (`rdma_establish`); the rsocket API (ENOSYS).
 
 mod addr;
 mod channel;
