@@ -10,27 +10,27 @@
 //! `responder_resources`/`initiator_depth` as IRD/ORD.
 //!
 //! The pieces:
-//! - [`channel`]: event channels (a pipe per channel, one byte per queued
+//! - `channel`: event channels (a pipe per channel, one byte per queued
 //!   event, so `channel->fd` polls and honours the application's
 //!   `O_NONBLOCK`) and the events waiting in them;
-//! - [`event`]: `struct rdma_cm_event`s handed to the application, owned
+//! - `event`: `struct rdma_cm_event`s handed to the application, owned
 //!   (with their private data) until `rdma_ack_cm_event`;
-//! - [`id`]: cm ids, their registry and state machine;
-//! - [`addr`]: socket addresses, binding and `rdma_getaddrinfo`;
-//! - [`listen`]: accept threads per listening id, turning TCP+MPA Requests
+//! - `id`: cm ids, their registry and state machine;
+//! - `addr`: socket addresses, binding and `rdma_getaddrinfo`;
+//! - `listen`: accept threads per listening id, turning TCP+MPA Requests
 //!   into CONNECT_REQUEST events (the child id is made when the
 //!   application takes the event);
-//! - [`conn`]: connect (the MPA exchange on a thread of its own), accept,
+//! - `conn`: connect (the MPA exchange on a thread of its own), accept,
 //!   reject, disconnect, and the watcher that turns a stream that went
 //!   down (`rdma_disconnect`, the peer's close, the peer gone, the QP
 //!   destroyed) into DISCONNECTED;
-//! - [`ops`]: create/destroy, bind, address and route resolution, options,
+//! - `ops`: create/destroy, bind, address and route resolution, options,
 //!   migration;
-//! - [`qp`]: `rdma_create_qp` & co., SRQs, endpoints (`rdma_create_ep`,
+//! - `qp`: `rdma_create_qp` & co., SRQs, endpoints (`rdma_create_ep`,
 //!   `rdma_get_request`);
-//! - [`verbs`]: stag0's `ibv_context`, opened once through libibverbs, and
+//! - `verbs`: stag0's `ibv_context`, opened once through libibverbs, and
 //!   the QP/CQ/SRQ helpers librdmacm offers;
-//! - [`exports`]: the C entry points, exported with librdmacm's symbol
+//! - `exports`: the C entry points, exported with librdmacm's symbol
 //!   versions (`librdmacm.map`).
 //!
 //! Threads never write into C-visible structures: background threads
