@@ -20,13 +20,14 @@ const ACCESS: u32 = ffi::IBV_ACCESS_LOCAL_WRITE
     | ffi::IBV_ACCESS_REMOTE_READ
     | ffi::IBV_ACCESS_REMOTE_ATOMIC;
 
-/// `rdma_init_qp_attr`: the attributes for moving a QP to `qp_attr.qp_state`.
+/// `rdma_init_qp_attr`: the attributes for moving a QP of `_id` to
+/// `qp_attr.qp_state`, as the kernel's iWARP cm gives them (the same for
+/// every id: port 1, pkey 0, remote access).
 pub(crate) fn init_qp_attr(
-    id: &Id,
+    _id: &Id,
     attr: &mut ffi::ibv_qp_attr,
     mask: &mut std::os::raw::c_int,
 ) -> CmResult<()> {
-    let _ = id;
     let m = match attr.qp_state {
         ffi::IBV_QPS_INIT => {
             attr.qp_access_flags = ACCESS;
@@ -428,8 +429,9 @@ pub(crate) fn establish(id: &Arc<Id>) -> CmResult<()> {
     Err(libc::EINVAL)
 }
 
-/// `rdma_notify`: nothing to tell a TCP stream.
-pub(crate) fn notify(id: &Arc<Id>) -> CmResult<()> {
-    let _ = id;
+/// `rdma_notify` (the id is valid): an iWARP connection is established by
+/// its stream, so there is nothing to tell it (the kernel's iWARP cm
+/// answers 0 as well).
+pub(crate) fn notify(_id: &Arc<Id>) -> CmResult<()> {
     Ok(())
 }
