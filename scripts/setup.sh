@@ -8,6 +8,7 @@ packages=(
     libibverbs-dev librdmacm-dev ibverbs-utils rdma-core
     iproute2 procps
     curl xz-utils
+    cmake ninja-build libnl-3-dev libnl-route-3-dev libudev-dev
 )
 
 missing=()
