@@ -1,5 +1,6 @@
 //! The agent channel: what lets two stag peers emulate what their devices
-//! lack (atomics on siw, Commit without FLUSH, 8-byte Immediate Data).
+//! lack (atomics on siw, Commit without a device FLUSH or into a
+//! file-backed region, 8-byte Immediate Data).
 //!
 //! When either side of a connection needs it, the initiator opens a second
 //! connection to the same listener, marked in its private data as the agent

@@ -914,11 +914,18 @@ impl QpInner {
         let Some(p) = self.remove(token) else { return };
         let Some(op) = p.op else { return };
         let ok = status == WcStatus::Success;
-        if let (true, SendOp::Commit { remote, .. }) = (ok && original == FLUSH_TARGET, op) {
-            self.flush_targets
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(remote.rkey);
+        if let SendOp::Commit { remote, .. } = op {
+            if ok && original == FLUSH_TARGET {
+                tracing::debug!(
+                    qp = self.qp_num,
+                    rkey = remote.rkey,
+                    "the peer's region is a FLUSH target: later Commits are device FLUSHes"
+                );
+                self.flush_targets
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(remote.rkey);
+            }
         }
         if ok {
             if let Some(s) = p.local.first() {
