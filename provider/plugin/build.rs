@@ -45,4 +45,13 @@ fn main() {
     std::fs::write(out.join("abi.rs"), bindings).expect("write bindings");
 
     println!("cargo:rustc-link-lib=ibverbs");
+
+    // rdma_cm: librdmacm's symbol versions for the names src/cm/exports.rs
+    // gives its functions (the library can stand in for librdmacm.so.1).
+    let map = manifest.join("src/cm/librdmacm.map");
+    println!("cargo:rerun-if-changed={}", map.display());
+    println!(
+        "cargo:rustc-cdylib-link-arg=-Wl,--version-script={}",
+        map.display()
+    );
 }

@@ -1,2 +1,121 @@
 //! rdma_cm for the userspace device: librdmacm's API, mapped onto MPA
 //! connections of stag0 (its addresses are TCP addresses).
+//!
+//! librdmacm only talks to the kernel's `rdma_ucm`; here every cm id lives
+//! in this process. On iWARP the port space is TCP's, so a cm id's
+//! address:port *is* the TCP address:port: `rdma_listen` listens on it,
+//! `rdma_connect` opens a TCP connection to the peer's and runs the MPA
+//! exchange (RFC 5044 / RFC 6581) onto the id's QP, with the connection
+//! parameters' private data in the MPA Request/Reply and
+//! `responder_resources`/`initiator_depth` as IRD/ORD.
+//!
+//! The pieces:
+//! - [`channel`]: event channels (a pipe per channel, one byte per queued
+//!   event, so `channel->fd` polls and honours the application's
+//!   `O_NONBLOCK`) and the events waiting in them;
+//! - [`event`]: `struct rdma_cm_event`s handed to the application, owned
+//!   (with their private data) until `rdma_ack_cm_event`;
+//! - [`id`]: cm ids, their registry and state machine;
+//! - [`addr`]: socket addresses, binding and `rdma_getaddrinfo`;
+//! - [`listen`]: a thread per listening id, turning TCP+MPA Requests into
+//!   CONNECT_REQUEST events;
+//! - [`conn`]: connect/accept/reject/disconnect and the watcher that turns
+//!   a closed stream into DISCONNECTED;
+//! - [`ops`]: create/destroy, bind, address and route resolution, options,
+//!   migration;
+//! - [`qp`]: `rdma_create_qp` & co., SRQs, endpoints (`rdma_create_ep`,
+//!   `rdma_get_request`);
+//! - [`verbs`]: stag0's `ibv_context`, opened once through libibverbs, and
+//!   the QP/CQ/SRQ helpers librdmacm offers;
+//! - [`exports`]: the C entry points, exported with librdmacm's symbol
+//!   versions (`librdmacm.map`).
+//!
+//! Threads never write into C-visible structures: background threads
+//! (listeners, connectors, the watcher) only queue events; `rdma_cm_id`
+//! fields are written on the application's threads, inside its calls.
+
+mod addr;
+mod channel;
+mod conn;
+mod event;
+mod exports;
+mod id;
+mod listen;
+mod ops;
+mod qp;
+mod verbs;
+
+use std::os::raw::c_int;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use tracing::error;
+
+// The verbs half's interface.
+pub(crate) use crate::context::is_stag_context;
+pub(crate) use crate::qp::{qp_handle, QpHandle};
+
+/// An errno value: what a failed call leaves in `errno`.
+pub(crate) type Errno = c_int;
+
+/// The result of a cm operation.
+pub(crate) type CmResult<T> = Result<T, Errno>;
+
+/// Set the calling thread's `errno`.
+pub(crate) fn set_errno(e: Errno) {
+    // SAFETY: __errno_location returns the calling thread's errno slot,
+    // valid for the thread's lifetime.
+    unsafe { *libc::__errno_location() = e };
+}
+
+/// Run an entry point that returns `int`: 0 on success, -1 and `errno`
+/// otherwise (librdmacm's convention). No panic leaves.
+pub(crate) fn entry_int(name: &'static str, f: impl FnOnce() -> CmResult<()>) -> c_int {
+    crate::log::init();
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => 0,
+        Ok(Err(e)) => {
+            set_errno(e);
+            -1
+        }
+        Err(_) => {
+            error!(function = name, "panic inside the rdma_cm library");
+            set_errno(libc::EIO);
+            -1
+        }
+    }
+}
+
+/// Run an entry point that returns a pointer: NULL and `errno` on failure.
+pub(crate) fn entry_ptr<T>(name: &'static str, f: impl FnOnce() -> CmResult<*mut T>) -> *mut T {
+    crate::log::init();
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(p)) => p,
+        Ok(Err(e)) => {
+            set_errno(e);
+            std::ptr::null_mut()
+        }
+        Err(_) => {
+            error!(function = name, "panic inside the rdma_cm library");
+            set_errno(libc::EIO);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// Run an entry point with a plain value result (`fallback` on panic).
+pub(crate) fn entry_val<T>(name: &'static str, fallback: T, f: impl FnOnce() -> T) -> T {
+    crate::log::init();
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(_) => {
+            error!(function = name, "panic inside the rdma_cm library");
+            fallback
+        }
+    }
+}
+
+/// Lock a mutex, ignoring poisoning (a panic elsewhere was already
+/// reported; the data stays consistent at each unlock).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

@@ -1,0 +1,547 @@
+//! Connections: `rdma_connect` (the MPA exchange runs on its own thread
+//! and ends in ESTABLISHED, REJECTED, UNREACHABLE or CONNECT_ERROR),
+//! child ids for connection requests, `rdma_accept`/`rdma_reject`,
+//! `rdma_disconnect`, and the watcher that turns a stream that closed
+//! (peer disconnect, peer gone, QP destroyed) into DISCONNECTED.
+
+use std::io::ErrorKind;
+use std::net::SocketAddr;
+use std::sync::{Arc, Condvar, Mutex, Once, Weak};
+use std::time::Duration;
+
+use provider::device::{DeviceError, QueuePair};
+use provider::qp::QpState;
+use provider::setup::MpaParams;
+use tracing::{debug, error, warn};
+
+use super::addr::{set_dst, set_src};
+use super::channel::{Channel, Incoming, Pending};
+use super::event::complete;
+use super::id::{Id, IdState, Op, Phase};
+use super::verbs::{self, Stag};
+use super::{lock, qp_handle, CmResult};
+use crate::ffi;
+
+/// How often the watcher looks at connected QPs.
+const WATCH_PERIOD: Duration = Duration::from_millis(5);
+
+/// The errno for a device error.
+pub(crate) fn errno_of(e: &DeviceError) -> i32 {
+    match e {
+        DeviceError::Io(io) => io.raw_os_error().unwrap_or(match io.kind() {
+            ErrorKind::TimedOut | ErrorKind::WouldBlock => libc::ETIMEDOUT,
+            ErrorKind::ConnectionRefused => libc::ECONNREFUSED,
+            ErrorKind::AddrInUse => libc::EADDRINUSE,
+            ErrorKind::AddrNotAvailable => libc::EADDRNOTAVAIL,
+            _ => libc::EIO,
+        }),
+        DeviceError::Mpa(provider::wire::Error::LlpClosed) => libc::ECONNRESET,
+        DeviceError::Mpa(_) => libc::EPROTO,
+        DeviceError::Rejected(_) => libc::ECONNREFUSED,
+        DeviceError::Timeout => libc::ETIMEDOUT,
+        DeviceError::InvalidState => libc::EINVAL,
+        DeviceError::Post(_) | DeviceError::Register(_) => libc::EINVAL,
+        DeviceError::Sys(e) => *e as i32,
+    }
+}
+
+/// The event (and status) a failed connect ends in, as the kernel's
+/// iWARP cm reports them.
+fn failure_event(e: &DeviceError) -> (ffi::rdma_cm_event_type, i32) {
+    let errno = errno_of(e);
+    match errno {
+        libc::ECONNREFUSED => (ffi::RDMA_CM_EVENT_REJECTED, -libc::ECONNREFUSED),
+        libc::ETIMEDOUT | libc::EHOSTUNREACH | libc::ENETUNREACH => {
+            (ffi::RDMA_CM_EVENT_UNREACHABLE, -errno)
+        }
+        _ => (ffi::RDMA_CM_EVENT_CONNECT_ERROR, -errno),
+    }
+}
+
+/// The application's conn_param: IRD, ORD and private data, with
+/// RDMA_MAX_RESP_RES / RDMA_MAX_INIT_DEPTH (255) meaning "the most the
+/// peer and device allow".
+fn mpa_params(
+    param: Option<&ffi::rdma_conn_param>,
+    stag: &Stag,
+    peer: Option<(u8, u8)>,
+    fallback_data: &[u8],
+) -> MpaParams {
+    // peer: (its IRD, its ORD) for a responder.
+    let (peer_ird, peer_ord) = peer.unwrap_or((u8::MAX, u8::MAX));
+    let default_ird = stag.max_ird.min(peer_ord);
+    let default_ord = stag.max_ord.min(peer_ird);
+    let (ird, ord, data) = match param {
+        Some(p) => {
+            let ird = if p.responder_resources == ffi::RDMA_MAX_RESP_RES as u8 {
+                default_ird
+            } else {
+                p.responder_resources.min(stag.max_ird)
+            };
+            let ord = if p.initiator_depth == ffi::RDMA_MAX_INIT_DEPTH as u8 {
+                default_ord
+            } else {
+                p.initiator_depth.min(stag.max_ord)
+            };
+            let data = if p.private_data.is_null() || p.private_data_len == 0 {
+                fallback_data.to_vec()
+            } else {
+                // SAFETY: the application says `private_data` holds
+                // `private_data_len` bytes.
+                unsafe {
+                    std::slice::from_raw_parts(
+                        p.private_data as *const u8,
+                        p.private_data_len as usize,
+                    )
+                }
+                .to_vec()
+            };
+            (ird, ord, data)
+        }
+        None => (default_ird, default_ord, fallback_data.to_vec()),
+    };
+    MpaParams {
+        ird: ird as u16,
+        ord: ord as u16,
+        private_data: data,
+        ..MpaParams::default()
+    }
+}
+
+/// The id's QP, when its stream is still the one the cm connected: the
+/// provider QP behind `id->qp` and the one held weakly in the state.
+fn live_qp(st: &IdState) -> Option<Arc<QueuePair>> {
+    st.qp.as_ref().and_then(Weak::upgrade)
+}
+
+/// Mirror a state change into `id->qp` (when it is still the connected
+/// QP). Application thread only.
+fn mirror_state(id: &Id, st: &IdState, state: ffi::ibv_qp_state, set_error: bool) {
+    let Some(qp) = live_qp(st) else { return };
+    // SAFETY: application thread inside a cm call on `id`.
+    let c = unsafe { id.c() };
+    // SAFETY: id->qp is NULL or the application's QP; qp_handle checks.
+    if let Some(h) = unsafe { qp_handle(c.qp) } {
+        if Arc::ptr_eq(h.provider(), &qp) {
+            h.set_state(state);
+        }
+    }
+    if set_error {
+        qp.set_error();
+    }
+}
+
+/// Hook run when the application takes an event (its thread).
+pub(crate) fn on_deliver(id: &Arc<Id>, kind: ffi::rdma_cm_event_type) {
+    let st = id.state();
+    match kind {
+        ffi::RDMA_CM_EVENT_ESTABLISHED => mirror_state(id, &st, ffi::IBV_QPS_RTS, false),
+        // librdmacm moves the QP to error on a rejection.
+        ffi::RDMA_CM_EVENT_REJECTED
+        | ffi::RDMA_CM_EVENT_UNREACHABLE
+        | ffi::RDMA_CM_EVENT_CONNECT_ERROR => mirror_state(id, &st, ffi::IBV_QPS_ERR, true),
+        ffi::RDMA_CM_EVENT_DISCONNECTED => mirror_state(id, &st, ffi::IBV_QPS_ERR, false),
+        _ => {}
+    }
+}
+
+/// The child id of a connection request, made on the application's thread
+/// when it takes the CONNECT_REQUEST event.
+pub(crate) fn make_child(
+    listen: &Arc<Id>,
+    incoming: Incoming,
+    peer_ird: u8,
+    peer_ord: u8,
+) -> Option<Arc<Id>> {
+    let (sync, channel, ps, qp_type, options) = {
+        let st = listen.state();
+        if st.destroyed {
+            return None;
+        }
+        (st.sync, st.channel.clone(), st.ps, st.qp_type, st.options)
+    };
+    let stag = match verbs::stag() {
+        Ok(s) => s,
+        Err(_) => {
+            error!("rdma_cm: connection request dropped: stag0 cannot be opened");
+            return None;
+        }
+    };
+    let channel = if sync {
+        // A synchronous listener's children are synchronous too.
+        match Channel::new() {
+            Ok(c) => {
+                c.register();
+                c
+            }
+            Err(_) => return None,
+        }
+    } else {
+        channel
+    };
+    // SAFETY: application thread inside rdma_get_cm_event; reading the
+    // listening id's context pointer.
+    let context = unsafe { listen.c() }.context;
+    let child = Id::create(channel, sync, context, ps, qp_type);
+    let peer = incoming.req.peer_addr();
+    let peer = super::addr::unmap(peer);
+    {
+        // SAFETY: the child is new and only this thread knows it.
+        let c = unsafe { child.c() };
+        c.verbs = stag.ctx;
+        c.pd = stag.pd;
+        c.port_num = 1;
+        set_src(c, Some(&incoming.local));
+        set_dst(c, Some(&peer));
+    }
+    let mut st = child.state();
+    st.phase = Phase::Requested;
+    st.src = Some(incoming.local);
+    st.dst = Some(peer);
+    st.request = Some(incoming.req);
+    st.peer_ird = peer_ird;
+    st.peer_ord = peer_ord;
+    st.options = options;
+    drop(st);
+    Some(child)
+}
+
+/// The stag QP behind `id->qp`, or EINVAL (with why).
+fn id_qp(id: &Id, call: &str) -> CmResult<super::QpHandle> {
+    // SAFETY: application thread inside a cm call on `id`.
+    let qp = unsafe { id.c() }.qp;
+    // SAFETY: id->qp is NULL or the application's QP; qp_handle checks.
+    match unsafe { qp_handle(qp) } {
+        Some(h) => Ok(h),
+        None => {
+            error!(
+                call,
+                "rdma_cm: the id has no stag0 QP: create it with rdma_create_qp first \
+                 (stag's cm connects the id's own QP; a QP passed only as conn_param->qp_num \
+                 is not supported)"
+            );
+            Err(libc::EINVAL)
+        }
+    }
+}
+
+/// `rdma_connect`.
+pub(crate) fn connect(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmResult<()> {
+    if !id.state().phase.allows(Op::Connect) {
+        return Err(libc::EINVAL);
+    }
+    let h = id_qp(id, "rdma_connect")?;
+    let stag = verbs::stag()?;
+    let qp = h.provider().clone();
+    let mut st = id.state();
+    if !st.phase.allows(Op::Connect) {
+        return Err(libc::EINVAL);
+    }
+    let dst: SocketAddr = st.dst.ok_or(libc::EINVAL)?;
+    let params = mpa_params(param, &stag, None, &st.connect_data);
+    st.connect_data.clear();
+    st.phase = Phase::Connecting;
+    st.qp = Some(Arc::downgrade(&qp));
+    // The source port was only a name; the TCP connection picks its own.
+    st.reservation = None;
+    drop(st);
+    debug!(%dst, ird = params.ird, ord = params.ord, len = params.private_data.len(), "rdma_cm: connecting");
+    let id2 = id.clone();
+    let spawned = std::thread::Builder::new()
+        .name("stag-cm-connect".into())
+        .spawn(move || {
+            let r = qp.connect(dst, &params);
+            finish_connect(&id2, &qp, r);
+        });
+    if spawned.is_err() {
+        let mut st = id.state();
+        st.phase = Phase::RouteResolved;
+        st.qp = None;
+        return Err(libc::EAGAIN);
+    }
+    drop(h);
+    complete(id)
+}
+
+/// The connect thread's end: queue the outcome.
+fn finish_connect(id: &Arc<Id>, qp: &Arc<QueuePair>, r: Result<Vec<u8>, DeviceError>) {
+    let mut st = id.state();
+    if st.destroyed || st.phase != Phase::Connecting {
+        // Disconnected or destroyed meanwhile: nobody wants the stream.
+        if r.is_ok() {
+            qp.set_error();
+        }
+        return;
+    }
+    match r {
+        Ok(private_data) => {
+            let neg = qp.negotiated();
+            debug!(?neg, "rdma_cm: connected");
+            st.phase = Phase::Connected;
+            let mut p = Pending::new(id.clone(), ffi::RDMA_CM_EVENT_ESTABLISHED, 0);
+            p.private_data = private_data;
+            if let Some(n) = neg {
+                p.responder_resources = n.ird.min(u8::MAX as u16) as u8;
+                p.initiator_depth = n.ord.min(u8::MAX as u16) as u8;
+            }
+            st.channel.push(p);
+            drop(st);
+            watch(id);
+        }
+        Err(e) => {
+            let (kind, status) = failure_event(&e);
+            debug!(error = %e, status, "rdma_cm: connect failed");
+            st.phase = Phase::Failed;
+            let mut p = Pending::new(id.clone(), kind, status);
+            if let DeviceError::Rejected(pd) = e {
+                p.private_data = pd;
+            }
+            st.channel.push(p);
+        }
+    }
+}
+
+/// `rdma_accept`.
+pub(crate) fn accept(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmResult<()> {
+    if !id.state().phase.allows(Op::Accept) {
+        return Err(libc::EINVAL);
+    }
+    let h = id_qp(id, "rdma_accept")?;
+    let stag = verbs::stag()?;
+    let qp = h.provider().clone();
+    let mut st = id.state();
+    if !st.phase.allows(Op::Accept) {
+        return Err(libc::EINVAL);
+    }
+    let req = st.request.take().ok_or(libc::EINVAL)?;
+    let params = mpa_params(param, &stag, Some((st.peer_ird, st.peer_ord)), &[]);
+    debug!(
+        ird = params.ird,
+        ord = params.ord,
+        len = params.private_data.len(),
+        "rdma_cm: accepting"
+    );
+    if let Err(e) = req.accept(&qp, &params) {
+        warn!(error = %e, "rdma_cm: accept failed");
+        st.phase = Phase::Failed;
+        return Err(errno_of(&e));
+    }
+    st.phase = Phase::Connected;
+    st.qp = Some(Arc::downgrade(&qp));
+    h.set_state(ffi::IBV_QPS_RTS);
+    let mut p = Pending::new(id.clone(), ffi::RDMA_CM_EVENT_ESTABLISHED, 0);
+    if let Some(n) = qp.negotiated() {
+        p.responder_resources = n.ird.min(u8::MAX as u16) as u8;
+        p.initiator_depth = n.ord.min(u8::MAX as u16) as u8;
+    }
+    st.channel.push(p);
+    drop(st);
+    drop(h);
+    watch(id);
+    complete(id)
+}
+
+/// `rdma_reject`.
+pub(crate) fn reject(id: &Arc<Id>, private_data: &[u8]) -> CmResult<()> {
+    let mut st = id.state();
+    if !st.phase.allows(Op::Reject) {
+        return Err(libc::EINVAL);
+    }
+    let req = st.request.take().ok_or(libc::EINVAL)?;
+    st.phase = Phase::Failed;
+    drop(st);
+    req.reject(private_data).map_err(|e| errno_of(&e))
+}
+
+/// `rdma_disconnect`.
+pub(crate) fn disconnect(id: &Arc<Id>) -> CmResult<()> {
+    let mut st = id.state();
+    if !st.phase.allows(Op::Disconnect) {
+        return Err(libc::EINVAL);
+    }
+    match st.phase {
+        Phase::Connected => {
+            // The watcher reports DISCONNECTED once the stream is down
+            // (within a period): an application's cm thread meets it
+            // after the call returns, as with the kernel.
+            st.phase = Phase::Disconnecting;
+            mirror_state(id, &st, ffi::IBV_QPS_ERR, true);
+            drop(st);
+            complete(id)
+        }
+        Phase::Connecting => {
+            // The connect thread finds the phase changed and closes.
+            st.phase = Phase::Disconnected;
+            if let Some(qp) = live_qp(&st) {
+                qp.set_error();
+            }
+            Ok(())
+        }
+        _ => {
+            // Already disconnected (the peer's close was seen): the event
+            // is queued or taken; a synchronous id takes it now.
+            let pending = st.sync && st.channel.has_event_for(id);
+            drop(st);
+            if pending {
+                complete(id)
+            } else {
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Tear-down of an id's connection side at `rdma_destroy_id`: a connected
+/// QP goes to error (the kernel's iWARP cm does the same), a pending
+/// request is refused by closing it, the listener stops.
+pub(crate) fn teardown(id: &Arc<Id>) {
+    let mut st = id.state();
+    st.destroyed = true;
+    if matches!(
+        st.phase,
+        Phase::Connected | Phase::Connecting | Phase::Disconnecting
+    ) {
+        mirror_state(id, &st, ffi::IBV_QPS_ERR, true);
+    }
+    let listener = st.listener.take();
+    let request = st.request.take();
+    st.reservation = None;
+    st.qp = None;
+    let channel = st.channel.clone();
+    drop(st);
+    drop(listener);
+    drop(request);
+    drop(channel.withdraw(|p| Arc::ptr_eq(&p.id, id)));
+}
+
+// ---- the watcher ----
+
+struct Watch {
+    ids: Mutex<Vec<Weak<Id>>>,
+    wake: Condvar,
+}
+
+static WATCH: Watch = Watch {
+    ids: Mutex::new(Vec::new()),
+    wake: Condvar::new(),
+};
+static WATCHER: Once = Once::new();
+
+/// Watch a connected id's QP until its stream closes.
+fn watch(id: &Arc<Id>) {
+    lock(&WATCH.ids).push(Arc::downgrade(id));
+    WATCH.wake.notify_one();
+    WATCHER.call_once(|| {
+        if let Err(e) = std::thread::Builder::new()
+            .name("stag-cm-watch".into())
+            .spawn(watcher)
+        {
+            error!(error = %e, "rdma_cm: cannot start the disconnect watcher");
+        }
+    });
+}
+
+fn watcher() {
+    loop {
+        {
+            let mut ids = lock(&WATCH.ids);
+            while ids.is_empty() {
+                ids = WATCH.wake.wait(ids).unwrap_or_else(|p| p.into_inner());
+            }
+        }
+        std::thread::sleep(WATCH_PERIOD);
+        let list: Vec<Weak<Id>> = lock(&WATCH.ids).clone();
+        let mut done: Vec<*const Id> = Vec::new();
+        for w in &list {
+            let Some(id) = w.upgrade() else {
+                done.push(w.as_ptr());
+                continue;
+            };
+            let mut st = id.state();
+            if st.destroyed || !matches!(st.phase, Phase::Connected | Phase::Disconnecting) {
+                done.push(w.as_ptr());
+                continue;
+            }
+            let closed = match live_qp(&st) {
+                None => true,
+                Some(qp) => qp.state() == QpState::Error,
+            } || st.phase == Phase::Disconnecting;
+            if closed {
+                debug!("rdma_cm: stream closed; DISCONNECTED");
+                st.phase = Phase::Disconnected;
+                st.channel
+                    .push(Pending::new(id.clone(), ffi::RDMA_CM_EVENT_DISCONNECTED, 0));
+                done.push(w.as_ptr());
+            }
+        }
+        if !done.is_empty() {
+            lock(&WATCH.ids).retain(|w| !done.contains(&w.as_ptr()));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stag() -> Stag {
+        Stag {
+            ctx: std::ptr::null_mut(),
+            pd: std::ptr::null_mut(),
+            max_ird: 16,
+            max_ord: 8,
+        }
+    }
+
+    #[test]
+    fn conn_param_maps_to_ird_ord_and_private_data() {
+        let data = *b"hello";
+        let p = ffi::rdma_conn_param {
+            private_data: data.as_ptr().cast(),
+            private_data_len: 5,
+            responder_resources: 4,
+            initiator_depth: 200,
+            ..Default::default()
+        };
+        let m = mpa_params(Some(&p), &stag(), None, b"ignored");
+        assert_eq!((m.ird, m.ord), (4, 8));
+        assert_eq!(m.private_data, b"hello");
+        assert_eq!(m.revision, 2);
+    }
+
+    #[test]
+    fn max_values_follow_peer_and_device() {
+        let p = ffi::rdma_conn_param {
+            responder_resources: ffi::RDMA_MAX_RESP_RES as u8,
+            initiator_depth: ffi::RDMA_MAX_INIT_DEPTH as u8,
+            ..Default::default()
+        };
+        // The peer (IRD 2, ORD 3) asks 3 reads of us and takes 2.
+        let m = mpa_params(Some(&p), &stag(), Some((2, 3)), b"");
+        assert_eq!((m.ird, m.ord), (3, 2));
+        let m = mpa_params(None, &stag(), None, b"ep");
+        assert_eq!((m.ird, m.ord), (16, 8));
+        assert_eq!(m.private_data, b"ep");
+    }
+
+    #[test]
+    fn failures_map_to_kernel_events() {
+        let refused = DeviceError::Io(std::io::Error::from_raw_os_error(libc::ECONNREFUSED));
+        assert_eq!(
+            failure_event(&refused),
+            (ffi::RDMA_CM_EVENT_REJECTED, -libc::ECONNREFUSED)
+        );
+        assert_eq!(
+            failure_event(&DeviceError::Rejected(vec![1])),
+            (ffi::RDMA_CM_EVENT_REJECTED, -libc::ECONNREFUSED)
+        );
+        assert_eq!(
+            failure_event(&DeviceError::Timeout),
+            (ffi::RDMA_CM_EVENT_UNREACHABLE, -libc::ETIMEDOUT)
+        );
+        assert_eq!(
+            failure_event(&DeviceError::Mpa(provider::wire::Error::LlpClosed)),
+            (ffi::RDMA_CM_EVENT_CONNECT_ERROR, -libc::ECONNRESET)
+        );
+    }
+}

@@ -1,0 +1,274 @@
+//! The id operations around connections: create/destroy, bind, address
+//! and route resolution, options, migration between channels.
+
+use std::net::{IpAddr, SocketAddr};
+use std::os::raw::{c_int, c_void};
+use std::sync::Arc;
+
+use tracing::{debug, error};
+
+use super::addr::{from_c, local_ip_for, set_dst, set_src, Reservation};
+use super::channel::{Channel, Pending};
+use super::event::{ack_held, complete};
+use super::id::{Id, Op, Phase};
+use super::{conn, verbs, CmResult};
+use crate::ffi;
+
+/// `rdma_create_id` (NULL channel: a synchronous id with a private one).
+pub(crate) fn create_id(
+    channel: *mut ffi::rdma_event_channel,
+    context: *mut c_void,
+    ps: ffi::rdma_port_space,
+    qp_type: Option<ffi::ibv_qp_type>,
+) -> CmResult<Arc<Id>> {
+    let qp_type = match ps {
+        ffi::RDMA_PS_TCP | ffi::RDMA_PS_IB => qp_type.unwrap_or(ffi::IBV_QPT_RC),
+        ffi::RDMA_PS_UDP | ffi::RDMA_PS_IPOIB => {
+            error!(
+                ps,
+                "rdma_cm: stag0 is an iWARP device: no UD QPs, so no UDP/IPoIB port space"
+            );
+            return Err(libc::EPROTONOSUPPORT);
+        }
+        _ => return Err(libc::EINVAL),
+    };
+    let (channel, sync) = if channel.is_null() {
+        // Registered like any channel: the application may poll
+        // id->channel->fd or call rdma_get_cm_event on it.
+        let ch = Channel::new()?;
+        ch.register();
+        (ch, true)
+    } else {
+        (Channel::lookup(channel)?, false)
+    };
+    Ok(Id::create(channel, sync, context, ps, qp_type))
+}
+
+/// `rdma_destroy_id`.
+pub(crate) fn destroy_id(ptr: *mut ffi::rdma_cm_id) -> CmResult<()> {
+    let id = Id::unregister(ptr).ok_or(libc::EINVAL)?;
+    conn::teardown(&id);
+    ack_held(&id);
+    let st = id.state();
+    if st.sync {
+        Channel::unregister(st.channel.raw());
+    }
+    Ok(())
+}
+
+/// Give the id stag0: `id->verbs`, `id->pd`, `id->port_num`.
+fn attach_device(id: &Id) -> CmResult<()> {
+    let stag = verbs::stag()?;
+    // SAFETY: application thread inside a cm call on `id`.
+    let c = unsafe { id.c() };
+    c.verbs = stag.ctx;
+    if c.pd.is_null() {
+        c.pd = stag.pd;
+    }
+    c.port_num = 1;
+    Ok(())
+}
+
+/// `rdma_bind_addr`.
+pub(crate) fn bind(id: &Arc<Id>, addr: SocketAddr) -> CmResult<()> {
+    let mut st = id.state();
+    if !st.phase.allows(Op::Bind) {
+        return Err(libc::EINVAL);
+    }
+    let r = Reservation::bind(addr, st.options.afonly)?;
+    let bound = r.addr;
+    st.reservation = Some(r);
+    st.src = Some(bound);
+    st.phase = Phase::Bound;
+    drop(st);
+    debug!(%bound, "rdma_cm: bound");
+    // SAFETY: application thread inside rdma_bind_addr.
+    set_src(unsafe { id.c() }, Some(&bound));
+    // A specific address belongs to a device (every local address is
+    // stag0's); a wildcard binds none yet, as with the kernel.
+    if !bound.ip().is_unspecified() {
+        attach_device(id)?;
+    }
+    Ok(())
+}
+
+/// `rdma_resolve_addr`: ADDR_RESOLVED (or ADDR_ERROR) at once; the local
+/// address is the routing table's choice for the peer.
+pub(crate) fn resolve_addr(id: &Arc<Id>, src: Option<SocketAddr>, dst: SocketAddr) -> CmResult<()> {
+    {
+        let st = id.state();
+        if !st.phase.allows(Op::ResolveAddr) {
+            return Err(libc::EINVAL);
+        }
+    }
+    if let Some(src) = src {
+        if id.state().phase == Phase::Idle {
+            bind(id, src)?;
+        }
+    }
+    attach_device(id)?;
+    let mut st = id.state();
+    let local = match local_ip_for(dst.ip()) {
+        Ok(ip) => Some(ip),
+        Err(e) => {
+            debug!(%dst, errno = e, "rdma_cm: no route to the peer");
+            None
+        }
+    };
+    let Some(ip) = local else {
+        st.channel.push(Pending::new(
+            id.clone(),
+            ffi::RDMA_CM_EVENT_ADDR_ERROR,
+            -libc::EHOSTUNREACH,
+        ));
+        drop(st);
+        return complete(id);
+    };
+    let src = match st.src {
+        Some(s) if !s.ip().is_unspecified() => s,
+        Some(s) => SocketAddr::new(same_family(ip, dst.ip()), s.port()),
+        None => SocketAddr::new(same_family(ip, dst.ip()), 0),
+    };
+    st.src = Some(src);
+    st.dst = Some(dst);
+    st.phase = Phase::AddrResolved;
+    {
+        // The addresses are in place before another thread can take the
+        // event.
+        // SAFETY: application thread inside rdma_resolve_addr.
+        let c = unsafe { id.c() };
+        set_src(c, Some(&src));
+        set_dst(c, Some(&dst));
+    }
+    st.channel.push(Pending::new(
+        id.clone(),
+        ffi::RDMA_CM_EVENT_ADDR_RESOLVED,
+        0,
+    ));
+    drop(st);
+    debug!(%src, %dst, "rdma_cm: address resolved");
+    complete(id)
+}
+
+fn same_family(ip: IpAddr, like: IpAddr) -> IpAddr {
+    match (ip, like) {
+        (IpAddr::V4(v4), IpAddr::V6(_)) => IpAddr::V6(v4.to_ipv6_mapped()),
+        _ => ip,
+    }
+}
+
+/// `rdma_resolve_route`: TCP needs none; ROUTE_RESOLVED at once.
+pub(crate) fn resolve_route(id: &Arc<Id>) -> CmResult<()> {
+    let mut st = id.state();
+    if !st.phase.allows(Op::ResolveRoute) {
+        return Err(libc::EINVAL);
+    }
+    st.phase = Phase::RouteResolved;
+    {
+        // SAFETY: application thread inside rdma_resolve_route.
+        let c = unsafe { id.c() };
+        c.route.num_paths = 0;
+        c.route.path_rec = std::ptr::null_mut();
+    }
+    st.channel.push(Pending::new(
+        id.clone(),
+        ffi::RDMA_CM_EVENT_ROUTE_RESOLVED,
+        0,
+    ));
+    drop(st);
+    complete(id)
+}
+
+/// `rdma_migrate_id`: move the id, and its queued events, to `channel`
+/// (NULL: make it synchronous).
+pub(crate) fn migrate(id: &Arc<Id>, channel: *mut ffi::rdma_event_channel) -> CmResult<()> {
+    let (new, sync) = if channel.is_null() {
+        if id.state().sync {
+            return Err(libc::EINVAL);
+        }
+        let ch = Channel::new()?;
+        ch.register();
+        (ch, true)
+    } else {
+        (Channel::lookup(channel)?, false)
+    };
+    if id.state().sync {
+        ack_held(id);
+    }
+    let mut st = id.state();
+    let old = std::mem::replace(&mut st.channel, new.clone());
+    if st.sync {
+        // The private channel goes with the id's synchronous mode.
+        Channel::unregister(old.raw());
+    }
+    st.sync = sync;
+    for p in old.withdraw(|p| Arc::ptr_eq(&p.id, id)) {
+        new.push(p);
+    }
+    drop(st);
+    // SAFETY: application thread inside rdma_migrate_id.
+    unsafe { id.c() }.channel = new.raw();
+    Ok(())
+}
+
+/// `rdma_set_option`: the options that mean something on TCP are kept,
+/// the rest refused as the kernel does.
+pub(crate) fn set_option(
+    id: &Arc<Id>,
+    level: c_int,
+    name: c_int,
+    val: *const c_void,
+    len: usize,
+) -> CmResult<()> {
+    if val.is_null() {
+        return Err(libc::EINVAL);
+    }
+    let int = || -> CmResult<c_int> {
+        if len != std::mem::size_of::<c_int>() {
+            return Err(libc::EINVAL);
+        }
+        // SAFETY: the application says `val` holds `len` bytes.
+        Ok(unsafe { std::ptr::read_unaligned(val as *const c_int) })
+    };
+    let byte = || -> CmResult<u8> {
+        if len != 1 {
+            return Err(libc::EINVAL);
+        }
+        // SAFETY: as above, one byte.
+        Ok(unsafe { *(val as *const u8) })
+    };
+    let mut st = id.state();
+    match (level as u32, name as u32) {
+        (ffi::RDMA_OPTION_ID, ffi::RDMA_OPTION_ID_TOS) => st.options.tos = Some(byte()?),
+        (ffi::RDMA_OPTION_ID, ffi::RDMA_OPTION_ID_REUSEADDR) => st.options.reuseaddr = int()? != 0,
+        (ffi::RDMA_OPTION_ID, ffi::RDMA_OPTION_ID_AFONLY) => st.options.afonly = int()? != 0,
+        (ffi::RDMA_OPTION_ID, ffi::RDMA_OPTION_ID_ACK_TIMEOUT) => {
+            st.options.ack_timeout = Some(byte()?)
+        }
+        (ffi::RDMA_OPTION_IB, ffi::RDMA_OPTION_IB_PATH) => {
+            error!("rdma_cm: RDMA_OPTION_IB_PATH: stag0 is iWARP, there are no IB paths");
+            return Err(libc::EINVAL);
+        }
+        _ => {
+            error!(level, name, "rdma_cm: rdma_set_option: unknown option");
+            return Err(libc::ENOSYS);
+        }
+    }
+    Ok(())
+}
+
+/// Read an optional C address.
+///
+/// # Safety
+/// NULL or a valid socket address.
+pub(crate) unsafe fn opt_addr(sa: *const ffi::sockaddr) -> CmResult<Option<SocketAddr>> {
+    if sa.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: valid (caller).
+    if unsafe { (*sa).sa_family } == 0 {
+        return Ok(None);
+    }
+    // SAFETY: valid (caller).
+    unsafe { from_c(sa) }.map(Some)
+}

@@ -1,0 +1,258 @@
+/*
+ * rdma_cm corner cases on stag0, one process, one thread, against the
+ * unmodified librdmacm API (run under `stag run`):
+ *
+ *   cc -Wall -Wextra -Werror -o cm_edge cm_edge.c -lrdmacm -libverbs
+ *   stag run -- ./cm_edge
+ *
+ * Non-blocking channels (EAGAIN, poll), port 0 binds, private data both
+ * ways, reject with private data, accept, migrate, disconnect seen by both
+ * sides, options, unknown pointers. Prints "cm_edge: N passed, M failed".
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <rdma/rdma_cma.h>
+
+static int passed, failed;
+
+#define CHECK(cond, what)                                                   \
+	do {                                                                \
+		if (cond) {                                                 \
+			passed++;                                           \
+		} else {                                                    \
+			failed++;                                           \
+			fprintf(stderr, "FAIL %s (line %d, errno %d)\n", what, \
+				__LINE__, errno);                           \
+		}                                                           \
+	} while (0)
+
+static void nonblock(struct rdma_event_channel *ch)
+{
+	int fl = fcntl(ch->fd, F_GETFL);
+	fcntl(ch->fd, F_SETFL, fl | O_NONBLOCK);
+}
+
+/* The next event of `ch` within 5 s, or NULL. */
+static struct rdma_cm_event *next_event(struct rdma_event_channel *ch)
+{
+	struct pollfd pfd = { .fd = ch->fd, .events = POLLIN };
+	struct rdma_cm_event *ev;
+
+	if (poll(&pfd, 1, 5000) != 1)
+		return NULL;
+	if (rdma_get_cm_event(ch, &ev))
+		return NULL;
+	return ev;
+}
+
+static int expect(struct rdma_event_channel *ch, enum rdma_cm_event_type type,
+		  struct rdma_cm_event **out)
+{
+	struct rdma_cm_event *ev = next_event(ch);
+
+	if (!ev) {
+		fprintf(stderr, "no event (wanted %s)\n", rdma_event_str(type));
+		return 0;
+	}
+	if (ev->event != type) {
+		fprintf(stderr, "got %s (status %d), wanted %s\n",
+			rdma_event_str(ev->event), ev->status, rdma_event_str(type));
+		rdma_ack_cm_event(ev);
+		return 0;
+	}
+	if (out)
+		*out = ev;
+	else
+		rdma_ack_cm_event(ev);
+	return 1;
+}
+
+static struct rdma_cm_id *client(struct rdma_event_channel *ch,
+				 struct sockaddr *dst)
+{
+	struct ibv_qp_init_attr attr = {
+		.cap = { .max_send_wr = 4, .max_recv_wr = 4,
+			 .max_send_sge = 1, .max_recv_sge = 1 },
+		.qp_type = IBV_QPT_RC,
+	};
+	struct rdma_cm_id *id;
+
+	if (rdma_create_id(ch, &id, NULL, RDMA_PS_TCP))
+		return NULL;
+	if (rdma_resolve_addr(id, NULL, dst, 2000) ||
+	    !expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED, NULL))
+		return NULL;
+	CHECK(id->verbs != NULL, "resolve_addr sets id->verbs");
+	CHECK(rdma_get_local_addr(id)->sa_family == AF_INET, "local address");
+	CHECK(rdma_get_dst_port(id) == ((struct sockaddr_in *)dst)->sin_port,
+	      "rdma_get_dst_port");
+	if (rdma_resolve_route(id, 2000) ||
+	    !expect(ch, RDMA_CM_EVENT_ROUTE_RESOLVED, NULL))
+		return NULL;
+	if (rdma_create_qp(id, NULL, &attr))
+		return NULL;
+	CHECK(id->qp && id->send_cq && id->recv_cq && id->pd,
+	      "rdma_create_qp with cm-made CQs and default PD");
+	return id;
+}
+
+int main(void)
+{
+	struct rdma_event_channel *sch, *cch, *cch2;
+	struct rdma_cm_id *listen, *c1, *c2, *child;
+	struct rdma_cm_event *ev;
+	struct rdma_addrinfo hints = { .ai_flags = RAI_PASSIVE,
+				       .ai_port_space = RDMA_PS_TCP }, *res;
+	struct rdma_conn_param cp = { .responder_resources = 1,
+				      .initiator_depth = 1,
+				      .private_data = "hello",
+				      .private_data_len = 6 };
+	struct sockaddr_in dst;
+	struct ibv_qp_init_attr attr = {
+		.cap = { .max_send_wr = 4, .max_recv_wr = 4,
+			 .max_send_sge = 1, .max_recv_sge = 1 },
+		.qp_type = IBV_QPT_RC,
+	};
+	uint8_t tos = 0;
+	int one = 1;
+
+	CHECK(rdma_getaddrinfo("127.0.0.1", "0", &hints, &res) == 0,
+	      "rdma_getaddrinfo passive");
+	CHECK(res->ai_src_addr && res->ai_qp_type == IBV_QPT_RC,
+	      "addrinfo source and QP type");
+
+	sch = rdma_create_event_channel();
+	cch = rdma_create_event_channel();
+	CHECK(sch && cch, "rdma_create_event_channel");
+	nonblock(sch);
+	nonblock(cch);
+	CHECK(rdma_get_cm_event(sch, &ev) == -1 && errno == EAGAIN,
+	      "empty non-blocking channel: EAGAIN");
+
+	CHECK(rdma_create_id(sch, &listen, NULL, RDMA_PS_TCP) == 0, "create listen id");
+	CHECK(rdma_bind_addr(listen, res->ai_src_addr) == 0, "bind port 0");
+	CHECK(rdma_listen(listen, 8) == 0, "listen");
+	CHECK(rdma_get_src_port(listen) != 0, "port 0 got a port");
+	CHECK(rdma_set_option(listen, RDMA_OPTION_ID, RDMA_OPTION_ID_TOS, &tos,
+			      sizeof tos) == 0, "set TOS");
+	CHECK(rdma_set_option(listen, RDMA_OPTION_ID, RDMA_OPTION_ID_REUSEADDR,
+			      &one, sizeof one) == 0, "set REUSEADDR");
+	CHECK(rdma_set_option(listen, RDMA_OPTION_ID, 77, &one, sizeof one) == -1 &&
+	      errno == ENOSYS, "unknown option: ENOSYS");
+	CHECK(rdma_listen(NULL, 1) == -1 && errno == EINVAL, "NULL id: EINVAL");
+	CHECK(rdma_ack_cm_event((void *)&dst) == -1 && errno == EINVAL,
+	      "foreign event: EINVAL");
+
+	memset(&dst, 0, sizeof dst);
+	dst.sin_family = AF_INET;
+	dst.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	dst.sin_port = rdma_get_src_port(listen);
+
+	/* Reject with private data. */
+	c1 = client(cch, (struct sockaddr *)&dst);
+	CHECK(c1 != NULL, "client 1 set up");
+	CHECK(rdma_connect(c1, &cp) == 0, "connect 1");
+	if (expect(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
+		CHECK(ev->listen_id == listen, "request's listen_id");
+		CHECK(ev->param.conn.private_data_len >= 6 &&
+		      !memcmp(ev->param.conn.private_data, "hello", 6),
+		      "request carries the private data");
+		CHECK(ev->id->verbs != NULL && ev->id != listen, "child id");
+		CHECK(rdma_reject(ev->id, "busy", 5) == 0, "reject");
+		CHECK(rdma_accept(ev->id, NULL) == -1, "accept after reject fails");
+		child = ev->id;
+		rdma_ack_cm_event(ev);
+		rdma_destroy_id(child);
+	}
+	if (expect(cch, RDMA_CM_EVENT_REJECTED, &ev)) {
+		CHECK(ev->status == -ECONNREFUSED, "rejected status");
+		CHECK(ev->param.conn.private_data_len >= 5 &&
+		      !memcmp(ev->param.conn.private_data, "busy", 5),
+		      "reject's private data");
+		rdma_ack_cm_event(ev);
+	}
+	rdma_destroy_qp(c1);
+	CHECK(rdma_destroy_id(c1) == 0, "destroy client 1");
+
+	/* Accept, private data back. */
+	c2 = client(cch, (struct sockaddr *)&dst);
+	CHECK(c2 != NULL, "client 2 set up");
+	CHECK(rdma_connect(c2, &cp) == 0, "connect 2");
+	child = NULL;
+	if (expect(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
+		struct rdma_conn_param ap = { .responder_resources = 1,
+					      .initiator_depth = 1,
+					      .private_data = "ok",
+					      .private_data_len = 3 };
+		child = ev->id;
+		rdma_ack_cm_event(ev);
+		CHECK(rdma_create_qp(child, NULL, &attr) == 0, "child QP");
+		CHECK(rdma_accept(child, &ap) == 0, "accept");
+		CHECK(child->qp->state == IBV_QPS_RTS, "accepted QP in RTS");
+	}
+	CHECK(expect(sch, RDMA_CM_EVENT_ESTABLISHED, NULL), "server ESTABLISHED");
+	if (expect(cch, RDMA_CM_EVENT_ESTABLISHED, &ev)) {
+		CHECK(ev->param.conn.private_data_len >= 3 &&
+		      !memcmp(ev->param.conn.private_data, "ok", 3),
+		      "accept's private data");
+		rdma_ack_cm_event(ev);
+		CHECK(c2->qp->state == IBV_QPS_RTS, "connected QP in RTS");
+	}
+
+	/* Migrate, then disconnect: both sides hear it. */
+	cch2 = rdma_create_event_channel();
+	nonblock(cch2);
+	CHECK(rdma_migrate_id(c2, cch2) == 0 && c2->channel == cch2, "migrate");
+	CHECK(rdma_disconnect(c2) == 0, "disconnect");
+	CHECK(expect(cch2, RDMA_CM_EVENT_DISCONNECTED, NULL),
+	      "DISCONNECTED on the new channel");
+	CHECK(expect(sch, RDMA_CM_EVENT_DISCONNECTED, NULL), "peer DISCONNECTED");
+	CHECK(rdma_disconnect(child) == 0, "second side's disconnect");
+
+	rdma_destroy_qp(c2);
+	rdma_destroy_id(c2);
+	if (child) {
+		rdma_destroy_qp(child);
+		rdma_destroy_id(child);
+	}
+
+	/* Destroying a connected QP closes its connection: both ids hear. */
+	c2 = client(cch, (struct sockaddr *)&dst);
+	CHECK(c2 != NULL && rdma_connect(c2, NULL) == 0, "connect 3");
+	child = NULL;
+	if (expect(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
+		child = ev->id;
+		rdma_ack_cm_event(ev);
+		CHECK(rdma_create_qp(child, NULL, &attr) == 0, "child QP 3");
+		CHECK(rdma_accept(child, NULL) == 0, "accept with no conn_param");
+	}
+	CHECK(expect(sch, RDMA_CM_EVENT_ESTABLISHED, NULL), "server ESTABLISHED 3");
+	CHECK(expect(cch, RDMA_CM_EVENT_ESTABLISHED, NULL), "client ESTABLISHED 3");
+	rdma_destroy_qp(c2);
+	CHECK(c2->qp == NULL, "rdma_destroy_qp clears id->qp");
+	CHECK(expect(sch, RDMA_CM_EVENT_DISCONNECTED, NULL),
+	      "peer DISCONNECTED after ibv_destroy_qp");
+	CHECK(expect(cch, RDMA_CM_EVENT_DISCONNECTED, NULL),
+	      "own DISCONNECTED after ibv_destroy_qp");
+	rdma_destroy_id(c2);
+	if (child) {
+		rdma_destroy_qp(child);
+		rdma_destroy_id(child);
+	}
+	CHECK(rdma_destroy_id(listen) == 0, "destroy listener");
+	CHECK(rdma_destroy_id(listen) == -1 && errno == EINVAL, "destroy twice: EINVAL");
+	rdma_destroy_event_channel(cch2);
+	rdma_destroy_event_channel(cch);
+	rdma_destroy_event_channel(sch);
+	rdma_freeaddrinfo(res);
+	CHECK(!strcmp(rdma_event_str(RDMA_CM_EVENT_ESTABLISHED),
+		      "RDMA_CM_EVENT_ESTABLISHED"), "rdma_event_str");
+
+	printf("cm_edge: %d passed, %d failed\n", passed, failed);
+	return failed != 0;
+}
