@@ -92,7 +92,7 @@ pair() {
 
 suite() {
     local user=$1 tag=$2
-    single "$tag-ibv_devices" "$user" 'stag0 +0273746167000001' ibv_devices
+    single "$tag-ibv_devices" "$user" 'stag0[[:space:]]+0273746167000001' ibv_devices
     single "$tag-ibv_devinfo" "$user" 'PORT_ACTIVE' ibv_devinfo -v -d stag0
     for t in write_lat read_lat send_lat atomic_lat write_bw read_bw send_bw; do
         port=$((port + 1))
@@ -103,7 +103,7 @@ suite() {
     done
     port=$((port + 1))
     pair "$tag-rping" "$user" "$port" "rping -s -a 127.0.0.1 -p $port -C 1000 -V" \
-        "rping -c -a 127.0.0.1 -p $port -C 1000 -V"
+        "rping -c -a 127.0.0.1 -p $port -C 1000 -V -v" 'ping data: rdma-ping-999: ' 
     port=$((port + 1))
     pair "$tag-rdma_server" "$user" "$port" "rdma_server -p $port" \
         "rdma_client -s 127.0.0.1 -p $port" 'rdma_client: end 0'
@@ -124,7 +124,7 @@ if ((!QUICK)); then
     if "$STAG" install >"$out/install.run.log" 2>&1 &&
         env -i HOME=/root PATH=/usr/bin:/bin bash -l -c 'ibv_devices; ibv_devinfo -d stag0' \
             >>"$out/install.run.log" 2>&1 &&
-        grep -q 'stag0 *0273746167000001' "$out/install.run.log" &&
+        grep -q 'stag0[[:space:]]*0273746167000001' "$out/install.run.log" &&
         grep -q 'PORT_ACTIVE' "$out/install.run.log"; then
         pass install
     else

@@ -9,22 +9,49 @@
 # and exits non-zero on any failure, including a VM that cannot run (then the
 # summary counts it as a failure: never a silent pass).
 #
-#   scripts/vm-suite.sh [--kernel 6.12|6.1] [--timeout SECS]
+#   scripts/vm-suite.sh [--kernel 6.12|6.1] [--rdma-core 44|55] [--timeout SECS]
+#
+# --rdma-core 44 (the default) runs on Debian 12's rdma-core. 55 builds
+# rdma-core v55 (scripts/rdma-core.sh, cached), builds stag against its
+# headers (ibv_wr_flush compiled in; in target/rdma-core-55) and runs
+# everything in the guest with its libibverbs, librdmacm and providers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KERNEL=${STAG_VM_KERNEL:-6.12}
+RDMA_CORE=44
 TIMEOUT=900
 while (($#)); do
     case $1 in
     --kernel) KERNEL=$2; shift 2 ;;
+    --rdma-core) RDMA_CORE=$2; shift 2 ;;
     --timeout) TIMEOUT=$2; shift 2 ;;
-    -h | --help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "vm-suite: unknown argument $1" >&2; exit 2 ;;
     esac
 done
 
-echo "== vm-suite: building on the host"
+# What the guest checks the loaded library against (suite.sh).
+export STAG_RDMA_CORE=$RDMA_CORE
+case $RDMA_CORE in
+44)
+    export STAG_SUITE_BIN=${CARGO_TARGET_DIR:-target}/debug
+    unset STAG_RDMA_LIB
+    ;;
+55)
+    prefix=$(bash scripts/rdma-core.sh)
+    export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}/rdma-core-55
+    export STAG_RDMA_INCLUDE_DIR=$prefix/include
+    export STAG_SUITE_BIN=$CARGO_TARGET_DIR/debug STAG_RDMA_LIB=$prefix/lib
+    ;;
+*) echo "vm-suite: --rdma-core takes 44 or 55" >&2; exit 2 ;;
+esac
+
+echo "== vm-suite: building on the host (rdma-core $RDMA_CORE)"
 cargo build --quiet --bins --examples
+if [[ $RDMA_CORE == 55 ]]; then
+    grep -qh 'rustc-cfg=has_ibv_wr_flush' "$CARGO_TARGET_DIR"/debug/build/rdma-sys-ext-*/output ||
+        { echo "vm-suite: the build did not see ibv_wr_flush in $STAG_RDMA_INCLUDE_DIR" >&2; exit 1; }
+fi
 # The test executables, by target name (cargo prints each as JSON).
 tests=()
 while IFS= read -r line; do
@@ -63,5 +90,6 @@ if ((rc != 0 && failed == 0)); then
     echo "vm-suite: vm.sh exited $rc" >&2
     failed=$((failed + 1))
 fi
+echo "== vm-suite: kernel $KERNEL, rdma-core $RDMA_CORE"
 echo "vm-suite: $passed passed, $failed failed"
 ((failed == 0))

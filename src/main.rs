@@ -99,6 +99,9 @@ fn devices(verbose: bool, json: bool) -> i32 {
             let short = match support {
                 verbs::Support::Native => "native".to_owned(),
                 verbs::Support::Emulated { .. } if !verbose => "emulated".to_owned(),
+                verbs::Support::NativeExcept { .. } if !verbose => {
+                    "native (some targets emulated)".to_owned()
+                }
                 verbs::Support::Unsupported { .. } if !verbose => "unsupported".to_owned(),
                 other => other.to_string(),
             };

@@ -47,9 +47,9 @@ case_() {
 
 # The kernel's side names siw0 explicitly; stag0's side names stag0.
 case_ rping-stag-server 22001 stag "rping -s -a $addr -p 22001 -C 200 -V" \
-    "rping -c -a $addr -p 22001 -C 200 -V" .
+    "rping -c -a $addr -p 22001 -C 200 -V -v" 'ping data: rdma-ping-199: ' 
 case_ rping-siw-server 22002 siw "rping -s -a $addr -p 22002 -C 200 -V" \
-    "rping -c -a $addr -p 22002 -C 200 -V" .
+    "rping -c -a $addr -p 22002 -C 200 -V -v" 'ping data: rdma-ping-199: ' 
 case_ ib_write_lat-stag-server 22003 stag "ib_write_lat -R -d stag0 -p 22003 -n 200 -s 64" \
     "ib_write_lat -R -d siw0 -p 22003 -n 200 -s 64 $addr" '^ *64 '
 case_ ib_write_lat-siw-server 22004 siw "ib_write_lat -R -d siw0 -p 22004 -n 200 -s 64" \

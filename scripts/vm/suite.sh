@@ -8,6 +8,13 @@ shift
 passed=0 failed=0
 failures=()
 : "${STAG_RXE_DEV:?not inside vm.sh}"
+# Set by vm-suite.sh: where stag and the examples were built, which
+# rdma-core release they run on, and (for a private build) its lib/.
+bin=${STAG_SUITE_BIN:-target/debug}
+rdma_core=${STAG_RDMA_CORE:-44}
+if [[ -n ${STAG_RDMA_LIB:-} ]]; then
+    export LD_LIBRARY_PATH=$STAG_RDMA_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 
 # One test executable: count its tests from libtest's summary line; a
 # crash or timeout without one counts as one failure.
@@ -63,10 +70,16 @@ check_caps() { # dev kind(rxe|siw) matrix-file
         expect cmp-swap ' native$'
         expect masked-fetch-add 'emulated \(RDMA Read, then CmpSwap'
         expect swap 'emulated \(RDMA Read, then CmpSwap'
-        if [[ $STAG_VM_KERNEL == 6.12 ]]; then
+        if [[ $STAG_VM_KERNEL == 6.12 && $rdma_core == 55 ]]; then
             # 6.12's rxe advertises FLUSH and ATOMIC_WRITE
-            # (device_cap_flags_ex bits 38-40); librxe takes the flag.
-            expect commit 'advertises FLUSH \(global\+persistent\)'
+            # (device_cap_flags_ex bits 38-40), and rdma-core 55's librxe
+            # takes IBV_QP_EX_WITH_FLUSH: Commit is a device FLUSH, except
+            # into file-backed regions (the agent's msync).
+            expect commit '^  commit +native \(ibv_wr_flush, IBV_FLUSH_GLOBAL: .*\); file-backed regions \(.*\): emulated \(a zero-length RDMA Read places earlier Writes, then the responder.s stag agent msyncs; ≥2 RTT\)$'
+            expect atomic-write ' native$'
+        elif [[ $STAG_VM_KERNEL == 6.12 ]]; then
+            # rdma-core 44 has ibv_wr_atomic_write but no ibv_wr_flush.
+            expect commit 'advertises FLUSH \(global\+persistent\), but stag was built against an rdma-core without ibv_wr_flush'
             expect atomic-write ' native$'
         else
             expect atomic-write 'emulated \(RDMA Read, then CmpSwap'
@@ -86,9 +99,15 @@ check_caps() { # dev kind(rxe|siw) matrix-file
     return $ok
 }
 
-echo "== kernel $(uname -r)"
+echo "== kernel $(uname -r), rdma-core $rdma_core"
+# The library the binaries load is the release this run is about.
+lib=$(ldd "$bin/stag" | sed -n 's/^[[:space:]]*libibverbs.so.1 => \([^ ]*\).*/\1/p')
+lib=$(readlink -f "$lib")
+echo "   libibverbs: $lib"
+[[ $lib == *libibverbs.so.1.*.$rdma_core.0 ]]
+one "libibverbs is rdma-core $rdma_core" $?
 matrix=$(mktemp)
-target/debug/stag devices -v >"$matrix" 2>&1
+"$bin/stag" devices -v >"$matrix" 2>&1
 cat "$matrix"
 for kind in rxe siw; do
     # rxe's provider has the extended ibv_wr_* API; libsiw has none.
@@ -99,6 +118,13 @@ for kind in rxe siw; do
     fi
     export STAG_DEVICE=$dev STAG_ADDR=$addr STAG_IBV_DEVICE=$dev STAG_IBV_ADDR=$addr
     export STAG_EXPECT_POST_PATH=$post
+    # What must run natively here (operations.rs checks the path it took).
+    native=
+    if [[ $kind == rxe && $STAG_VM_KERNEL == 6.12 ]]; then
+        native=atomic-write
+        [[ $rdma_core == 55 ]] && native=commit,atomic-write
+    fi
+    export STAG_EXPECT_NATIVE=$native
     echo "== $dev ($addr)"
     check_caps "$dev" "$kind" "$matrix"
     one "capability matrix" $?
@@ -116,7 +142,7 @@ for kind in rxe siw; do
     done
     for e in quickstart counter lock durable_log stream; do
         log=$(mktemp)
-        timeout 300 "target/debug/examples/$e" >"$log" 2>&1
+        timeout 300 "$bin/examples/$e" >"$log" 2>&1
         r=$?
         one "example $e" $r
         ((r == 0)) || tail -n 20 "$log" | sed 's/^/      /'

@@ -67,6 +67,7 @@ fn plan_of(args: &BwArgs) -> Result<Plan> {
         sizes: sizes(c.op, c.size, c.all, DEFAULT_SIZE)?,
         iters,
         tx_depth: args.tx_depth,
+        commit_to_memory: c.commit_to_memory,
     })
 }
 

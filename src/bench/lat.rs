@@ -69,6 +69,7 @@ fn plan_of(args: &LatArgs) -> Result<Plan> {
         sizes: sizes(c.op, c.size, c.all, 2)?,
         iters,
         tx_depth: 1,
+        commit_to_memory: c.commit_to_memory,
     })
 }
 
@@ -85,7 +86,10 @@ pub fn run_lat(args: LatArgs) -> Result<()> {
     let client = |ctx: Context, addr: SocketAddr| -> Result<(RunInfo, Vec<Measured>)> {
         let mut ep = connect_client(&ctx, &plan, common.all, addr, blocking)?;
         let results = measure(&mut ep, &plan)?;
-        Ok((RunInfo::new(&ctx, &ep.qp, &common, Test::Lat), results))
+        let mut info = RunInfo::new(&ctx, &ep.qp, &common, Test::Lat);
+        let ops = u64::from(plan.warmup() + plan.iters) * plan.sizes.len() as u64;
+        info.round_trips = Some(super::RoundTrips::of(ep.qp.emulation_counters(), ops));
+        Ok((info, results))
     };
     let Some((info, results)) = super::run_roles(&common, server, client)? else {
         eprintln!("# {} latency server done", op);

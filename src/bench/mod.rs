@@ -203,6 +203,11 @@ pub struct CommonArgs {
     /// Atomics, Immediate Data or Commit on the wire: they are emulated).
     #[arg(long)]
     pub rfc5040: bool,
+    /// Commit: target a memory region at the server instead of a file
+    /// (a device FLUSH commits memory alone; a file also needs the
+    /// server's msync). The client's choice; the server follows it.
+    #[arg(long)]
+    pub commit_to_memory: bool,
     /// Address the server listens on (default 0.0.0.0; 127.0.0.1 with
     /// --loopback). libibverbs devices need the device's own address.
     #[arg(long)]
@@ -295,6 +300,8 @@ pub(crate) struct Plan {
     pub iters: u32,
     /// Outstanding WRs for bandwidth tests.
     pub tx_depth: u32,
+    /// Commit: the server's target is memory, not a file.
+    pub commit_to_memory: bool,
 }
 
 impl Plan {
@@ -328,6 +335,8 @@ pub(crate) struct Hello {
     pub size: u32,
     pub iters: u32,
     pub tx_depth: u16,
+    /// Commit: the server's target is memory, not a file.
+    pub commit_to_memory: bool,
     /// The sender's target buffer.
     pub target: Remote,
 }
@@ -356,7 +365,7 @@ impl Hello {
         b.extend_from_slice(&self.size.to_be_bytes());
         b.extend_from_slice(&self.iters.to_be_bytes());
         b.extend_from_slice(&self.tx_depth.to_be_bytes());
-        b.extend_from_slice(&[0, 0]);
+        b.extend_from_slice(&[u8::from(self.commit_to_memory), 0]);
         b.extend_from_slice(&self.target.addr.to_be_bytes());
         b.extend_from_slice(&self.target.rkey.to_be_bytes());
         debug_assert_eq!(b.len(), HELLO_LEN);
@@ -387,6 +396,7 @@ impl Hello {
             size: u32_at(8),
             iters: u32_at(12),
             tx_depth: u16::from_be_bytes([b[16], b[17]]),
+            commit_to_memory: b[18] & 1 != 0,
             target: Remote {
                 addr: u64::from_be_bytes(b[20..28].try_into().expect("8 bytes")),
                 rkey: u32_at(28),
@@ -468,17 +478,18 @@ impl Buffers {
         let pd = ctx.alloc_pd()?;
         let cq = ctx.create_cq(4 * (RX_DEPTH + 2 * plan.tx_depth) + 64)?;
         let len = plan.buf_len();
-        let (data, durable) = if plan.op == OpKind::Commit && role == Role::Server {
-            let path = std::env::temp_dir().join(format!(
-                "stag-bench-commit-{}-{}.bin",
-                std::process::id(),
-                ctx.name()
-            ));
-            let mr = pd.alloc_file_mr(&path, len, ALL_ACCESS)?;
-            (mr, Some(path))
-        } else {
-            (pd.alloc_mr(len, ALL_ACCESS)?, None)
-        };
+        let (data, durable) =
+            if plan.op == OpKind::Commit && role == Role::Server && !plan.commit_to_memory {
+                let path = std::env::temp_dir().join(format!(
+                    "stag-bench-commit-{}-{}.bin",
+                    std::process::id(),
+                    ctx.name()
+                ));
+                let mr = pd.alloc_file_mr(&path, len, ALL_ACCESS)?;
+                (mr, Some(path))
+            } else {
+                (pd.alloc_mr(len, ALL_ACCESS)?, None)
+            };
         let local = pd.alloc_mr(len, ALL_ACCESS)?;
         let rx = pd.alloc_mr((plan.max_size() as usize).max(64), ALL_ACCESS)?;
         let ctl = pd.alloc_mr(64, ALL_ACCESS)?;
@@ -768,7 +779,7 @@ pub(crate) fn open_context(common: &CommonArgs) -> Result<Context> {
     };
     let ctx = Context::open_with(&name, &opts)?;
     for &k in &common.emulate {
-        if *ctx.capabilities().get(k) == Support::Native {
+        if ctx.capabilities().get(k).is_native() {
             warn!(op = %k, "no emulation exists for {k}; it stays native");
         }
     }
@@ -817,6 +828,7 @@ pub(crate) fn connect_client(
         size: if all { 0 } else { plan.sizes[0] },
         iters: plan.iters,
         tx_depth: plan.tx_depth as u16,
+        commit_to_memory: plan.commit_to_memory,
         target: bufs.data.remote(0),
     };
     let opts = connect_options(plan, hello.encode());
@@ -865,6 +877,7 @@ pub(crate) fn accept_server(
         sizes: sizes(op, (!hello.all).then_some(default), hello.all, default)?,
         iters: hello.iters,
         tx_depth: u32::from(hello.tx_depth).max(1),
+        commit_to_memory: hello.commit_to_memory,
     };
     let bufs = Buffers::new(ctx, &plan, Role::Server)?;
     let ours = Hello {
@@ -953,6 +966,9 @@ fn common_op(common: &CommonArgs) -> OpKind {
 pub(crate) fn support_label(qp: &QueuePair, op: OpKind) -> String {
     match qp.capabilities().get(op) {
         Support::Native => "native".into(),
+        // Commit through a device FLUSH: which one ran depends on the
+        // target, and the round-trip count says it.
+        Support::NativeExcept { .. } => "native; file-backed targets emulated".into(),
         Support::Emulated { .. } => "emulated".into(),
         Support::Unsupported { .. } => "unsupported".into(),
     }
@@ -982,6 +998,51 @@ pub struct RunInfo {
     pub completions: &'static str,
     /// 2 when one-way latency is half the round trip, else 1.
     pub latency_factor: u32,
+    /// What the operations cost in round trips, counted (latency runs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub round_trips: Option<RoundTrips>,
+}
+
+/// The round trips a run's operations took, from the client QP's
+/// counters: device work requests that wait for the responder (Reads,
+/// atomics, Atomic Writes, FLUSHes; a Commit's Write does not wait) and
+/// requests to the server's stag agent, per operation posted.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct RoundTrips {
+    /// Operations posted (warm-up included).
+    pub ops: u64,
+    /// The client QP's counters after the run.
+    pub counters: stag::verbs::EmulationCounters,
+    /// (device round trips + agent requests) / ops.
+    pub per_op: f64,
+}
+
+impl RoundTrips {
+    pub(crate) fn of(counters: stag::verbs::EmulationCounters, ops: u64) -> RoundTrips {
+        let total = counters.device_round_trips + counters.agent_requests;
+        RoundTrips {
+            ops,
+            counters,
+            per_op: if ops == 0 {
+                0.0
+            } else {
+                total as f64 / ops as f64
+            },
+        }
+    }
+
+    /// One line for the banner.
+    pub(crate) fn line(&self) -> String {
+        let per = |n: u64| n as f64 / self.ops.max(1) as f64;
+        format!(
+            " Round trips    : {:.2} per operation (device {:.2}, stag agent {:.2}; \
+             CmpSwap-loop WRs {:.2})\n",
+            self.per_op,
+            per(self.counters.device_round_trips),
+            per(self.counters.agent_requests),
+            per(self.counters.cas_steps),
+        )
+    }
 }
 
 impl RunInfo {
@@ -996,7 +1057,7 @@ impl RunInfo {
             not_emulated: common
                 .emulate
                 .iter()
-                .filter(|&&k| *ctx.capabilities().get(k) == Support::Native)
+                .filter(|&&k| ctx.capabilities().get(k).is_native())
                 .map(|k| k.name().to_owned())
                 .collect(),
             post_path: ctx.capabilities().post_path,
@@ -1009,6 +1070,7 @@ impl RunInfo {
                 Shape::PingPong => 2,
                 Shape::RoundTrip => 1,
             },
+            round_trips: None,
         }
     }
 
@@ -1040,6 +1102,9 @@ impl RunInfo {
                     "round trip"
                 }
             );
+        }
+        if let Some(rt) = &self.round_trips {
+            s += &rt.line();
         }
         s += extra;
         s += &line;
@@ -1179,6 +1244,7 @@ mod tests {
             size: 0,
             iters: 5000,
             tx_depth: 128,
+            commit_to_memory: true,
             target: Remote {
                 addr: 0x7f00_dead_beef_0000,
                 rkey: 0x1234_5678,
@@ -1187,6 +1253,11 @@ mod tests {
         let b = h.encode();
         assert_eq!(b.len(), HELLO_LEN);
         assert_eq!(Hello::decode(&b).unwrap(), h);
+        let file = Hello {
+            commit_to_memory: false,
+            ..h
+        };
+        assert_eq!(Hello::decode(&file.encode()).unwrap(), file);
         assert!(Hello::decode(&b[..20]).is_err());
         assert!(Hello::decode(b"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx").is_err());
     }

@@ -1,5 +1,6 @@
 //! The agent channel: what lets two stag peers emulate what their devices
-//! lack (atomics on siw, Commit without FLUSH, 8-byte Immediate Data).
+//! lack (atomics on siw, Commit without a device FLUSH or into a
+//! file-backed region, 8-byte Immediate Data).
 //!
 //! When either side of a connection needs it, the initiator opens a second
 //! connection to the same listener, marked in its private data as the agent
@@ -147,6 +148,12 @@ const SOLICITED: u64 = 1 << 63;
 const KIND_REQUEST: u8 = 1;
 const KIND_RESPONSE: u8 = 2;
 
+/// A Commit's answer (in the "original value" field) when the region is a
+/// device FLUSH target: the requester's device FLUSH is its whole Commit
+/// from now on. A durable region answers 0 after its msync, and so does
+/// an agent that predates this answer: the requester keeps asking.
+pub(crate) const FLUSH_TARGET: u64 = u64::from_le_bytes(*b"STAGFLSH");
+
 /// What the agent is asked to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum AgentOp {
@@ -230,6 +237,10 @@ pub(crate) struct Agent {
     pub zero_sends: Mutex<u64>,
     /// Zero-length receives completed on the main QP so far.
     zero_recvs: AtomicU64,
+    /// Requests sent to the peer's agent, and the peer's requests run
+    /// here: what shows whether an operation took the emulation path.
+    requests_sent: AtomicU64,
+    requests_served: AtomicU64,
     stop: AtomicBool,
 }
 
@@ -291,6 +302,8 @@ impl AgentSetup {
             waiting: Mutex::new(HashMap::new()),
             zero_sends: Mutex::new(0),
             zero_recvs: AtomicU64::new(0),
+            requests_sent: AtomicU64::new(0),
+            requests_served: AtomicU64::new(0),
             stop: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&agent);
@@ -385,7 +398,16 @@ impl Agent {
                 .remove(&req_id);
             return Err(e);
         }
+        self.requests_sent.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// (requests sent to the peer's agent, peer requests run here).
+    pub fn counts(&self) -> (u64, u64) {
+        (
+            self.requests_sent.load(Ordering::Relaxed),
+            self.requests_served.load(Ordering::Relaxed),
+        )
     }
 
     fn handle(&self, c: Completion) {
@@ -443,6 +465,7 @@ impl Agent {
         }
         match m[4] {
             KIND_REQUEST => {
+                self.requests_served.fetch_add(1, Ordering::Relaxed);
                 let req_id = le64(m, 8);
                 let (status, original) = match self.execute(m) {
                     Ok(v) => (0, v),
@@ -514,6 +537,11 @@ impl Agent {
                 return Err(Refusal::Access);
             }
             let off = mr.offset_of(addr, len as u64).ok_or(Refusal::Bounds)?;
+            if mr.device_flush() {
+                // Placed by the requester's ordering Read; the device
+                // FLUSH can do this alone next time.
+                return Ok(FLUSH_TARGET);
+            }
             if mr.is_durable() && len > 0 {
                 match mr.region().sync_range(off, len as usize) {
                     Ok(Ok(())) => {}

@@ -132,7 +132,7 @@ impl Emulation {
         }
     }
 
-    fn support_for(self, op: OpKind) -> Support {
+    pub(crate) fn support_for(self, op: OpKind) -> Support {
         let (how, round_trips) = self.describe(op);
         Support::Emulated {
             method: self,
@@ -157,6 +157,22 @@ pub enum Support {
         /// Network round trips it costs, best case.
         round_trips: u32,
     },
+    /// The device does it for some targets, stag's emulation for the
+    /// rest: Commit through a device FLUSH, which places data in memory
+    /// and makes it visible but cannot write a file-backed region to its
+    /// file.
+    NativeExcept {
+        /// What the device does, in words.
+        how: String,
+        /// Which targets it cannot serve, and why.
+        except: String,
+        /// Which emulation serves those.
+        method: Emulation,
+        /// How, in words.
+        emulated: String,
+        /// Network round trips the emulated case costs, best case.
+        round_trips: u32,
+    },
     /// Neither.
     Unsupported {
         /// Why.
@@ -165,10 +181,27 @@ pub enum Support {
 }
 
 impl Support {
-    /// Which emulation runs it, if one does.
+    /// Which emulation runs it, if one does for every target.
     pub fn emulation(&self) -> Option<Emulation> {
         match self {
             Support::Emulated { method, .. } => Some(*method),
+            _ => None,
+        }
+    }
+
+    /// Whether the device executes it (for every target, or for those
+    /// [`Support::NativeExcept`] does not except): what a stag peer is
+    /// told the device executes.
+    pub fn is_native(&self) -> bool {
+        matches!(self, Support::Native | Support::NativeExcept { .. })
+    }
+
+    /// Which emulation serves some or all of its targets.
+    pub fn any_emulation(&self) -> Option<Emulation> {
+        match self {
+            Support::Emulated { method, .. } | Support::NativeExcept { method, .. } => {
+                Some(*method)
+            }
             _ => None,
         }
     }
@@ -192,6 +225,16 @@ impl fmt::Display for Support {
                     write!(f, "emulated ({how}; ≥{round_trips} RTT)")
                 }
             }
+            Support::NativeExcept {
+                how,
+                except,
+                emulated,
+                round_trips,
+                ..
+            } => write!(
+                f,
+                "native ({how}); {except}: emulated ({emulated}; ≥{round_trips} RTT)"
+            ),
             Support::Unsupported { why } => write!(f, "unsupported ({why})"),
         }
     }
@@ -233,6 +276,29 @@ pub struct Capabilities {
     pub post_path: PostPath,
     /// One entry per operation, in [`OpKind::ALL`] order.
     pub ops: Vec<(OpKind, Support)>,
+}
+
+/// Commit through `ibv_wr_flush`, and what that does not reach. stag's
+/// durable regions are page-cache file mappings that reach their file by
+/// msync; rxe registers FLUSH_PERSISTENT rights on pmem pages only, and a
+/// global FLUSH makes data visible, not durable. So a device FLUSH is the
+/// whole Commit for memory regions, and file-backed regions, which get no
+/// FLUSH rights at the responder (a FLUSH to one fails instead of
+/// pretending), keep the read-after-write + msync of the agent.
+fn native_flush_commit() -> Support {
+    let (emulated, round_trips) = Emulation::Agent.describe(OpKind::Commit);
+    Support::NativeExcept {
+        how: "ibv_wr_flush, IBV_FLUSH_GLOBAL: placed and globally visible at the responder; \
+              1 RTT, no agent"
+            .into(),
+        except: "file-backed regions (rxe FLUSHes to persistence only into pmem, and a \
+                 global FLUSH leaves the page cache unwritten; the first Commit to a region \
+                 asks the responder's agent which kind it is)"
+            .into(),
+        method: Emulation::Agent,
+        emulated: emulated.into(),
+        round_trips,
+    }
 }
 
 /// How a CmpSwap retry loop emulates an atomic: read the target, then
@@ -325,32 +391,29 @@ impl Capabilities {
                 | OpKind::MaskedCmpSwap
                 | OpKind::Swap
                 | OpKind::AtomicWrite => Emulation::Agent.support_for(k),
-                // Commit promises durability. A native FLUSH would need
-                // rdma-core ≥ 45 (Debian 12 has 44) and, to be durable, a
-                // persistent FLUSH into pmem; stag's durable regions are
-                // files, made durable by msync. So the agent commits, and
-                // the report says what the device advertises.
+                // Commit by one ibv_wr_flush: the device advertises FLUSH
+                // (rxe from Linux 6.2) and its provider library takes
+                // IBV_QP_EX_WITH_FLUSH (rdma-core >= 45).
+                OpKind::Commit if attr.commit_by_flush() => native_flush_commit(),
                 OpKind::Commit => {
                     let mut s = Emulation::Agent.support_for(k);
                     if attr.flush_global || attr.flush_persistent {
                         if let Support::Emulated { how, .. } = &mut s {
                             how.push_str(&format!(
-                                "; the device advertises FLUSH ({}{}), but {}a persistent FLUSH \
-                                 is only as durable as the responder's memory (rxe grants \
-                                 FLUSH_PERSISTENT access to pmem pages only) and stag's durable \
-                                 regions are page-cache files that need msync",
-                                if attr.flush_global { "global" } else { "" },
+                                "; the device advertises FLUSH ({}), but {}",
                                 match (attr.flush_global, attr.flush_persistent) {
-                                    (true, true) => "+persistent",
-                                    (false, true) => "persistent",
-                                    _ => "",
+                                    (true, true) => "global+persistent",
+                                    (true, false) => "global",
+                                    _ => "persistent",
                                 },
                                 if !crate::ibv::HAS_WR_FLUSH {
-                                    "the installed rdma-core has no ibv_wr_flush (≥ 45 has), and "
+                                    "stag was built against an rdma-core without ibv_wr_flush \
+                                     (>= 45 has it)"
                                 } else if !attr.wr_flush {
-                                    "its provider library refuses IBV_QP_EX_WITH_FLUSH, and "
+                                    "its provider library refuses IBV_QP_EX_WITH_FLUSH"
                                 } else {
-                                    ""
+                                    "not FLUSH global, and a persistent FLUSH reaches pmem \
+                                     pages only"
                                 }
                             ));
                         }
@@ -378,7 +441,7 @@ impl Capabilities {
     /// Commit by the agent, Immediate Data by the mailbox.
     pub fn force_emulation(&mut self, ops: &[OpKind]) {
         for (k, s) in self.ops.iter_mut() {
-            if !ops.contains(k) || *s != Support::Native {
+            if !ops.contains(k) || !s.is_native() {
                 continue;
             }
             let method = match k {
@@ -399,7 +462,7 @@ impl Capabilities {
     pub fn needs_agent(&self) -> bool {
         self.ops
             .iter()
-            .any(|(_, s)| s.emulation().is_some_and(Emulation::needs_peer))
+            .any(|(_, s)| s.any_emulation().is_some_and(Emulation::needs_peer))
     }
 }
 
@@ -496,12 +559,17 @@ pub(crate) fn gap_needs_agent(native: OpSet, peer_native: OpSet) -> bool {
 
 impl Capabilities {
     /// Posting with `ibv_post_send`: Atomic Write, which stag posts with
-    /// `ibv_wr_atomic_write` only, falls back to the CmpSwap loop.
+    /// `ibv_wr_atomic_write` only, falls back to the CmpSwap loop, and
+    /// Commit, posted with `ibv_wr_flush` only, to the agent.
     pub(crate) fn on_legacy_post(&mut self) {
         self.post_path = PostPath::Legacy;
         for (k, s) in self.ops.iter_mut() {
             if *k == OpKind::AtomicWrite && *s == Support::Native {
                 *s = Emulation::CasLoop.support_for(*k);
+            }
+            // ... and Commit, posted with ibv_wr_flush only.
+            if *k == OpKind::Commit && s.is_native() {
+                *s = Emulation::Agent.support_for(*k);
             }
         }
     }
@@ -510,7 +578,7 @@ impl Capabilities {
     pub fn native_ops(&self) -> OpSet {
         self.ops
             .iter()
-            .filter(|(_, s)| *s == Support::Native)
+            .filter(|(_, s)| s.is_native())
             .map(|&(k, _)| k)
             .collect()
     }
@@ -538,6 +606,11 @@ impl Capabilities {
     /// What needs the peer's agent becomes unsupported.
     fn without_agent(&mut self) {
         for (_, s) in self.ops.iter_mut() {
+            // A peer without stag has no file-backed stag regions to
+            // except: the device FLUSH is all a Commit can be there.
+            if let Support::NativeExcept { .. } = s {
+                *s = Support::Native;
+            }
             if let Support::Emulated { method, how, .. } = s {
                 if method.needs_peer() {
                     *s = Support::Unsupported {
@@ -558,7 +631,7 @@ impl Capabilities {
             self.get(OpKind::CmpSwap) == &Support::Native && peer_native.contains(OpKind::CmpSwap);
         for (k, s) in out.ops.iter_mut() {
             let peer_has = peer_native.contains(*k);
-            let was_native = *s == Support::Native;
+            let was_native = s.is_native();
             let new = if k.is_atomic() {
                 match s {
                     Support::Native if peer_has && cas_native => continue,
@@ -573,17 +646,19 @@ impl Capabilities {
                 }
             } else {
                 match s {
-                    Support::Native if !peer_has => match fallback(*k, peer_native) {
-                        Some(e) => e,
-                        None => {
-                            *s = Support::Unsupported {
-                                why: format!(
+                    Support::Native | Support::NativeExcept { .. } if !peer_has => {
+                        match fallback(*k, peer_native) {
+                            Some(e) => e,
+                            None => {
+                                *s = Support::Unsupported {
+                                    why: format!(
                                     "the peer's device cannot execute {k} and it has no emulation"
                                 ),
-                            };
-                            continue;
+                                };
+                                continue;
+                            }
                         }
-                    },
+                    }
                     _ => continue,
                 }
             };
@@ -717,5 +792,126 @@ mod tests {
         assert!(!conn.needs_agent());
         let full = Capabilities::userspace("stag0");
         assert_eq!(full.for_connection(&[], None), full);
+    }
+
+    /// rxe as each (kernel, rdma-core) pair shows it: the kernel decides
+    /// the FLUSH and ATOMIC_WRITE bits (Linux >= 6.2), the library whether
+    /// `IBV_QP_EX_WITH_FLUSH` is taken (rdma-core >= 45; Atomic Write's
+    /// flag is in 44 already).
+    fn rxe(kernel_6_12: bool, rdma_core_55: bool) -> DeviceAttr {
+        use crate::ibv::{NodeType, SendOps, Transport};
+        DeviceAttr {
+            name: "rxe0".into(),
+            fw_ver: String::new(),
+            node_guid: 0,
+            vendor_id: 0xffffff,
+            vendor_part_id: 0,
+            max_qp: 1,
+            max_qp_wr: 1,
+            max_sge: 1,
+            max_sge_rd: 1,
+            max_cq: 1,
+            max_cqe: 1,
+            max_mr: 1,
+            max_mr_size: 1,
+            max_pd: 1,
+            max_qp_rd_atom: 1,
+            max_qp_init_rd_atom: 1,
+            atomic_cap: AtomicCap::Hca,
+            phys_port_cnt: 1,
+            device_cap_flags: 0,
+            device_cap_flags_ex: 0,
+            extended: true,
+            flush_global: kernel_6_12,
+            flush_persistent: kernel_6_12,
+            atomic_write: kernel_6_12,
+            node_type: NodeType::Ca,
+            transport: Transport::Ib,
+            wr_ops: SendOps::BASIC_ATOMICS,
+            wr_atomic_write: true,
+            wr_flush: rdma_core_55,
+        }
+    }
+
+    #[test]
+    fn rxe_commit_per_kernel_and_rdma_core() {
+        // 6.12 + 55: a device FLUSH, except into file-backed regions.
+        let c = Capabilities::ibverbs("rxe0", &rxe(true, true));
+        let commit = c.get(OpKind::Commit);
+        assert!(commit.is_native(), "{commit}");
+        assert_eq!(commit.any_emulation(), Some(Emulation::Agent));
+        assert_eq!(commit.emulation(), None);
+        let text = commit.to_string();
+        assert!(
+            text.starts_with("native (ibv_wr_flush, IBV_FLUSH_GLOBAL"),
+            "{text}"
+        );
+        assert!(text.contains("file-backed regions"), "{text}");
+        assert!(text.ends_with("msyncs; ≥2 RTT)"), "{text}");
+        assert!(c.native_ops().contains(OpKind::Commit));
+        assert_eq!(c.get(OpKind::AtomicWrite), &Support::Native);
+        // The file-backed case needs the peer's agent.
+        assert!(c.needs_agent());
+        // 6.12 + 44: the kernel has FLUSH, the library cannot post it.
+        let c = Capabilities::ibverbs("rxe0", &rxe(true, false));
+        let text = c.get(OpKind::Commit).to_string();
+        assert!(
+            text.starts_with("emulated (a zero-length RDMA Read"),
+            "{text}"
+        );
+        assert!(
+            text.contains("advertises FLUSH (global+persistent), but"),
+            "{text}"
+        );
+        assert!(
+            text.contains("without ibv_wr_flush") || text.contains("refuses IBV_QP_EX_WITH_FLUSH"),
+            "{text}"
+        );
+        assert_eq!(c.get(OpKind::AtomicWrite), &Support::Native);
+        // 6.1, either library: no FLUSH, no ATOMIC_WRITE in the kernel.
+        for lib55 in [false, true] {
+            let c = Capabilities::ibverbs("rxe0", &rxe(false, lib55));
+            assert_eq!(
+                c.get(OpKind::Commit).to_string(),
+                "emulated (a zero-length RDMA Read places earlier Writes, then the \
+                 responder's stag agent msyncs; ≥2 RTT)"
+            );
+            assert_eq!(
+                c.get(OpKind::AtomicWrite).emulation(),
+                Some(Emulation::CasLoop)
+            );
+        }
+    }
+
+    #[test]
+    fn a_flush_commit_resolves_against_the_peer() {
+        let dev = Capabilities::ibverbs("rxe0", &rxe(true, true));
+        let native = dev.native_ops();
+        // Both ends FLUSH: it stays a device FLUSH except for files.
+        let both = dev.for_connection(&[], Some(native));
+        assert!(matches!(
+            both.get(OpKind::Commit),
+            Support::NativeExcept { .. }
+        ));
+        // A peer that cannot be FLUSHed into (6.12 + 44): the agent.
+        let old = Capabilities::ibverbs("rxe0", &rxe(true, false)).native_ops();
+        let conn = dev.for_connection(&[], Some(old));
+        assert_eq!(conn.get(OpKind::Commit).emulation(), Some(Emulation::Agent));
+        // A peer without stag has no stag files: the FLUSH is all there is.
+        let plain = dev.for_connection(&[], None);
+        assert_eq!(plain.get(OpKind::Commit), &Support::Native);
+        // --emulate commit, and ibv_post_send: the agent.
+        let forced = dev.for_connection(&[OpKind::Commit], Some(native));
+        assert_eq!(
+            forced.get(OpKind::Commit).emulation(),
+            Some(Emulation::Agent)
+        );
+        let mut legacy = dev.clone();
+        legacy.on_legacy_post();
+        assert_eq!(
+            legacy.get(OpKind::Commit).emulation(),
+            Some(Emulation::Agent)
+        );
+        assert!(!legacy.native_ops().contains(OpKind::Commit));
     }
 }

@@ -161,6 +161,9 @@ impl Context {
             if caps.get(OpKind::AtomicWrite) == &crate::caps::Support::Native {
                 ops = ops | ibv::SendOps::ATOMIC_WRITE;
             }
+            if caps.get(OpKind::Commit).is_native() {
+                ops = ops | ibv::SendOps::FLUSH;
+            }
             let wr_ops = attr.wr_api().then_some(ops);
             (ContextBackend::Ibv(ctx), caps, wr_ops)
         };
@@ -217,6 +220,15 @@ impl Context {
         self.inner
             .device_caps
             .for_connection(&self.inner.forced, peer_native)
+    }
+
+    /// Whether a peer's device FLUSH can be a Commit into its regions: a
+    /// libibverbs device whose Commit is native (FLUSH global advertised
+    /// and posted). Forced emulation does not change what the device
+    /// executes for a peer.
+    pub(crate) fn flush_target(&self) -> bool {
+        matches!(self.inner.backend, ContextBackend::Ibv(_))
+            && self.inner.device_caps.get(OpKind::Commit).is_native()
     }
 
     /// Whether its QPs run the RDMAP extensions on the wire (userspace

@@ -41,6 +41,10 @@ pub(crate) struct MrInner {
     rkey: u32,
     access: Access,
     pd_key: usize,
+    /// The device may execute a peer's FLUSH into it
+    /// (`IBV_ACCESS_FLUSH_GLOBAL`): then a device FLUSH is its whole
+    /// Commit, and the agent says so to a peer that asks.
+    device_flush: bool,
 }
 
 #[derive(Debug)]
@@ -88,6 +92,7 @@ impl MemoryRegion {
         region: Region,
         access: Access,
     ) -> Result<MemoryRegion> {
+        let mut device_flush = false;
         let (registration, lkey, rkey) = match pd.backend() {
             PdBackend::User(upd) => {
                 // SAFETY: the region is owned by the MrInner built below and
@@ -106,17 +111,23 @@ impl MemoryRegion {
                 )
             }
             PdBackend::Ibv(ipd) => {
-                // Commit rights are the emulation layer's business on
-                // libibverbs devices; the device sees the verbs rights.
+                // Commit rights become the device's FLUSH right where a
+                // device FLUSH is the whole Commit: memory, not a
+                // file-backed region (its file needs the agent's msync; a
+                // peer's FLUSH to it then fails instead of claiming
+                // durability). Elsewhere they are the agent's business.
+                let mut flags = ibv_access(access);
+                device_flush = !region.is_durable()
+                    && (access.contains(Access::FLUSH_GLOBAL)
+                        || access.contains(Access::FLUSH_PERSISTENT))
+                    && pd.context().flush_target();
+                if device_flush {
+                    flags |= ibv::AccessFlags::FLUSH_GLOBAL;
+                }
                 // SAFETY: as above; the device may DMA into the mapping
                 // until the ibv MR is dropped, which happens first.
-                let mr = unsafe {
-                    ipd.reg_mr(
-                        region.as_ptr().as_ptr().cast(),
-                        region.len(),
-                        ibv_access(access),
-                    )
-                }?;
+                let mr =
+                    unsafe { ipd.reg_mr(region.as_ptr().as_ptr().cast(), region.len(), flags) }?;
                 let (l, r) = (mr.lkey(), mr.rkey());
                 (Registration::Ibv(mr), l, r)
             }
@@ -129,6 +140,7 @@ impl MemoryRegion {
                 rkey,
                 access,
                 pd_key: pd.key(),
+                device_flush,
             }),
         };
         pd.context().remember_mr(&mr);
@@ -145,6 +157,12 @@ impl MemoryRegion {
 
     pub(crate) fn pd_key(&self) -> usize {
         self.inner.pd_key
+    }
+
+    /// Whether the device executes a peer's FLUSH into it, which is then
+    /// its whole Commit (a memory region on a FLUSH-capable device).
+    pub(crate) fn device_flush(&self) -> bool {
+        self.inner.device_flush
     }
 
     /// The access rights it was registered with.

@@ -7,7 +7,7 @@
 //! completion is polled, so safe code can never unmap memory the device may
 //! still touch.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -16,7 +16,7 @@ use tracing::warn;
 
 use provider::wr::{Remote, SendOp, Sge, WcStatus};
 
-use crate::agent::{Agent, AgentOp};
+use crate::agent::{Agent, AgentOp, FLUSH_TARGET};
 use crate::caps::{Capabilities, Emulation, OpKind, OpSet, PostPath, Support};
 use crate::cq::{Completion, CompletionKind, CompletionQueue, RawCompletion};
 use crate::device::{Context, ProtectionDomain};
@@ -128,6 +128,13 @@ pub(crate) struct QpInner {
     /// 8-byte slots for emulation steps' results.
     scratch: MemoryRegion,
     free_slots: Mutex<Vec<usize>>,
+    /// The peer's regions (by rkey) its agent said are device FLUSH
+    /// targets: a Commit into one is a device FLUSH alone.
+    flush_targets: Mutex<HashSet<u32>>,
+    /// Work requests the CmpSwap loop has posted (Reads and CmpSwaps).
+    cas_steps: AtomicU64,
+    /// Posted WRs that wait for the responder (EmulationCounters).
+    device_round_trips: AtomicU64,
 }
 
 impl std::fmt::Debug for QpInner {
@@ -179,6 +186,24 @@ enum Emu {
     CommitAfterRead { remote: Remote, len: u32 },
     /// RFC 7306 §1.1's FetchAdd of 0; its result goes to the prober.
     Probe { slot: usize },
+}
+
+/// What the emulation layer has done on one connection: with all three at
+/// zero, every operation so far ran natively on the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub struct EmulationCounters {
+    /// Requests this side sent to the peer's stag agent (emulated atomics
+    /// and Commits).
+    pub agent_requests: u64,
+    /// The peer's requests this side's agent ran.
+    pub agent_served: u64,
+    /// Work requests the CmpSwap loop posted (its Reads and CmpSwaps).
+    pub cas_steps: u64,
+    /// Work requests posted to the device that wait for the responder's
+    /// answer: Reads (also a Commit's ordering Read), atomics (also the
+    /// CmpSwap loop's), Atomic Writes and FLUSHes. With `agent_requests`,
+    /// the round trips the operations cost.
+    pub device_round_trips: u64,
 }
 
 /// What RFC 7306 §1.1's probe learnt of the peer's atomics.
@@ -235,6 +260,9 @@ impl QpInner {
             srq,
             scratch,
             free_slots: Mutex::new((0..SCRATCH_SLOTS).rev().collect()),
+            flush_targets: Mutex::new(HashSet::new()),
+            cas_steps: AtomicU64::new(0),
+            device_round_trips: AtomicU64::new(0),
         })
     }
     fn token(&self) -> u64 {
@@ -256,6 +284,20 @@ impl QpInner {
     /// Post one WR to the device under `token` (the pending entry must
     /// already be in the table: the completion may beat this call back).
     fn post_raw(&self, token: u64, op: SendOp, sges: &[Sge], fence: bool) -> Result<()> {
+        self.post_raw_to_device(token, op, sges, fence)?;
+        if !matches!(
+            op,
+            SendOp::Send { .. }
+                | SendOp::Write { .. }
+                | SendOp::WriteImm { .. }
+                | SendOp::Imm { .. }
+        ) {
+            self.device_round_trips.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    fn post_raw_to_device(&self, token: u64, op: SendOp, sges: &[Sge], fence: bool) -> Result<()> {
         match &self.backend {
             QpBackend::User(qp) => {
                 qp.post_send(provider::wr::SendWr {
@@ -272,6 +314,23 @@ impl QpInner {
                 let mut flags = ibv::SendFlags::SIGNALED;
                 if fence {
                     flags = ibv::SendFlags(flags.0 | ibv::SendFlags::FENCE.0);
+                }
+                if let SendOp::Commit { remote, len } = op {
+                    // Only through ibv_wr_flush (the matrix says native
+                    // only on a QP created with its flag). Global: what a
+                    // FLUSH target needs (see caps::native_flush_commit).
+                    let mut batch = qp.start_wr()?;
+                    batch.flush(
+                        token,
+                        flags,
+                        remote.rkey,
+                        remote.addr,
+                        len as usize,
+                        ibv::FlushType::Global,
+                        ibv::FlushLevel::Range,
+                    )?;
+                    batch.commit()?;
+                    return Ok(());
                 }
                 if let SendOp::AtomicWrite { remote, value } = op {
                     // Only through ibv_wr_atomic_write (the matrix says
@@ -339,7 +398,25 @@ impl QpInner {
             // the agent rely on this check).
             check_atomic_local(&wr)?;
         }
-        let support = self.caps().get(kind).clone();
+        let mut support = self.caps().get(kind).clone();
+        if let Support::NativeExcept { method, .. } = support {
+            // Commit: the device's FLUSH where the peer's agent said the
+            // region is a FLUSH target (or there is no agent to ask: a
+            // peer without stag), else the emulation, whose answer says.
+            let flush_target = match wr.op {
+                SendOp::Commit { remote, .. } => self
+                    .flush_targets
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .contains(&remote.rkey),
+                _ => false,
+            };
+            support = if flush_target || self.agent.get().is_none() {
+                Support::Native
+            } else {
+                method.support_for(kind)
+            };
+        }
         match support {
             Support::Native => {
                 // With an agent channel, zero-length Sends are numbered so
@@ -394,6 +471,7 @@ impl QpInner {
                 device: self.ctx.name().to_owned(),
                 why,
             }),
+            Support::NativeExcept { .. } => unreachable!("resolved above"),
         }
     }
 
@@ -435,6 +513,9 @@ impl QpInner {
         step: SendOp,
         fence: bool,
     ) -> Result<u64> {
+        if matches!(pending.emulation, Some(Emu::Cas(_))) {
+            self.cas_steps.fetch_add(1, Ordering::Relaxed);
+        }
         let posted = self.scratch.slice(slot * 8, 8).and_then(|s| {
             let token = self.token();
             self.insert(token, pending);
@@ -833,6 +914,19 @@ impl QpInner {
         let Some(p) = self.remove(token) else { return };
         let Some(op) = p.op else { return };
         let ok = status == WcStatus::Success;
+        if let SendOp::Commit { remote, .. } = op {
+            if ok && original == FLUSH_TARGET {
+                tracing::debug!(
+                    qp = self.qp_num,
+                    rkey = remote.rkey,
+                    "the peer's region is a FLUSH target: later Commits are device FLUSHes"
+                );
+                self.flush_targets
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(remote.rkey);
+            }
+        }
         if ok {
             if let Some(s) = p.local.first() {
                 let _ = s.mr().write_at(s.offset(), &original.to_ne_bytes());
@@ -1059,6 +1153,17 @@ impl QueuePair {
         } else {
             PeerAtomics::Refused { status, vendor_err }
         })
+    }
+
+    /// What the emulation layer has done on this connection so far.
+    pub fn emulation_counters(&self) -> EmulationCounters {
+        let (agent_requests, agent_served) = self.inner.agent.get().map_or((0, 0), |a| a.counts());
+        EmulationCounters {
+            agent_requests,
+            agent_served,
+            cas_steps: self.inner.cas_steps.load(Ordering::Relaxed),
+            device_round_trips: self.inner.device_round_trips.load(Ordering::Relaxed),
+        }
     }
 
     /// How this QP posts: the userspace provider's queue, the extended

@@ -615,3 +615,157 @@ fn completion_fd_wakes_a_sleeping_thread() {
         assert_eq!(s.mr.load_u64(0).unwrap(), 32);
     }
 }
+
+/// The emulation counters of both ends of a pair.
+fn counters(c: &End, s: &End) -> (verbs::EmulationCounters, verbs::EmulationCounters) {
+    (c.qp.emulation_counters(), s.qp.emulation_counters())
+}
+
+/// Operations `STAG_EXPECT_NATIVE` (comma-separated names) says must run
+/// natively here: the VM suite sets it where the kernel and rdma-core have
+/// them (rxe on Linux 6.12 with rdma-core 55: commit, atomic-write), so
+/// that a matrix that silently fell back to emulation fails.
+fn expected_native() -> Vec<OpKind> {
+    std::env::var("STAG_EXPECT_NATIVE")
+        .unwrap_or_default()
+        .split(',')
+        .filter(|n| !n.is_empty())
+        .map(|n| OpKind::from_name(n).unwrap_or_else(|| panic!("STAG_EXPECT_NATIVE: {n}?")))
+        .collect()
+}
+
+/// Write `data` at `remote`, then Commit it; both complete successfully.
+fn write_and_commit(c: &End, remote: verbs::Remote, data: &[u8], wr_id: u64) {
+    c.mr.write_at(0, data).unwrap();
+    c.post(wr_id, SendOp::Write { remote }, &[(0, data.len())]);
+    c.post(
+        wr_id + 1,
+        SendOp::Commit {
+            remote,
+            len: data.len() as u32,
+        },
+        &[],
+    );
+    let w = c.wait();
+    assert_eq!(
+        (w.status, w.kind),
+        (WcStatus::Success, CompletionKind::Write)
+    );
+    let done = c.wait();
+    assert_eq!(
+        (done.wr_id, done.status, done.kind),
+        (wr_id + 1, WcStatus::Success, CompletionKind::Commit)
+    );
+}
+
+/// Commit takes the path the connection's matrix gives it, and the
+/// emulation counters prove which one ran: a device FLUSH alone for a
+/// memory region where Commit is native (after one question to the
+/// responder's agent, which says the region is a FLUSH target), the
+/// agent's msync for every Commit to a file-backed region, the agent for
+/// everything where Commit is emulated.
+#[test]
+fn commit_takes_the_path_the_matrix_says() {
+    let (c, s) = pair();
+    let support = c.qp.capabilities().get(OpKind::Commit).clone();
+    if expected_native().contains(&OpKind::Commit) {
+        assert!(support.is_native(), "commit on {}: {support}", c.ctx.name());
+    }
+    let mem = s.mr.remote(8192);
+    write_and_commit(&c, mem, b"commit round 0", 10);
+    let (c0, s0) = counters(&c, &s);
+    for round in 1..=5u64 {
+        let data = format!("commit round {round}");
+        write_and_commit(&c, mem, data.as_bytes(), 10 + 2 * round);
+        assert_eq!(s.mr.to_vec(8192, data.len()).unwrap(), data.as_bytes());
+    }
+    let (c1, s1) = counters(&c, &s);
+    let agent_asked = c1.agent_requests - c0.agent_requests;
+    let agent_ran = s1.agent_served - s0.agent_served;
+    match &support {
+        // The device's Commit (stag0's RDMA Commit, or a FLUSH into a
+        // region the agent named a FLUSH target after the first Commit):
+        // one device round trip each, and no agent at either end.
+        Support::Native | Support::NativeExcept { .. } => {
+            assert_eq!((agent_asked, agent_ran), (0, 0), "{support}");
+            assert_eq!(c1.device_round_trips - c0.device_round_trips, 5);
+        }
+        // The ordering Read, then the agent: two round trips each.
+        Support::Emulated { .. } => {
+            assert_eq!((agent_asked, agent_ran), (5, 5), "{support}");
+            assert_eq!(c1.device_round_trips - c0.device_round_trips, 5);
+        }
+        Support::Unsupported { .. } => unreachable!("Commit is required"),
+    }
+
+    // A file-backed region reaches its file only by the responder's
+    // msync: every Commit to one asks the agent, even where Commit is
+    // native for memory (a device FLUSH reaches the page cache only).
+    let dir = std::env::temp_dir().join(format!("stag-verbs-paths-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("durable.bin");
+    let durable = s.pd.alloc_file_mr(&path, 1 << 16, ALL).unwrap();
+    let (c0, s0) = counters(&c, &s);
+    for round in 0..3u64 {
+        let data = format!("durable round {round}");
+        write_and_commit(&c, durable.remote(512), data.as_bytes(), 100 + 2 * round);
+        assert_eq!(
+            &std::fs::read(&path).unwrap()[512..512 + data.len()],
+            data.as_bytes()
+        );
+    }
+    let (c1, s1) = counters(&c, &s);
+    let expect = if support == Support::Native { 0 } else { 3 };
+    assert_eq!(
+        (
+            c1.agent_requests - c0.agent_requests,
+            s1.agent_served - s0.agent_served
+        ),
+        (expect, expect),
+        "{support}"
+    );
+    drop(durable);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Atomic Write takes the path the matrix gives it: natively no agent
+/// request and no CmpSwap-loop step, one device round trip each.
+#[test]
+fn atomic_write_takes_the_path_the_matrix_says() {
+    let (c, s) = pair();
+    let support = c.qp.capabilities().get(OpKind::AtomicWrite).clone();
+    if expected_native().contains(&OpKind::AtomicWrite) {
+        assert_eq!(support, Support::Native, "atomic-write on {}", c.ctx.name());
+    }
+    let (c0, s0) = counters(&c, &s);
+    for round in 1..=5u64 {
+        let value = 0x5eed_0000_0000_0000 | round;
+        c.post(
+            round,
+            SendOp::AtomicWrite {
+                remote: s.mr.remote(128),
+                value,
+            },
+            &[],
+        );
+        let done = c.wait();
+        assert_eq!(
+            (done.status, done.kind),
+            (WcStatus::Success, CompletionKind::AtomicWrite)
+        );
+        assert_eq!(s.mr.load_u64(128).unwrap(), value);
+    }
+    let (c1, s1) = counters(&c, &s);
+    let delta = (
+        c1.agent_requests - c0.agent_requests,
+        s1.agent_served - s0.agent_served,
+        c1.cas_steps - c0.cas_steps,
+        c1.device_round_trips - c0.device_round_trips,
+    );
+    match support.emulation() {
+        None => assert_eq!(delta, (0, 0, 0, 5), "{support}"),
+        // A Read and a CmpSwap each (no other writer races it here).
+        Some(verbs::Emulation::CasLoop) => assert_eq!(delta, (0, 0, 10, 10), "{support}"),
+        Some(_) => assert_eq!(delta, (5, 5, 0, 0), "{support}"),
+    }
+}

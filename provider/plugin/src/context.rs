@@ -228,6 +228,7 @@ unsafe extern "C" fn query_device_ex(
     })
 }
 
+#[allow(clippy::needless_update)] // rdma-core ≥ 55 headers add members
 unsafe extern "C" fn query_port(
     ctx: *mut ibv_context,
     port: u8,
@@ -263,9 +264,17 @@ unsafe extern "C" fn query_port(
             link_layer: IBV_LINK_LAYER_ETHERNET as u8,
             flags: 0,
             port_cap_flags2: 0,
+            ..Default::default()
         };
-        // SAFETY: the caller's ibv_port_attr (libibverbs passes a full one).
-        unsafe { ptr::write(attr, a) };
+        // libibverbs hands us a buffer of *its* ibv_port_attr, which may
+        // be older than the headers this was built with (rdma-core 55 added
+        // active_speed_ex after port_cap_flags2): write only the members
+        // every ABI-34 release has; libibverbs zeroed the rest.
+        let len = std::mem::offset_of!(ibv_port_attr, port_cap_flags2) + 2;
+        // SAFETY: the caller's buffer holds at least the ABI-34 members.
+        unsafe {
+            ptr::copy_nonoverlapping((&a as *const ibv_port_attr).cast::<u8>(), attr.cast::<u8>(), len)
+        };
         0
     })
 }

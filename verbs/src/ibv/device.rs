@@ -218,6 +218,14 @@ impl DeviceAttr {
         !self.wr_ops.is_empty()
     }
 
+    /// Commit can run as one `ibv_wr_flush(IBV_FLUSH_GLOBAL)`: the device
+    /// advertises FLUSH global (as a responder it executes one into a
+    /// region registered with `IBV_ACCESS_FLUSH_GLOBAL`) and its provider
+    /// library took `IBV_QP_EX_WITH_FLUSH` (so it can post one).
+    pub fn commit_by_flush(&self) -> bool {
+        self.flush_global && self.wr_flush
+    }
+
     /// iWARP transport (RNIC node type or iWARP transport type).
     pub fn is_iwarp(&self) -> bool {
         self.transport == Transport::Iwarp || self.node_type == NodeType::Rnic
