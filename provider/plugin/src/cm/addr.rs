@@ -2,7 +2,7 @@
 //! holds, the local address a peer is reached from, and
 //! `rdma_getaddrinfo`/`rdma_freeaddrinfo`.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::ffi::CStr;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, UdpSocket};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -177,7 +177,8 @@ fn dst_loopback(dst: IpAddr) -> IpAddr {
 
 /// Ports bound by ids of this process (the kernel's rdma_cm refuses a
 /// second bind of a port; SO_REUSEADDR below would not).
-static BOUND: Mutex<Option<HashSet<SocketAddr>>> = Mutex::new(None);
+/// With how many holders (RDMA_OPTION_ID_REUSEADDR shares a port).
+static BOUND: Mutex<Option<HashMap<SocketAddr, usize>>> = Mutex::new(None);
 
 /// A TCP port held by a bound id: a socket bound (not listening) to it.
 #[derive(Debug)]
@@ -193,7 +194,9 @@ impl Reservation {
     /// the listener that replaces it will have, so that a port another
     /// process left in TIME_WAIT binds as it does on the kernel's rdma_cm
     /// (whose port space is not TCP's).
-    pub fn bind(addr: SocketAddr, afonly: bool) -> CmResult<Reservation> {
+    /// `reuse` (RDMA_OPTION_ID_REUSEADDR) lets it share a port another id
+    /// of this process holds without listening.
+    pub fn bind(addr: SocketAddr, afonly: bool, reuse: bool) -> CmResult<Reservation> {
         let family = match addr {
             SocketAddr::V4(_) => libc::AF_INET,
             SocketAddr::V6(_) => libc::AF_INET6,
@@ -223,10 +226,11 @@ impl Reservation {
             set(libc::IPPROTO_IPV6, libc::IPV6_V6ONLY, &one);
         }
         let (ss, len) = to_c(&addr);
-        if addr.port() != 0
+        if !reuse
+            && addr.port() != 0
             && lock(&BOUND)
-                .get_or_insert_with(HashSet::new)
-                .contains(&addr)
+                .get_or_insert_with(HashMap::new)
+                .contains_key(&addr)
         {
             return Err(libc::EADDRINUSE);
         }
@@ -258,10 +262,14 @@ impl Reservation {
         // SAFETY: getsockname filled a valid address.
         let addr = unsafe { from_c(&got as *const _ as *const ffi::sockaddr) }?;
         let mut bound = lock(&BOUND);
-        let bound = bound.get_or_insert_with(HashSet::new);
-        if !bound.insert(addr) {
+        let holders = bound
+            .get_or_insert_with(HashMap::new)
+            .entry(addr)
+            .or_insert(0);
+        if *holders > 0 && !reuse {
             return Err(libc::EADDRINUSE);
         }
+        *holders += 1;
         Ok(Reservation { _sock: fd, addr })
     }
 }
@@ -269,7 +277,12 @@ impl Reservation {
 impl Drop for Reservation {
     fn drop(&mut self) {
         if let Some(b) = lock(&BOUND).as_mut() {
-            b.remove(&self.addr);
+            if let Some(n) = b.get_mut(&self.addr) {
+                *n -= 1;
+                if *n == 0 {
+                    b.remove(&self.addr);
+                }
+            }
         }
     }
 }
@@ -663,15 +676,22 @@ mod tests {
 
     #[test]
     fn reservation_holds_a_port_once() {
-        let r = Reservation::bind("127.0.0.1:0".parse().unwrap(), false).unwrap();
+        let r = Reservation::bind("127.0.0.1:0".parse().unwrap(), false, false).unwrap();
         assert_ne!(r.addr.port(), 0);
         assert_eq!(
-            Reservation::bind(r.addr, false).unwrap_err(),
+            Reservation::bind(r.addr, false, false).unwrap_err(),
             libc::EADDRINUSE
         );
+        // RDMA_OPTION_ID_REUSEADDR shares it.
+        let shared = Reservation::bind(r.addr, false, true).unwrap();
         let a = r.addr;
         drop(r);
-        let again = Reservation::bind(a, false).unwrap();
+        assert_eq!(
+            Reservation::bind(a, false, false).unwrap_err(),
+            libc::EADDRINUSE
+        );
+        drop(shared);
+        let again = Reservation::bind(a, false, false).unwrap();
         assert_eq!(again.addr, a);
     }
 

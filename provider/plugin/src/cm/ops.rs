@@ -75,7 +75,7 @@ pub(crate) fn bind(id: &Arc<Id>, addr: SocketAddr) -> CmResult<()> {
     if !st.phase.allows(Op::Bind) {
         return Err(libc::EINVAL);
     }
-    let r = Reservation::bind(addr, st.options.afonly)?;
+    let r = Reservation::bind(addr, st.options.afonly, st.options.reuseaddr)?;
     let bound = r.addr;
     st.reservation = Some(r);
     st.src = Some(bound);
