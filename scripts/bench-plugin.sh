@@ -46,8 +46,8 @@ perftest() {
 }
 
 declare -A S P
-ops=(write read fetch-add)
-progs=(ib_write_lat ib_read_lat ib_atomic_lat)
+ops=(write read fetch-add send)
+progs=(ib_write_lat ib_read_lat ib_atomic_lat ib_send_lat)
 for ((r = 1; r <= ROUNDS; r++)); do
     for i in "${!ops[@]}"; do
         S[$i]+="$(stag_lat "${ops[$i]}") "
@@ -56,7 +56,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
     echo "round $r done" >&2
 done
 
-python3 - "$ROUNDS" "$ITERS" "${ops[@]}" -- "${progs[@]}" -- "${S[0]}" "${S[1]}" "${S[2]}" -- "${P[0]}" "${P[1]}" "${P[2]}" <<'PY'
+python3 - "$ROUNDS" "$ITERS" "${ops[@]}" -- "${progs[@]}" -- "${S[0]}" "${S[1]}" "${S[2]}" "${S[3]}" -- "${P[0]}" "${P[1]}" "${P[2]}" "${P[3]}" <<'PY'
 import json, statistics, sys
 a = sys.argv[1:]
 rounds, iters = a[0], a[1]

@@ -34,8 +34,9 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 
 #define CHECK(cond, ...)                                                       \
 	do {                                                                   \
+		int ok_ = (cond);                                              \
 		pthread_mutex_lock(&lock);                                     \
-		if (cond) {                                                    \
+		if (ok_) {                                                     \
 			passed++;                                              \
 		} else {                                                       \
 			failed++;                                              \
