@@ -115,9 +115,23 @@ fn live_qp(st: &IdState) -> Option<Arc<QueuePair>> {
 }
 
 /// Mirror a state change into `id->qp` (when it is still the connected
-/// QP). Application thread only.
+/// QP). Application thread only, with the id's lock held.
+///
+/// `id->qp` is only looked at while the RNIC QP it connected is alive.
+/// Nothing but the application's `ibv_qp` holds that QP then: the cm holds
+/// it weakly, its connect thread lets go before the outcome is visible, and
+/// the watcher upgrades only under the id's lock (held here). So an
+/// application that destroyed the QP with `ibv_destroy_qp`, leaving
+/// `id->qp` dangling, never has it dereferenced. While a connect runs (its
+/// thread holds the QP) only the RNIC QP is touched.
 fn mirror_state(id: &Id, st: &IdState, state: ffi::ibv_qp_state, set_error: bool) {
     let Some(qp) = live_qp(st) else { return };
+    if st.phase == Phase::Connecting {
+        if set_error {
+            qp.set_error();
+        }
+        return;
+    }
     // SAFETY: application thread inside a cm call on `id`.
     let c = unsafe { id.c() };
     // SAFETY: id->qp is NULL or the application's QP; qp_handle checks.
@@ -251,7 +265,7 @@ pub(crate) fn connect(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmR
         .name("stag-cm-connect".into())
         .spawn(move || {
             let r = qp.connect(dst, &params);
-            finish_connect(&id2, &qp, r);
+            finish_connect(&id2, qp, r);
         });
     if spawned.is_err() {
         let mut st = id.state();
@@ -263,14 +277,18 @@ pub(crate) fn connect(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmR
     complete(id)
 }
 
-/// The connect thread's end: queue the outcome.
-fn finish_connect(id: &Arc<Id>, qp: &Arc<QueuePair>, r: Result<Vec<u8>, DeviceError>) {
+/// The connect thread's end: queue the outcome. The thread's reference
+/// to the QP goes before the id's lock does, so that once the outcome is
+/// visible only the application's `ibv_qp` keeps the QP alive (see
+/// [`mirror_state`]).
+fn finish_connect(id: &Arc<Id>, qp: Arc<QueuePair>, r: Result<Vec<u8>, DeviceError>) {
     let mut st = id.state();
     if st.destroyed || st.phase != Phase::Connecting {
         // Disconnected or destroyed meanwhile: nobody wants the stream.
         if r.is_ok() {
             qp.set_error();
         }
+        drop(qp);
         return;
     }
     match r {
@@ -285,6 +303,7 @@ fn finish_connect(id: &Arc<Id>, qp: &Arc<QueuePair>, r: Result<Vec<u8>, DeviceEr
                 p.initiator_depth = n.ord.min(u8::MAX as u16) as u8;
             }
             st.channel.push(p);
+            drop(qp);
             drop(st);
             watch(id);
         }
@@ -297,6 +316,7 @@ fn finish_connect(id: &Arc<Id>, qp: &Arc<QueuePair>, r: Result<Vec<u8>, DeviceEr
                 p.private_data = pd;
             }
             st.channel.push(p);
+            drop(qp);
         }
     }
 }
