@@ -159,6 +159,15 @@ pub(crate) fn on_deliver(id: &Arc<Id>, kind: ffi::rdma_cm_event_type) {
     }
 }
 
+/// Refuse a connection request nobody will answer (its listener or child
+/// id went away): an MPA reject, which the peer reports as REJECTED, as the
+/// kernel's cm does.
+pub(crate) fn refuse(incoming: Incoming) {
+    if let Err(e) = incoming.req.reject(&[]) {
+        debug!(error = %e, "rdma_cm: refusing a connection request failed");
+    }
+}
+
 /// The child id of a connection request, made on the application's thread
 /// when it takes the CONNECT_REQUEST event.
 pub(crate) fn make_child(
@@ -170,6 +179,7 @@ pub(crate) fn make_child(
     let (sync, channel, ps, qp_type, options) = {
         let st = listen.state();
         if st.destroyed {
+            refuse(incoming);
             return None;
         }
         (st.sync, st.channel.clone(), st.ps, st.qp_type, st.options)
@@ -177,7 +187,8 @@ pub(crate) fn make_child(
     let stag = match verbs::stag() {
         Ok(s) => s,
         Err(_) => {
-            error!("rdma_cm: connection request dropped: stag0 cannot be opened");
+            error!("rdma_cm: connection request refused: stag0 cannot be opened");
+            refuse(incoming);
             return None;
         }
     };
@@ -188,7 +199,10 @@ pub(crate) fn make_child(
                 c.register();
                 c
             }
-            Err(_) => return None,
+            Err(_) => {
+                refuse(incoming);
+                return None;
+            }
         }
     } else {
         channel
@@ -430,8 +444,17 @@ pub(crate) fn teardown(id: &Arc<Id>) {
     let channel = st.channel.clone();
     drop(st);
     drop(listener);
-    drop(request);
-    drop(channel.withdraw(|p| Arc::ptr_eq(&p.id, id)));
+    if let Some(req) = request {
+        // Destroyed without an answer: refused.
+        if let Err(e) = req.reject(&[]) {
+            debug!(error = %e, "rdma_cm: refusing a connection request failed");
+        }
+    }
+    for p in channel.withdraw(|p| Arc::ptr_eq(&p.id, id)) {
+        if let Some(inc) = p.incoming {
+            refuse(inc);
+        }
+    }
 }
 
 // ---- the watcher ----

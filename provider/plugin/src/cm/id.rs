@@ -255,14 +255,16 @@ impl Id {
         lock(&self.st)
     }
 
-    /// Queue an event on the id's channel unless it was destroyed.
-    pub fn push(self: &Arc<Self>, p: super::channel::Pending) {
+    /// Queue an event on the id's channel unless it was destroyed (then
+    /// the event comes back).
+    #[must_use]
+    pub fn push(self: &Arc<Self>, p: super::channel::Pending) -> Option<super::channel::Pending> {
         let st = self.state();
         if st.destroyed {
-            return;
+            return Some(p);
         }
-        let ch = st.channel.clone();
-        ch.push(p);
+        st.channel.push(p);
+        None
     }
 }
 

@@ -14,7 +14,7 @@ use tracing::debug;
 
 use super::addr::{local_ip_for, set_src, unmap};
 use super::channel::{Incoming, Pending};
-use super::conn::errno_of;
+use super::conn::{errno_of, refuse};
 use super::id::{Id, Op, Phase};
 use super::CmResult;
 use crate::ffi;
@@ -169,7 +169,12 @@ fn run(listener: &Listener, local: SocketAddr, id: &Weak<Id>, stop: &AtomicBool)
         p.responder_resources = ord;
         p.initiator_depth = ird;
         p.incoming = Some(Incoming { req, local });
-        id.push(p);
+        if let Some(p) = id.push(p) {
+            if let Some(inc) = p.incoming {
+                refuse(inc);
+            }
+            return;
+        }
     }
 }
 

@@ -244,6 +244,19 @@ int main(void)
 		rdma_destroy_qp(child);
 		rdma_destroy_id(child);
 	}
+	/* A request destroyed without an answer is refused. */
+	c2 = client(cch, (struct sockaddr *)&dst);
+	CHECK(c2 != NULL && rdma_connect(c2, NULL) == 0, "connect 4");
+	if (expect(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
+		child = ev->id;
+		rdma_ack_cm_event(ev);
+		CHECK(rdma_destroy_id(child) == 0, "destroy unanswered child");
+	}
+	CHECK(expect(cch, RDMA_CM_EVENT_REJECTED, NULL),
+	      "REJECTED for a request destroyed unanswered");
+	rdma_destroy_qp(c2);
+	rdma_destroy_id(c2);
+
 	CHECK(rdma_destroy_id(listen) == 0, "destroy listener");
 	CHECK(rdma_destroy_id(listen) == -1 && errno == EINVAL, "destroy twice: EINVAL");
 	rdma_destroy_event_channel(cch2);
