@@ -426,8 +426,9 @@ pub(crate) fn disconnect(id: &Arc<Id>) -> CmResult<()> {
 }
 
 /// Tear-down of an id's connection side at `rdma_destroy_id`: a connected
-/// QP goes to error (the kernel's iWARP cm does the same), a pending
-/// request is refused by closing it, the listener stops.
+/// QP goes to error (the kernel's iWARP cm does the same), an unanswered
+/// request (the id's own, or queued for a listener) is refused with an MPA
+/// reject, the listener stops.
 pub(crate) fn teardown(id: &Arc<Id>) {
     let mut st = id.state();
     st.destroyed = true;
