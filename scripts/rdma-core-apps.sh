@@ -23,6 +23,7 @@ cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/include -o "$out/stagdv_demo" \
     examples/c/stagdv_demo.c -L target/debug -Wl,-rpath,"$PWD/target/debug" \
     -lstag_rdmav34 -lrdmacm -libverbs -lpthread || exit 1
 cc -Wall -Wextra -Werror -O1 -o "$out/verbs_errors" provider/plugin/tests/c/verbs_errors.c -libverbs || exit 1
+cc -Wall -Wextra -Werror -O1 -o "$out/cm_edge" provider/plugin/src/cm/tests/cm_edge.c -lrdmacm -libverbs -lpthread || exit 1
 cc -Wall -Wextra -Werror -O1 -o "$out/wr_api" provider/plugin/tests/c/wr_api.c -lrdmacm -libverbs -lpthread || exit 1
 
 passed=0 failed=0
@@ -112,6 +113,7 @@ suite() {
     pair "$tag-fi_pingpong" "$user" "$port" "fi_pingpong -p verbs -e msg -B $port -I 100" \
         "fi_pingpong -p verbs -e msg -P $port -I 100 127.0.0.1" 'bytes'
     single "$tag-verbs_errors" "$user" 'verbs_errors: [1-9][0-9]* passed, 0 failed' "$out/verbs_errors"
+    single "$tag-cm_edge" "$user" 'cm_edge: [1-9][0-9]* passed, 0 failed' "$out/cm_edge"
     single "$tag-wr_api" "$user" 'wr_api: [1-9][0-9]* passed, 0 failed' "$out/wr_api"
     single "$tag-stagdv_demo" "$user" 'stagdv_demo: [1-9][0-9]* passed, 0 failed' "$out/stagdv_demo"
 }

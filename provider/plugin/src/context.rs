@@ -273,7 +273,11 @@ unsafe extern "C" fn query_port(
         let len = std::mem::offset_of!(ibv_port_attr, port_cap_flags2) + 2;
         // SAFETY: the caller's buffer holds at least the ABI-34 members.
         unsafe {
-            ptr::copy_nonoverlapping((&a as *const ibv_port_attr).cast::<u8>(), attr.cast::<u8>(), len)
+            ptr::copy_nonoverlapping(
+                (&a as *const ibv_port_attr).cast::<u8>(),
+                attr.cast::<u8>(),
+                len,
+            )
         };
         0
     })

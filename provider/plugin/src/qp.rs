@@ -9,7 +9,7 @@
 use std::ffi::{c_int, c_uint, c_void};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use provider::device::{ProtectionDomain, QueuePair};
 use provider::mem::Access;
@@ -49,7 +49,11 @@ pub(crate) struct QpShared {
     caps: QpCaps,
     max_inline: u32,
     access: AtomicU32,
-    inline: Option<InlineRing>,
+    /// Inline bounce buffers, made at creation when `max_inline_data` was
+    /// asked for, else at the first inline post (as on siw, any QP takes
+    /// inline data up to the device's maximum).
+    inline: OnceLock<Option<InlineRing>>,
+    pd: ProtectionDomain,
     /// The `ibv_wr_*` batch under construction.
     batch: Mutex<Batch>,
     has_srq: bool,
@@ -91,6 +95,21 @@ impl QpHandle {
 }
 
 impl QpShared {
+    /// The inline bounce ring, made on first use.
+    fn ring(&self) -> Option<&InlineRing> {
+        self.inline
+            .get_or_init(|| {
+                InlineRing::new(
+                    &self.pd,
+                    self.caps.max_send_wr as usize + 1,
+                    limits::MAX_INLINE as usize,
+                )
+                .map_err(|e| tracing::warn!("stag0: no inline buffers for QP: errno {e}"))
+                .ok()
+            })
+            .as_ref()
+    }
+
     fn set_state(&self, state: ibv_qp_state) {
         let ibv = *self.ibv.lock().unwrap_or_else(|p| p.into_inner());
         self.state.store(state, Ordering::Release);
@@ -262,15 +281,6 @@ unsafe fn create(
         }
     }
     let (caps, max_inline) = caps_of(cap)?;
-    let inline = if max_inline > 0 {
-        Some(InlineRing::new(
-            prov_pd,
-            caps.max_send_wr as usize + 1,
-            max_inline as usize,
-        )?)
-    } else {
-        None
-    };
     let prov = Arc::new(prov_pd.create_qp(caps, scq, rcq, prov_srq.as_ref()));
     let qpn = prov.qp_num();
     let shared = Arc::new(QpShared {
@@ -281,11 +291,15 @@ unsafe fn create(
         caps,
         max_inline,
         access: AtomicU32::new(0),
-        inline,
+        inline: OnceLock::new(),
+        pd: prov_pd.clone(),
         batch: Mutex::new(Batch::default()),
         has_srq: !srq.is_null(),
         send_ops: send_ops.unwrap_or(0),
     });
+    if max_inline > 0 && shared.ring().is_none() {
+        return Err(libc::ENOMEM);
+    }
     // SAFETY: all-zero is valid for the C part (pointers NULL, counters 0);
     // the mutex and cond are initialised in place below, once boxed.
     let mut qpx: ibv_qp_ex = unsafe { std::mem::zeroed() };
@@ -549,11 +563,11 @@ pub(crate) unsafe extern "C" fn query_qp(
 }
 
 /// Copy inline data into the next bounce slot and return the one SGE that
-/// names it. `None` when the QP has no inline room or the data is longer.
+/// names it: ENOMEM without bounce buffers, EINVAL past the device maximum.
 fn inline_sge(sh: &QpShared, data: &[&[u8]]) -> Result<(Vec<Sge>, usize), c_int> {
     let total: usize = data.iter().map(|d| d.len()).sum();
-    let Some(ring) = sh.inline.as_ref() else {
-        return Err(libc::EINVAL);
+    let Some(ring) = sh.ring() else {
+        return Err(libc::ENOMEM);
     };
     if total > ring.slot {
         return Err(libc::EINVAL);
@@ -583,7 +597,7 @@ fn inline_sge(sh: &QpShared, data: &[&[u8]]) -> Result<(Vec<Sge>, usize), c_int>
 
 /// Take the inline slot `used` (a post that used it succeeded).
 fn inline_advance(sh: &QpShared, used: usize) {
-    if let Some(ring) = sh.inline.as_ref() {
+    if let Some(ring) = sh.inline.get().and_then(Option::as_ref) {
         let mut next = ring.next.lock().unwrap_or_else(|p| p.into_inner());
         if *next == used {
             *next = next.wrapping_add(1);
