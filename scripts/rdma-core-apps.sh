@@ -110,6 +110,9 @@ suite() {
     pair "$tag-rdma_server" "$user" "$port" "rdma_server -p $port" \
         "rdma_client -s 127.0.0.1 -p $port" 'rdma_client: end 0'
     port=$((port + 1))
+    pair "$tag-rdma_xserver" "$user" "$port" "rdma_xserver -p $port" \
+        "rdma_xclient -s 127.0.0.1 -p $port" 'rdma_xclient: end 0'
+    port=$((port + 1))
     pair "$tag-fi_pingpong" "$user" "$port" "fi_pingpong -p verbs -e msg -B $port -I 100" \
         "fi_pingpong -p verbs -e msg -P $port -I 100 127.0.0.1" 'bytes'
     single "$tag-verbs_errors" "$user" 'verbs_errors: [1-9][0-9]* passed, 0 failed' "$out/verbs_errors"
