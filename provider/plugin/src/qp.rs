@@ -430,9 +430,11 @@ pub(crate) unsafe extern "C" fn destroy_qp(qp: *mut ibv_qp) -> c_int {
             return libc::EINVAL;
         };
         *sh.ibv.lock().unwrap_or_else(|p| p.into_inner()) = ptr::null_mut();
-        // Outstanding work completes with a flush error, then the stream
-        // closes (the RNIC QP's Drop) once nothing else holds it.
-        sh.prov.set_error();
+        // The stream closes when the RNIC QP drops with the last handle
+        // (the connection manager holds one only for the length of a
+        // call). Nothing is flushed into the CQs: verbs has no completions
+        // for a destroyed QP, and the application may already have freed
+        // what its WRs' ids point at (it drains through Error first).
         // SAFETY: ours, freed once; the pthread objects die with it.
         unsafe {
             libc::pthread_mutex_destroy(ptr::addr_of_mut!((*qp).mutex).cast());
