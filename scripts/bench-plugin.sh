@@ -15,13 +15,7 @@ cargo build --release --quiet -p stag -p stag-rdma
 STAG=$PWD/target/release/stag
 port=23000
 
-wait_port() {
-    for _ in $(seq 100); do
-        ss -Hltn "sport = :$1" | grep -q . && return 0
-        sleep 0.1
-    done
-    return 1
-}
+source scripts/lib.sh
 
 # stag_lat OP: t_typical_us of one two-process run.
 stag_lat() {

@@ -61,14 +61,7 @@ single() {
     fi
 }
 
-# wait_port PORT: until something listens on 127.0.0.1:PORT (10 s).
-wait_port() {
-    for _ in $(seq 100); do
-        ss -Hltn "sport = :$1" | grep -q . && return 0
-        sleep 0.1
-    done
-    return 1
-}
+source scripts/lib.sh
 
 # pair NAME USER PORT 'SERVER ARGS' 'CLIENT ARGS' [PATTERN]: server then
 # client, both under stag run; both must exit 0 (and the client's output

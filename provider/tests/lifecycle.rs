@@ -14,6 +14,23 @@ use provider::qp::{PostError, QpCaps, QpState};
 use provider::setup::{MpaParams, Request};
 use provider::wr::{SendOp, SendWr, WcStatus};
 
+/// Accept one TCP connection and answer its MPA Request.
+fn accept_mpa(listener: &TcpListener) -> std::net::TcpStream {
+    let (mut sock, _) = listener.accept().unwrap();
+    let mut reader = Request::reader();
+    let mut buf = [0u8; 1024];
+    let request = loop {
+        let n = sock.read(&mut buf).unwrap();
+        let mut input = &buf[..n];
+        if let Some(repr) = reader.read(&mut input).unwrap() {
+            break Request::from_repr(&repr);
+        }
+    };
+    let (_, reply) = request.accept(&MpaParams::default()).unwrap();
+    sock.write_all(&reply).unwrap();
+    sock
+}
+
 /// A peer that completes the MPA exchange and then never reads again.
 fn stalled_peer() -> (
     std::net::SocketAddr,
@@ -24,18 +41,7 @@ fn stalled_peer() -> (
     let addr = listener.local_addr().unwrap();
     let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
     let h = std::thread::spawn(move || {
-        let (mut sock, _) = listener.accept().unwrap();
-        let mut reader = Request::reader();
-        let mut buf = [0u8; 1024];
-        let request = loop {
-            let n = sock.read(&mut buf).unwrap();
-            let mut input = &buf[..n];
-            if let Some(repr) = reader.read(&mut input).unwrap() {
-                break Request::from_repr(&repr);
-            }
-        };
-        let (_, reply) = request.accept(&MpaParams::default()).unwrap();
-        sock.write_all(&reply).unwrap();
+        let sock = accept_mpa(&listener);
         // Now stall: no reads until told to go away.
         let _ = stop_rx.recv();
         drop(sock);
@@ -232,20 +238,7 @@ fn a_qp_moved_to_error_before_connecting_flushes_what_is_posted() {
     // And no connection may start on it.
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
-    let peer = std::thread::spawn(move || {
-        let (mut sock, _) = listener.accept().unwrap();
-        let mut reader = Request::reader();
-        let mut buf = [0u8; 1024];
-        let request = loop {
-            let n = sock.read(&mut buf).unwrap();
-            let mut input = &buf[..n];
-            if let Some(repr) = reader.read(&mut input).unwrap() {
-                break Request::from_repr(&repr);
-            }
-        };
-        let (_, reply) = request.accept(&MpaParams::default()).unwrap();
-        sock.write_all(&reply).unwrap();
-    });
+    let peer = std::thread::spawn(move || drop(accept_mpa(&listener)));
     assert!(matches!(
         me.qp.connect(addr, &MpaParams::default()),
         Err(DeviceError::InvalidState)

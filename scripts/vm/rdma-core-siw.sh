@@ -15,13 +15,7 @@ addr=${STAG_SIW_ADDR:?}
 out=$(mktemp -d)
 passed=0 failed=0
 
-wait_port() {
-    for _ in $(seq 100); do
-        ss -Hltn "sport = :$1" | grep -q . && return 0
-        sleep 0.1
-    done
-    return 1
-}
+source scripts/lib.sh
 
 # case NAME PORT SERVER_SIDE(stag|siw) 'SERVER ARGS' 'CLIENT ARGS' PATTERN
 case_() {

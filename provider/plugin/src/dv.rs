@@ -158,23 +158,10 @@ pub unsafe extern "C" fn stagdv_post_write_imm(
     rkey: u32,
     imm: u64,
 ) -> c_int {
-    if !(0..=crate::context::limits::MAX_SGE).contains(&num_sge)
-        || (num_sge > 0 && sg_list.is_null())
-    {
-        return libc::EINVAL;
-    }
-    let sges = if num_sge == 0 {
-        Vec::new()
-    } else {
-        // SAFETY: the caller's array of num_sge SGEs.
-        unsafe { std::slice::from_raw_parts(sg_list, num_sge as usize) }
-            .iter()
-            .map(|g| Sge {
-                addr: g.addr,
-                length: g.length,
-                lkey: g.lkey,
-            })
-            .collect()
+    // SAFETY: the caller's array of num_sge SGEs.
+    let sges = match unsafe { crate::c_list::sge_list(sg_list, num_sge) } {
+        Ok(s) => s,
+        Err(e) => return e,
     };
     let op = SendOp::WriteImm {
         remote: Remote {

@@ -16,6 +16,7 @@ use provider::mem::Access;
 use provider::qp::{QpCaps, QpState};
 use provider::wr::{RecvWr, Remote, SendOp, SendWr, Sge};
 
+use crate::c_list::{post_chain, sge_list};
 use crate::context::limits;
 use crate::errno::{self, guard};
 use crate::ffi::*;
@@ -660,35 +661,13 @@ fn sends_payload(op: &SendOp) -> bool {
     )
 }
 
-/// Gather a C SGE list.
-///
-/// # Safety
-/// `list` must point to `n` readable `ibv_sge`s when `n > 0`.
-unsafe fn sges(list: *const ibv_sge, n: c_int) -> Result<Vec<Sge>, c_int> {
-    if n < 0 || (n > 0 && list.is_null()) {
-        return Err(libc::EINVAL);
-    }
-    if n > limits::MAX_SGE {
-        return Err(libc::EINVAL);
-    }
-    // SAFETY: forwarded contract.
-    let s = unsafe { std::slice::from_raw_parts(list, n as usize) };
-    Ok(s.iter()
-        .map(|g| Sge {
-            addr: g.addr,
-            length: g.length,
-            lkey: g.lkey,
-        })
-        .collect())
-}
-
 /// Translate one legacy send WR.
 ///
 /// # Safety
 /// `wr` must be a valid `ibv_send_wr`.
 unsafe fn translate(wr: &ibv_send_wr) -> Result<PendingWr, c_int> {
     // SAFETY: forwarded.
-    let sges = unsafe { sges(wr.sg_list, wr.num_sge) }?;
+    let sges = unsafe { sge_list(wr.sg_list, wr.num_sge) }?;
     let solicited = wr.send_flags & IBV_SEND_SOLICITED != 0;
     // SAFETY: the unions are plain integers; which one counts depends on
     // the opcode, as in every provider.
@@ -792,24 +771,14 @@ pub(crate) unsafe extern "C" fn post_send(
         let Some(sh) = (unsafe { shared(qp) }) else {
             return libc::EINVAL;
         };
-        let mut cur = wr;
-        while !cur.is_null() {
-            // SAFETY: the caller's WR chain.
-            let w = unsafe { &*cur };
-            // SAFETY: as above.
-            let r = posting_allowed(sh)
-                .and_then(|()| unsafe { translate(w) })
-                .and_then(|p| post_one(sh, p));
-            if let Err(e) = r {
-                if !bad.is_null() {
-                    // SAFETY: the caller's out pointer.
-                    unsafe { *bad = cur };
-                }
-                return e;
-            }
-            cur = w.next;
+        // SAFETY: the caller's chain and out pointer.
+        unsafe {
+            post_chain(wr, bad, |w| {
+                posting_allowed(sh)
+                    .and_then(|()| translate(w))
+                    .and_then(|p| post_one(sh, p))
+            })
         }
-        0
     })
 }
 
@@ -823,33 +792,21 @@ pub(crate) unsafe extern "C" fn post_recv(
         let Some(sh) = (unsafe { shared(qp) }) else {
             return libc::EINVAL;
         };
-        let mut cur = wr;
-        while !cur.is_null() {
-            // SAFETY: the caller's WR chain.
-            let w = unsafe { &*cur };
-            let r = if sh.has_srq || sh.state() == IBV_QPS_RESET {
-                Err(libc::EINVAL)
-            } else {
-                // SAFETY: the caller's SGE array.
-                unsafe { sges(w.sg_list, w.num_sge) }.and_then(|sg_list| {
-                    sh.prov
-                        .post_recv(RecvWr {
-                            wr_id: w.wr_id,
-                            sg_list,
-                        })
-                        .map_err(|e| errno::of_device(&e))
-                })
-            };
-            if let Err(e) = r {
-                if !bad.is_null() {
-                    // SAFETY: the caller's out pointer.
-                    unsafe { *bad = cur };
+        // SAFETY: the caller's chain, its SGE arrays and out pointer.
+        unsafe {
+            post_chain(wr, bad, |w| {
+                if sh.has_srq || sh.state() == IBV_QPS_RESET {
+                    return Err(libc::EINVAL);
                 }
-                return e;
-            }
-            cur = w.next;
+                let sg_list = sge_list(w.sg_list, w.num_sge)?;
+                sh.prov
+                    .post_recv(RecvWr {
+                        wr_id: w.wr_id,
+                        sg_list,
+                    })
+                    .map_err(|e| errno::of_device(&e))
+            })
         }
-        0
     })
 }
 

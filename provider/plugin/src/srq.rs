@@ -5,8 +5,9 @@ use std::ptr;
 use std::sync::Arc;
 
 use provider::srq::Srq;
-use provider::wr::{RecvWr, Sge};
+use provider::wr::RecvWr;
 
+use crate::c_list::{post_chain, sge_list};
 use crate::context::limits;
 use crate::errno::{self, guard};
 use crate::ffi::*;
@@ -147,23 +148,10 @@ pub(crate) unsafe extern "C" fn post_srq_recv(
         let Some(inner) = (unsafe { self::srq(srq) }) else {
             return libc::EINVAL;
         };
-        let mut cur = wr;
-        while !cur.is_null() {
-            // SAFETY: the caller's WR chain.
-            let w = unsafe { &*cur };
-            let r = if w.num_sge < 0 || (w.num_sge > 0 && w.sg_list.is_null()) {
-                Err(libc::EINVAL)
-            } else {
-                // SAFETY: the caller's SGE array.
-                let s = unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge as usize) };
-                let sg_list = s
-                    .iter()
-                    .map(|g| Sge {
-                        addr: g.addr,
-                        length: g.length,
-                        lkey: g.lkey,
-                    })
-                    .collect();
+        // SAFETY: the caller's chain, its SGE arrays and out pointer.
+        unsafe {
+            post_chain(wr, bad, |w| {
+                let sg_list = sge_list(w.sg_list, w.num_sge)?;
                 inner
                     .post_recv(RecvWr {
                         wr_id: w.wr_id,
@@ -173,16 +161,7 @@ pub(crate) unsafe extern "C" fn post_srq_recv(
                         provider::srq::PostRecvError::Full(_) => libc::ENOMEM,
                         _ => libc::EINVAL,
                     })
-            };
-            if let Err(e) = r {
-                if !bad.is_null() {
-                    // SAFETY: the caller's out pointer.
-                    unsafe { *bad = cur };
-                }
-                return e;
-            }
-            cur = w.next;
+            })
         }
-        0
     })
 }

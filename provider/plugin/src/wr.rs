@@ -214,21 +214,12 @@ unsafe extern "C" fn wr_set_sge(qp: *mut ibv_qp_ex, lkey: u32, addr: u64, length
 
 unsafe extern "C" fn wr_set_sge_list(qp: *mut ibv_qp_ex, n: usize, list: *const ibv_sge) {
     with(qp, "wr_set_sge_list", |sh, _, _| {
-        if n > crate::context::limits::MAX_SGE as usize || (n > 0 && list.is_null()) {
-            sh.batch_fail(libc::EINVAL);
-            return;
-        }
+        let n = c_int::try_from(n).unwrap_or(c_int::MAX);
         // SAFETY: the caller's array of n SGEs.
-        let s = unsafe { std::slice::from_raw_parts(list, n) };
-        let sges = s
-            .iter()
-            .map(|g| Sge {
-                addr: g.addr,
-                length: g.length,
-                lkey: g.lkey,
-            })
-            .collect();
-        sh.batch_set_data(sges, None)
+        match unsafe { crate::c_list::sge_list(list, n) } {
+            Ok(sges) => sh.batch_set_data(sges, None),
+            Err(e) => sh.batch_fail(e),
+        }
     });
 }
 
