@@ -164,8 +164,10 @@ fn measure(ep: &mut Endpoint, plan: &Plan) -> Result<Vec<BwStats>> {
             while posted < iters && posted - done < window as usize && (!credited || credits > 0) {
                 let slot = posted % window as usize;
                 let use_n = (posted / window as usize) as u64;
-                post_op(ep, op, size, posted as u64, slot, use_n)?;
+                // Stamped before the post: a post may move much of the
+                // message itself (see stats::best_per_message_ns).
                 posted_at[posted] = origin.elapsed().as_nanos() as u64;
+                post_op(ep, op, size, posted as u64, slot, use_n)?;
                 posted += 1;
                 if credited {
                     credits -= 1;
