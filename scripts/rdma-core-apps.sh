@@ -96,6 +96,10 @@ suite() {
         pair "$tag-ib_$t" "$user" "$port" "ib_$t -R -d stag0 -p $port -n $n" \
             "ib_$t -R -d stag0 -p $port -n $n 127.0.0.1" '^ *[0-9]'
     done
+    # Event mode: completions through stag0's completion channels.
+    port=$((port + 1))
+    pair "$tag-ib_send_lat-events" "$user" "$port" "ib_send_lat -R -e -d stag0 -p $port -n 500" \
+        "ib_send_lat -R -e -d stag0 -p $port -n 500 127.0.0.1" '^ *[0-9]'
     port=$((port + 1))
     pair "$tag-rping" "$user" "$port" "rping -s -a 127.0.0.1 -p $port -C 1000 -V" \
         "rping -c -a 127.0.0.1 -p $port -C 1000 -V -v" 'ping data: rdma-ping-999: ' 
