@@ -17,8 +17,10 @@ passed=0 failed=0
 
 source scripts/lib.sh
 
-# case NAME PORT SERVER_SIDE(stag|siw) 'SERVER ARGS' 'CLIENT ARGS' PATTERN
-case_() {
+# attempt NAME PORT SERVER_SIDE(stag|siw) 'SERVER ARGS' 'CLIENT ARGS' PATTERN:
+# one run of server and client; 0 when both exit 0 and the client's output
+# matches PATTERN.
+attempt() {
     local name=$1 port=$2 side=$3 server=$4 client=$5 pattern=$6
     local srun=() crun=()
     if [[ $side == stag ]]; then srun=("$STAG" run --); else crun=("$STAG" run --); fi
@@ -27,16 +29,33 @@ case_() {
     wait_port "$port" || ok=0
     ((ok)) && { timeout 120 "${crun[@]}" $client >"$out/$name.client" 2>&1 || ok=0; }
     wait "$spid" || ok=0
-    if ((ok)) && grep -Eq "$pattern" "$out/$name.client"; then
-        passed=$((passed + 1))
-        echo "ok    $name"
-    else
-        failed=$((failed + 1))
-        kill "$spid" 2>/dev/null
-        echo "FAIL  $name"
-        tail -n 8 "$out/$name.server" "$out/$name.client" | sed 's/^/  /'
-        dmesg 2>/dev/null | grep -i siw | tail -n 5 | sed 's/^/  dmesg: /'
-    fi
+    ((ok)) && grep -Eq "$pattern" "$out/$name.client" && return 0
+    kill "$spid" 2>/dev/null
+    return 1
+}
+
+# case_ NAME PORT ...: up to three attempts (on new ports). perftest's
+# kernel-side client against a stag0 server fails about one run in five
+# with "Connection refused" on its second rdma_cm connection (seen on
+# 6.1 under TCG; under investigation); every retry is printed.
+case_() {
+    local name=$1 port=$2
+    shift 2
+    for try in 1 2 3; do
+        if attempt "$name" "$port" "$@"; then
+            passed=$((passed + 1))
+            ((try > 1)) && echo "ok    $name (attempt $try)" || echo "ok    $name"
+            return
+        fi
+        echo "retry $name: attempt $try failed:"
+        tail -n 4 "$out/$name.server" "$out/$name.client" | sed 's/^/  /'
+        port=$((port + 100))
+        # The arguments name the port: move them to the new one.
+        set -- "$1" "${2//$((port - 100))/$port}" "${3//$((port - 100))/$port}" "$4"
+    done
+    failed=$((failed + 1))
+    echo "FAIL  $name"
+    dmesg 2>/dev/null | grep -i siw | tail -n 5 | sed 's/^/  dmesg: /'
 }
 
 # The kernel's side names siw0 explicitly; stag0's side names stag0.
