@@ -27,19 +27,22 @@ fn post(qp: *mut ibv_qp, wr_id: u64, flags: c_uint, op: SendOp, sges: Vec<Sge>) 
     })
 }
 
-/// One result SGE.
+/// Post an atomic whose original value lands in the one SGE `res`.
 ///
 /// # Safety
-/// `s` must be NULL or point to an `ibv_sge`.
-unsafe fn result(s: *const ibv_sge) -> Option<Vec<Sge>> {
+/// `res` must be NULL or point to an `ibv_sge`.
+unsafe fn post_atomic(
+    qp: *mut ibv_qp,
+    wr_id: u64,
+    flags: c_uint,
+    res: *const ibv_sge,
+    op: SendOp,
+) -> c_int {
     // SAFETY: forwarded.
-    unsafe { s.as_ref() }.map(|g| {
-        vec![Sge {
-            addr: g.addr,
-            length: g.length,
-            lkey: g.lkey,
-        }]
-    })
+    match unsafe { crate::c_list::sge_list(res, 1) } {
+        Ok(sges) => post(qp, wr_id, flags, op, sges),
+        Err(e) => e,
+    }
 }
 
 #[no_mangle]
@@ -61,10 +64,6 @@ pub unsafe extern "C" fn stagdv_post_masked_fetch_add(
     add: u64,
     add_mask: u64,
 ) -> c_int {
-    // SAFETY: the caller's SGE.
-    let Some(sges) = (unsafe { result(res) }) else {
-        return libc::EINVAL;
-    };
     let op = SendOp::FetchAdd {
         remote: Remote {
             addr: remote_addr,
@@ -73,7 +72,8 @@ pub unsafe extern "C" fn stagdv_post_masked_fetch_add(
         add,
         mask: add_mask,
     };
-    post(qp, wr_id, flags, op, sges)
+    // SAFETY: the caller's SGE.
+    unsafe { post_atomic(qp, wr_id, flags, res, op) }
 }
 
 /// # Safety
@@ -92,10 +92,6 @@ pub unsafe extern "C" fn stagdv_post_masked_cmp_swap(
     swap: u64,
     swap_mask: u64,
 ) -> c_int {
-    // SAFETY: the caller's SGE.
-    let Some(sges) = (unsafe { result(res) }) else {
-        return libc::EINVAL;
-    };
     let op = SendOp::CmpSwap {
         remote: Remote {
             addr: remote_addr,
@@ -106,7 +102,8 @@ pub unsafe extern "C" fn stagdv_post_masked_cmp_swap(
         swap,
         swap_mask,
     };
-    post(qp, wr_id, flags, op, sges)
+    // SAFETY: the caller's SGE.
+    unsafe { post_atomic(qp, wr_id, flags, res, op) }
 }
 
 /// # Safety
@@ -121,10 +118,6 @@ pub unsafe extern "C" fn stagdv_post_swap(
     rkey: u32,
     swap: u64,
 ) -> c_int {
-    // SAFETY: the caller's SGE.
-    let Some(sges) = (unsafe { result(res) }) else {
-        return libc::EINVAL;
-    };
     let op = SendOp::Swap {
         remote: Remote {
             addr: remote_addr,
@@ -132,7 +125,8 @@ pub unsafe extern "C" fn stagdv_post_swap(
         },
         swap,
     };
-    post(qp, wr_id, flags, op, sges)
+    // SAFETY: the caller's SGE.
+    unsafe { post_atomic(qp, wr_id, flags, res, op) }
 }
 
 #[no_mangle]

@@ -6,7 +6,7 @@
 //! RNIC's QP and moves the QP to RTS. Until then receives may be posted and
 //! sends fail with `ENOTCONN`, as on siw.
 
-use std::ffi::{c_int, c_uint, c_void};
+use std::ffi::{c_int, c_uint};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -240,19 +240,35 @@ fn supported_send_ops() -> u64 {
     ops
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Both creation verbs: `init` is `ibv_qp_init_attr`, the prefix
+/// `ibv_qp_init_attr_ex` shares; its `cap` gets what the QP has.
+///
+/// # Safety
+/// `ctx`, `pd` and the objects `init` names come from libibverbs.
 unsafe fn create(
     ctx: *mut ibv_context,
     pd: *mut ibv_pd,
-    qp_type: ibv_qp_type,
-    cap: &mut ibv_qp_cap,
-    send_cq: *mut ibv_cq,
-    recv_cq: *mut ibv_cq,
-    srq: *mut ibv_srq,
-    sq_sig_all: bool,
-    qp_context: *mut c_void,
+    init: &mut ibv_qp_init_attr,
+    send_ops: Option<u64>,
+) -> *mut ibv_qp {
+    // SAFETY: forwarded.
+    unsafe { try_create(ctx, pd, init, send_ops) }.unwrap_or_else(|e| {
+        errno::set(e);
+        ptr::null_mut()
+    })
+}
+
+/// # Safety
+/// As [`create`].
+unsafe fn try_create(
+    ctx: *mut ibv_context,
+    pd: *mut ibv_pd,
+    init: &mut ibv_qp_init_attr,
     send_ops: Option<u64>,
 ) -> Result<*mut ibv_qp, c_int> {
+    let (qp_type, send_cq, recv_cq, srq) = (init.qp_type, init.send_cq, init.recv_cq, init.srq);
+    let (sq_sig_all, qp_context) = (init.sq_sig_all != 0, init.qp_context);
+    let cap = &mut init.cap;
     // SAFETY: callers pass libibverbs' objects.
     let Some(prov_pd) = (unsafe { crate::mr::pd(pd) }) else {
         return Err(libc::EINVAL);
@@ -357,26 +373,7 @@ pub(crate) unsafe extern "C" fn create_qp(
             return ptr::null_mut();
         }
         // SAFETY: libibverbs passes the caller's attr and pd.
-        let a = unsafe { &mut *attr };
-        // SAFETY: as above.
-        let r = unsafe {
-            create(
-                (*pd).context,
-                pd,
-                a.qp_type,
-                &mut a.cap,
-                a.send_cq,
-                a.recv_cq,
-                a.srq,
-                a.sq_sig_all != 0,
-                a.qp_context,
-                None,
-            )
-        };
-        r.unwrap_or_else(|e| {
-            errno::set(e);
-            ptr::null_mut()
-        })
+        unsafe { create((*pd).context, pd, &mut *attr, None) }
     })
 }
 
@@ -402,25 +399,19 @@ pub(crate) unsafe extern "C" fn create_qp_ex(
         }
         let send_ops =
             (a.comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS != 0).then_some(a.send_ops_flags);
-        // SAFETY: as above.
-        let r = unsafe {
-            create(
-                ctx,
-                a.pd,
-                a.qp_type,
-                &mut a.cap,
-                a.send_cq,
-                a.recv_cq,
-                a.srq,
-                a.sq_sig_all != 0,
-                a.qp_context,
-                send_ops,
-            )
+        let mut init = ibv_qp_init_attr {
+            qp_context: a.qp_context,
+            send_cq: a.send_cq,
+            recv_cq: a.recv_cq,
+            srq: a.srq,
+            cap: a.cap,
+            qp_type: a.qp_type,
+            sq_sig_all: a.sq_sig_all,
         };
-        r.unwrap_or_else(|e| {
-            errno::set(e);
-            ptr::null_mut()
-        })
+        // SAFETY: libibverbs passes the caller's attr and context.
+        let qp = unsafe { create(ctx, a.pd, &mut init, send_ops) };
+        a.cap = init.cap;
+        qp
     })
 }
 
