@@ -634,7 +634,13 @@ impl QpShared {
                 out.clear();
                 *out_pos = 0;
                 if !conn.poll_transmit(env, out, TX_BUDGET) {
-                    return false;
+                    // A Commit holds the responses back until it is done:
+                    // msync here, outside the core, then frame again.
+                    let Some(job) = conn.poll_durability() else {
+                        return false;
+                    };
+                    conn.handle_commit_done(job.req_id, job.run(env.mem));
+                    continue;
                 }
             }
             match sock.write(&out[*out_pos..]) {

@@ -250,7 +250,10 @@ pub fn run(mem: &MrTable, region: &Region, data: &[u8]) -> Outcome {
     let mut pump = |conn: &mut Connection, out: &mut Vec<u8>| {
         for _ in 0..64 {
             if !conn.poll_transmit(&env, out, 1 << 16) {
-                break;
+                match conn.poll_durability() {
+                    Some(job) => conn.handle_commit_done(job.req_id, job.run(env.mem)),
+                    None => break,
+                }
             }
         }
         while let Some(c) = conn.poll_completion() {

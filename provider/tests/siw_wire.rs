@@ -33,7 +33,15 @@ fn conn(initiator: bool, crc: bool, rtr: Option<Rtr>) -> Connection {
 fn transmit(c: &mut Connection, mem: &MrTable) -> Vec<u8> {
     let env = Env { mem, srq: None };
     let mut out = Vec::new();
-    while c.poll_transmit(&env, &mut out, 1 << 20) {}
+    loop {
+        if c.poll_transmit(&env, &mut out, 1 << 20) {
+            continue;
+        }
+        match c.poll_durability() {
+            Some(job) => c.handle_commit_done(job.req_id, job.run(mem)),
+            None => break,
+        }
+    }
     out
 }
 

@@ -473,7 +473,10 @@ pub struct SegmentSpan {
     pub last: bool,
 }
 
-/// Splits a message into DDP segments no larger than the MULPDU.
+/// Splits a message into DDP segments no larger than the MULPDU (the
+/// core's send queue and Read Responses segment with it; a tagged
+/// segment's TO is the message's base TO plus the span's offset, wrapping:
+/// the receiver checks TO wrap, RFC 5041 §7).
 ///
 /// Each segment carries `mulpdu - header_len` payload bytes except the last,
 /// which carries the rest and has L set; an empty message is one empty last
@@ -535,66 +538,6 @@ impl Iterator for Segments {
 
 impl ExactSizeIterator for Segments {}
 
-/// One tagged segment of a message: its TO and its span.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct TaggedSpan {
-    /// Tagged offset of the segment's first payload byte.
-    pub to: u64,
-    /// Offset, length and L flag.
-    pub span: SegmentSpan,
-}
-
-/// Segments of a tagged message (RDMA Write, Read Response).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TaggedSegments {
-    base_to: u64,
-    segments: Segments,
-}
-
-impl TaggedSegments {
-    /// Plan a tagged message of `msg_len` bytes starting at `to`, each
-    /// segment with a 14-byte header.
-    ///
-    /// `None` if the MULPDU leaves no room for payload or the message would
-    /// run past TO 2^64 - 1 (the TO wrap of RFC 5041 §7).
-    pub fn new(msg_len: u32, mulpdu: usize, to: u64) -> Option<TaggedSegments> {
-        check_to_wrap(to, msg_len).ok()?;
-        Some(TaggedSegments {
-            base_to: to,
-            segments: Segments::new(msg_len, mulpdu, TAGGED_HEADER_LEN)?,
-        })
-    }
-}
-
-impl Iterator for TaggedSegments {
-    type Item = TaggedSpan;
-
-    fn next(&mut self) -> Option<TaggedSpan> {
-        let span = self.segments.next()?;
-        Some(TaggedSpan {
-            // Checked in `new`: base_to + msg_len does not pass 2^64.
-            to: self.base_to.wrapping_add(u64::from(span.offset)),
-            span,
-        })
-    }
-
-    fn size_hint(&self) -> (usize, Option<usize>) {
-        self.segments.size_hint()
-    }
-}
-
-impl ExactSizeIterator for TaggedSegments {}
-
-/// Check that `len` bytes placed from tagged offset `to` stay below 2^64
-/// (RFC 5041 §7, tagged buffer error 0x03 "TO wrap").
-pub fn check_to_wrap(to: u64, len: u32) -> Result<()> {
-    if u128::from(to) + u128::from(len) > 1u128 << 64 {
-        Err(Error::DdpToWrap)
-    } else {
-        Ok(())
-    }
-}
-
 /// What [`UntaggedReassembly::accept`] tells the caller to do with a
 /// segment's payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -609,20 +552,24 @@ pub struct Placement {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Partial {
-    next_mo: u32,
+    /// Highest byte end placed so far.
+    message_len: u32,
     capacity: u32,
 }
 
-/// Validates the untagged segments of one queue as they arrive in order over
-/// TCP (RFC 5041 §5.3, §7): MSNs consecutive from 1, each message's MOs
-/// contiguous from 0, never beyond the receive buffer.
+/// Validates the untagged segments of one queue as they arrive over TCP
+/// (RFC 5041 §5.3, §7): MSNs consecutive from 1, no segment beyond the
+/// receive buffer. Within one message segments are placed by their MO, in
+/// whatever order they come (RFC 5041 §5.3: the MO, not arrival order,
+/// places the payload); the segment with L set completes the message, whose
+/// length is the highest byte end placed.
 ///
 /// Errors are those of RFC 5041 §7: a segment for another MSN while one is
-/// incomplete, or an unexpected MSN, is "MSN range not valid"; a gap or
-/// overlap in MO is "invalid MO"; no posted buffer is "no buffer
+/// incomplete, or an unexpected MSN, is "MSN range not valid"; an MO whose
+/// end overflows is "invalid MO"; no posted buffer is "no buffer
 /// available"; running past the buffer is "message too long". (siw reports
 /// a buffer that is too short as "no buffer available" instead,
-/// `siw_send_check_ntoh`.)
+/// `siw_send_check_ntoh`, and insists on in-order MOs.)
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UntaggedReassembly {
     expected_msn: u32,
@@ -659,7 +606,8 @@ impl UntaggedReassembly {
     /// On the first segment of a message `buffer` is called once to take
     /// the receive buffer the message will fill; it returns that buffer's
     /// length, or `None` if none is posted. On error the queue state is
-    /// unchanged.
+    /// unchanged (a buffer taken by a failing first segment belongs to the
+    /// failed message: the stream terminates anyway).
     pub fn accept(
         &mut self,
         msn: u32,
@@ -671,41 +619,31 @@ impl UntaggedReassembly {
         if msn != self.expected_msn {
             return Err(Error::MsnRange(msn));
         }
+        let end = mo.checked_add(len).ok_or(Error::InvalidMo(mo))?;
         let partial = match self.partial {
             Some(partial) => partial,
-            None => {
-                if mo != 0 {
-                    return Err(Error::InvalidMo(mo));
-                }
-                let capacity = buffer().ok_or(Error::NoBuffer(msn))?;
-                Partial {
-                    next_mo: 0,
-                    capacity,
-                }
-            }
+            None => Partial {
+                message_len: 0,
+                capacity: buffer().ok_or(Error::NoBuffer(msn))?,
+            },
         };
-        if mo != partial.next_mo {
-            return Err(Error::InvalidMo(mo));
-        }
-        let end = mo.checked_add(len).ok_or(Error::InvalidMo(mo))?;
         if end > partial.capacity {
-            // A buffer taken for the first segment stays consumed by the
-            // failed message (the stream terminates anyway).
             return Err(Error::MessageTooLong);
         }
+        let message_len = partial.message_len.max(end);
         if last {
             self.partial = None;
             self.expected_msn = self.expected_msn.wrapping_add(1);
         } else {
             self.partial = Some(Partial {
-                next_mo: end,
+                message_len,
                 capacity: partial.capacity,
             });
         }
         Ok(Placement {
             offset: mo,
             complete: last,
-            message_len: end,
+            message_len,
         })
     }
 }
@@ -952,17 +890,6 @@ mod test {
         // No room for payload.
         assert!(Segments::new(1, 18, UNTAGGED_HEADER_LEN).is_none());
         assert!(Segments::new(1, 3, UNTAGGED_HEADER_LEN).is_none());
-        // Tagged: TO advances with the offset.
-        let spans: Vec<_> = TaggedSegments::new(5, 16, 0x1000).unwrap().collect();
-        assert_eq!(
-            spans.iter().map(|s| s.to).collect::<Vec<_>>(),
-            [0x1000, 0x1002, 0x1004]
-        );
-        assert!(spans[2].span.last && spans[2].span.len == 1);
-        // TO wrap.
-        assert!(TaggedSegments::new(2, 16, u64::MAX).is_none());
-        assert!(TaggedSegments::new(1, 16, u64::MAX).is_some());
-        assert_eq!(check_to_wrap(u64::MAX, 2), Err(Error::DdpToWrap));
         assert_eq!(
             Error::DdpToWrap.terminate_cause(),
             TerminateCause {
@@ -1013,9 +940,9 @@ mod test {
         let e = q.accept(2, 0, 1, true, || Some(8)).unwrap_err();
         assert_eq!(e, Error::MsnRange(2));
         assert_eq!(cause(e), untagged(0x03));
-        // First segment with MO != 0: 0x2/0x04.
-        let e = q.accept(1, 4, 1, true, || Some(8)).unwrap_err();
-        assert_eq!(e, Error::InvalidMo(4));
+        // MO + len overflows: 0x2/0x04.
+        let e = q.accept(1, u32::MAX, 1, true, || Some(8)).unwrap_err();
+        assert_eq!(e, Error::InvalidMo(u32::MAX));
         assert_eq!(cause(e), untagged(0x04));
         // No buffer: 0x2/0x02.
         let e = q.accept(1, 0, 1, true, || None).unwrap_err();
@@ -1025,18 +952,19 @@ mod test {
         let e = q.accept(1, 0, 9, true, || Some(8)).unwrap_err();
         assert_eq!(e, Error::MessageTooLong);
         assert_eq!(cause(e), untagged(0x05));
-        // Gap in MO.
-        q.accept(1, 0, 2, false, || Some(8)).unwrap();
-        assert_eq!(q.accept(1, 3, 1, true, || None), Err(Error::InvalidMo(3)));
+        // Segments are placed by MO in any order; the message is as long
+        // as the highest byte placed.
+        q.accept(1, 4, 2, false, || Some(8)).unwrap();
+        let p = q
+            .accept(1, 0, 4, false, || panic!("second buffer"))
+            .unwrap();
+        assert_eq!((p.offset, p.message_len), (0, 6));
         // Interleaved next message before the last segment.
         assert_eq!(q.accept(2, 0, 1, true, || Some(8)), Err(Error::MsnRange(2)));
-        // MO + len overflow.
-        let mut q = UntaggedReassembly::new();
-        q.accept(1, 0, 1, false, || Some(u32::MAX)).unwrap();
-        assert_eq!(
-            q.accept(1, 1, u32::MAX, true, || None),
-            Err(Error::InvalidMo(1))
-        );
+        // Past the buffer in a later segment.
+        assert_eq!(q.accept(1, 6, 3, true, || None), Err(Error::MessageTooLong));
+        let p = q.accept(1, 6, 2, true, || None).unwrap();
+        assert_eq!((p.complete, p.message_len), (true, 8));
     }
 
     proptest! {

@@ -200,7 +200,11 @@ impl Host {
                 srq: self.srq.as_ref(),
             };
             if !self.conn.poll_transmit(&env, &mut out, 1 << 20) {
-                break;
+                // Perform a Commit the responses wait for, as a driver does.
+                match self.conn.poll_durability() {
+                    Some(job) => self.conn.handle_commit_done(job.req_id, job.run(&self.mem)),
+                    None => break,
+                }
             }
             assert!(out.len() < 64 << 20, "runaway transmit");
         }

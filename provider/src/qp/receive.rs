@@ -1,0 +1,515 @@
+//! The receive direction: ULPDUs out of the deframer, dispatched to one
+//! handler per RDMAP message.
+//!
+//! Every handler validates before it touches memory or queues, so that an
+//! error leaves the state as it was and draws a Terminate that names the
+//! offending message (RFC 5040 §7, RFC 5041 §7).
+
+use tracing::{debug, trace};
+
+use super::{
+    CommitProgress, Connection, CqSide, Env, Event, Inbound, Phase, QN_REQUEST, QN_RESPONSE,
+};
+use crate::mem::{Access, AtomicOp, MrTable, PdId};
+use crate::setup::Rtr;
+use crate::wire::atomic::AtomicOpcode;
+use crate::wire::ddp::Segments;
+use crate::wire::marker::Deframer;
+use crate::wire::rdmap::{RdmapRepr, SendKind};
+use crate::wire::{Error, TerminateCause};
+use crate::wr::{RecvWr, SendOp, Sge, WcOpcode, WcStatus};
+
+/// Why processing an inbound ULPDU stopped the stream.
+pub(super) enum RxFail {
+    /// We found an error: send a Terminate.
+    Local(Error),
+    /// The peer sent a Terminate.
+    Remote(TerminateCause),
+}
+
+impl From<Error> for RxFail {
+    fn from(e: Error) -> Self {
+        RxFail::Local(e)
+    }
+}
+
+type RxResult = Result<(), RxFail>;
+
+impl Connection {
+    /// The byte stream closed or broke.
+    pub fn handle_closed(&mut self) {
+        if !self.phase.is_error() {
+            debug!(qp = self.qp_num, "stream closed by peer");
+            self.flush();
+        }
+        self.phase = super::Phase::Closed;
+        self.tx.clear();
+        if !self.events.contains(&Event::Closed) {
+            self.events.push_back(Event::Closed);
+        }
+    }
+
+    /// Feed bytes received from the stream. Every byte is consumed.
+    pub fn handle_bytes(&mut self, mut input: &[u8], env: &Env) {
+        // The ULPDU may borrow the deframer's buffer: lend the deframer out
+        // of `self` for the loop (a fresh one allocates nothing) so that the
+        // handlers can take `&mut self`.
+        let config = self.deframer.config();
+        let mut deframer = std::mem::replace(&mut self.deframer, Deframer::new(config));
+        self.receive(&mut deframer, &mut input, env);
+        self.deframer = deframer;
+    }
+
+    fn receive(&mut self, deframer: &mut Deframer, input: &mut &[u8], env: &Env) {
+        while !self.phase.is_error() && !input.is_empty() {
+            let ulpdu = match deframer.poll(input) {
+                Ok(Some(u)) => u,
+                Ok(None) => break,
+                Err(e) => {
+                    self.terminate(e, &[]);
+                    break;
+                }
+            };
+            if let Err(fail) = self.process_ulpdu(&ulpdu, env) {
+                match fail {
+                    RxFail::Local(e) => {
+                        // A Terminate copies the offending headers.
+                        let header = ulpdu.get(..ulpdu.len().min(64)).unwrap_or(&[]);
+                        self.terminate(e, header);
+                    }
+                    RxFail::Remote(cause) => self.peer_terminated(cause),
+                }
+                break;
+            }
+            self.deliver_completions();
+        }
+    }
+
+    fn process_ulpdu(&mut self, ulpdu: &[u8], env: &Env) -> RxResult {
+        if !self.caps.rdmap_extensions {
+            // An RFC 5040 RNIC knows opcodes 0x0–0x7 only and looks at the
+            // opcode (RDMAP control, byte 1) before anything else.
+            if let Some(op) = ulpdu.get(1).map(|b| b & 0x0f).filter(|op| *op >= 0x8) {
+                return Err(Error::UnexpectedOpcode(op).into());
+            }
+        }
+        let (repr, payload) = RdmapRepr::parse(ulpdu)?;
+        trace!(qp = self.qp_num, ?repr, len = payload.len(), "rx");
+        if let Phase::AwaitRtr(rtr) = self.phase {
+            if !matches!(repr, RdmapRepr::Terminate(_)) {
+                return self.on_rtr(rtr, repr, payload);
+            }
+        }
+        match repr {
+            RdmapRepr::Write { stag, to, .. } => {
+                env.mem.place_tagged(stag, self.pd, to, payload)?;
+                Ok(())
+            }
+            RdmapRepr::ReadResponse { last, stag, to } => {
+                self.on_read_response(env.mem, last, stag, to, payload)
+            }
+            RdmapRepr::Send {
+                kind,
+                last,
+                msn,
+                mo,
+                invalidate_stag,
+            } => self.on_send(env, kind, last, msn, mo, invalidate_stag, payload),
+            RdmapRepr::ImmediateData { se, msn } => self.on_immediate(env, se, msn, payload),
+            RdmapRepr::ReadRequest {
+                msn,
+                sink_stag,
+                sink_to,
+                size,
+                src_stag,
+                src_to,
+            } => {
+                self.take_request_msn(msn)?;
+                env.mem.check_remote(
+                    src_stag,
+                    self.pd,
+                    src_to,
+                    size as u64,
+                    Access::REMOTE_READ,
+                )?;
+                self.queue_read(sink_stag, sink_to, src_stag, src_to, size);
+                Ok(())
+            }
+            RdmapRepr::AtomicRequest {
+                msn,
+                opcode,
+                req_id,
+                stag,
+                to,
+                add_swap,
+                add_swap_mask,
+                compare,
+                compare_mask,
+            } => {
+                self.take_request_msn(msn)?;
+                let op = match opcode {
+                    AtomicOpcode::FetchAdd => AtomicOp::FetchAdd {
+                        add: add_swap,
+                        mask: add_swap_mask,
+                    },
+                    AtomicOpcode::CmpSwap => AtomicOp::CmpSwap {
+                        compare,
+                        compare_mask,
+                        swap: add_swap,
+                        swap_mask: add_swap_mask,
+                    },
+                    AtomicOpcode::Swap => AtomicOp::Swap { swap: add_swap },
+                };
+                // Validate now so that the Terminate names this request;
+                // execution waits for its turn among the responses.
+                if to % 8 != 0 {
+                    return Err(Error::AtomicMisaligned.into());
+                }
+                env.mem
+                    .check_remote(stag, self.pd, to, 8, Access::REMOTE_ATOMIC)?;
+                self.inbound.push_back(Inbound::Atomic {
+                    req_id,
+                    stag,
+                    to,
+                    op,
+                });
+                Ok(())
+            }
+            RdmapRepr::CommitRequest {
+                msn,
+                req_id,
+                stag,
+                len,
+                to,
+                ..
+            } => {
+                self.take_request_msn(msn)?;
+                // A failing commit answers with a status, never a
+                // Terminate: nothing is checked here.
+                self.inbound.push_back(Inbound::Commit {
+                    req_id,
+                    stag,
+                    to,
+                    len,
+                    progress: CommitProgress::Queued,
+                });
+                Ok(())
+            }
+            RdmapRepr::AtomicResponse {
+                msn,
+                req_id,
+                original,
+            } => self.on_atomic_response(env.mem, msn, req_id, original),
+            RdmapRepr::CommitResponse {
+                msn,
+                req_id,
+                status,
+            } => self.on_commit_response(msn, req_id, status),
+            RdmapRepr::Terminate(term) => Err(RxFail::Remote(term.cause)),
+        }
+    }
+
+    /// Peer-to-peer responder: the first frame must be the negotiated RTR
+    /// (RFC 6581 §4); it moves us to RTS.
+    fn on_rtr(&mut self, rtr: Rtr, repr: RdmapRepr, payload: &[u8]) -> RxResult {
+        let ok = match (rtr, &repr) {
+            (Rtr::ZeroLengthWrite, RdmapRepr::Write { .. }) => payload.is_empty(),
+            (Rtr::ZeroLengthRead, RdmapRepr::ReadRequest { size: 0, .. }) => true,
+            (Rtr::ZeroLengthSend, RdmapRepr::Send { .. }) => payload.is_empty(),
+            _ => false,
+        };
+        if !ok {
+            return Err(Error::NoMatchingRtr.into());
+        }
+        self.phase = Phase::Running;
+        self.events.push_back(Event::Established);
+        match repr {
+            RdmapRepr::ReadRequest {
+                msn,
+                sink_stag,
+                sink_to,
+                ..
+            } => {
+                self.take_msn(QN_REQUEST, msn)?;
+                // Answered like any Read: a zero-length Read Response.
+                self.queue_read(sink_stag, sink_to, 0, 0, 0);
+            }
+            RdmapRepr::Send { msn, .. } => {
+                // Consumes its MSN but no receive buffer.
+                self.rx_send.accept(msn, 0, 0, true, || Some(0))?;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// A Read Response segment: placed across the head Read's SGEs.
+    fn on_read_response(
+        &mut self,
+        mem: &MrTable,
+        last: bool,
+        stag: u32,
+        to: u64,
+        payload: &[u8],
+    ) -> RxResult {
+        if self.phase == Phase::AwaitRtrResponse {
+            // The RTR Read went out before any WR, so the first Read
+            // Response answers it.
+            if !(last && payload.is_empty()) {
+                return Err(Error::DdpBaseBounds.into());
+            }
+            self.phase = Phase::Running;
+            self.ord_used = self.ord_used.saturating_sub(1);
+            return Ok(());
+        }
+        let pd = self.pd;
+        let head = self.response_head().ok_or(Error::UnexpectedOpcode(2))?;
+        let SendOp::Read { .. } = head.op else {
+            return Err(Error::UnexpectedOpcode(2).into());
+        };
+        let (sink_stag, sink_to) = head
+            .sg_list
+            .first()
+            .map(|s| (s.lkey, s.addr))
+            .unwrap_or((0, 0));
+        if stag != sink_stag && !payload.is_empty() {
+            return Err(Error::DdpInvalidStag(stag).into());
+        }
+        let off = to.checked_sub(sink_to).ok_or(Error::DdpBaseBounds)?;
+        let end = off
+            .checked_add(payload.len() as u64)
+            .ok_or(Error::DdpToWrap)?;
+        if end > head.byte_len as u64 {
+            return Err(Error::DdpBaseBounds.into());
+        }
+        scatter(mem, pd, &head.sg_list, off, payload).map_err(|_| Error::DdpBaseBounds)?;
+        if last {
+            head.status = Some(WcStatus::Success);
+            self.ord_used = self.ord_used.saturating_sub(1);
+        }
+        Ok(())
+    }
+
+    /// A Send segment (any of the four kinds): placed into the receive the
+    /// message consumes; the last one completes it.
+    #[allow(clippy::too_many_arguments)]
+    fn on_send(
+        &mut self,
+        env: &Env,
+        kind: SendKind,
+        last: bool,
+        msn: u32,
+        mo: u32,
+        invalidate_stag: u32,
+        payload: &[u8],
+    ) -> RxResult {
+        let len = u32::try_from(payload.len()).map_err(|_| Error::MessageTooLong)?;
+        let placement = self.accept_untagged(env, msn, mo, len, last)?;
+        let Some(wr) = self.receiving.as_ref() else {
+            return Err(Error::Catastrophic.into());
+        };
+        scatter(
+            env.mem,
+            self.pd,
+            &wr.sg_list,
+            placement.offset as u64,
+            payload,
+        )
+        .map_err(|_| Error::Catastrophic)?;
+        if !last {
+            return Ok(());
+        }
+        // Invalidate before taking the receive out: if it fails, the
+        // receive stays in progress and the flush completes it (it must
+        // not vanish without a completion).
+        let invalidates = matches!(kind, SendKind::SendInvalidate | SendKind::SendSeInvalidate);
+        if invalidates {
+            env.mem.remote_invalidate(invalidate_stag, self.pd)?;
+        }
+        let Some(wr) = self.receiving.take() else {
+            return Err(Error::Catastrophic.into());
+        };
+        let mut wc = self.wc(
+            wr.wr_id,
+            WcStatus::Success,
+            WcOpcode::Recv,
+            placement.message_len,
+        );
+        wc.solicited = matches!(kind, SendKind::SendSe | SendKind::SendSeInvalidate);
+        if invalidates {
+            wc.invalidated_rkey = Some(invalidate_stag);
+        }
+        self.completions.push_back((CqSide::Recv, wc));
+        Ok(())
+    }
+
+    /// RFC 7306 Immediate Data: 8 bytes that consume a receive (and place
+    /// nothing in it).
+    fn on_immediate(&mut self, env: &Env, se: bool, msn: u32, payload: &[u8]) -> RxResult {
+        let imm: [u8; 8] = payload
+            .try_into()
+            .map_err(|_| Error::RdmapMalformed("Immediate Data must carry 8 bytes"))?;
+        if self.rx_send.in_progress() {
+            // A Send is half-way: messages are not interleaved.
+            return Err(Error::MsnRange(msn).into());
+        }
+        self.accept_untagged(env, msn, 0, 0, true)?;
+        let Some(wr) = self.receiving.take() else {
+            return Err(Error::Catastrophic.into());
+        };
+        let mut wc = self.wc(wr.wr_id, WcStatus::Success, WcOpcode::RecvImm, 0);
+        wc.imm = Some(u64::from_be_bytes(imm));
+        wc.solicited = se;
+        self.completions.push_back((CqSide::Recv, wc));
+        Ok(())
+    }
+
+    /// Check one segment on QN 0 (MSN, MO, room in the buffer); its first
+    /// segment takes a receive into `receiving`.
+    fn accept_untagged(
+        &mut self,
+        env: &Env,
+        msn: u32,
+        mo: u32,
+        len: u32,
+        last: bool,
+    ) -> Result<crate::wire::ddp::Placement, Error> {
+        let rq = &mut self.rq;
+        let mut taken: Option<RecvWr> = None;
+        let placement = self.rx_send.accept(msn, mo, len, last, || {
+            let wr = match env.srq {
+                Some(srq) => srq.take(),
+                None => rq.pop_front(),
+            }?;
+            let capacity: u64 = wr.sg_list.iter().map(|s| s.length as u64).sum();
+            taken = Some(wr);
+            Some(u32::try_from(capacity).unwrap_or(u32::MAX))
+        });
+        // A receive taken by a failing first segment belongs to the failed
+        // message: the flush completes it.
+        if let Some(wr) = taken {
+            self.receiving = Some(wr);
+        }
+        placement
+    }
+
+    /// An Atomic Response: the original value lands in the head atomic's
+    /// SGE (an Atomic Write, sent as Swap, drops it).
+    fn on_atomic_response(
+        &mut self,
+        mem: &MrTable,
+        msn: u32,
+        req_id: u32,
+        original: u64,
+    ) -> RxResult {
+        self.take_msn(QN_RESPONSE, msn)?;
+        let pd = self.pd;
+        let head = self.response_head().ok_or(Error::UnexpectedOpcode(0xb))?;
+        let is_atomic = matches!(
+            head.op,
+            SendOp::FetchAdd { .. } | SendOp::CmpSwap { .. } | SendOp::Swap { .. }
+        );
+        let is_write = matches!(head.op, SendOp::AtomicWrite { .. });
+        if !(is_atomic || is_write) || head.req_id != req_id {
+            return Err(Error::UnexpectedOpcode(0xb).into());
+        }
+        if is_atomic {
+            // The original value lands in host order, as libibverbs
+            // delivers it.
+            scatter(mem, pd, &head.sg_list, 0, &original.to_ne_bytes())
+                .map_err(|_| Error::Catastrophic)?;
+            head.byte_len = 8;
+        }
+        head.status = Some(WcStatus::Success);
+        self.ord_used = self.ord_used.saturating_sub(1);
+        Ok(())
+    }
+
+    /// A Commit Response: the head Commit completes with its status.
+    fn on_commit_response(&mut self, msn: u32, req_id: u32, status: u32) -> RxResult {
+        self.take_msn(QN_RESPONSE, msn)?;
+        let head = self.response_head().ok_or(Error::UnexpectedOpcode(0xd))?;
+        if !matches!(head.op, SendOp::Commit { .. }) || head.req_id != req_id {
+            return Err(Error::UnexpectedOpcode(0xd).into());
+        }
+        head.status = Some(if status == 0 {
+            WcStatus::Success
+        } else {
+            WcStatus::RemOpErr
+        });
+        head.vendor_err = status;
+        head.byte_len = 0;
+        self.ord_used = self.ord_used.saturating_sub(1);
+        Ok(())
+    }
+
+    /// Queue a Read's responses (the request was checked).
+    fn queue_read(&mut self, sink_stag: u32, sink_to: u64, src_stag: u32, src_to: u64, size: u32) {
+        // A zero payload per segment never happens: max_segment >= 1.
+        let mulpdu = self.caps.max_segment as usize + crate::wire::ddp::TAGGED_HEADER_LEN;
+        let Some(segments) = Segments::new(size, mulpdu, crate::wire::ddp::TAGGED_HEADER_LEN)
+        else {
+            return;
+        };
+        self.inbound.push_back(Inbound::Read {
+            sink_stag,
+            sink_to,
+            src_stag,
+            src_to,
+            segments,
+        });
+    }
+
+    /// Check and advance the expected MSN of QN 1, and the IRD: one more
+    /// request must fit.
+    fn take_request_msn(&mut self, msn: u32) -> Result<(), Error> {
+        self.take_msn(QN_REQUEST, msn)?;
+        if self.inbound.len() >= self.neg.ird as usize {
+            return Err(Error::IrdExceeded);
+        }
+        Ok(())
+    }
+
+    /// Check and advance the expected MSN of QN 1 or 3.
+    fn take_msn(&mut self, qn: usize, msn: u32) -> Result<(), Error> {
+        if msn != self.rx_msn[qn] {
+            return Err(Error::MsnRange(msn));
+        }
+        self.rx_msn[qn] = msn.wrapping_add(1);
+        Ok(())
+    }
+
+    /// The response at the head of the outstanding requests.
+    fn response_head(&mut self) -> Option<&mut super::InFlight> {
+        self.in_flight.iter_mut().find(|f| f.status.is_none())
+    }
+}
+
+/// Scatter `data` at message offset `off` across `sges`.
+fn scatter(
+    mem: &MrTable,
+    pd: PdId,
+    sges: &[Sge],
+    mut off: u64,
+    mut data: &[u8],
+) -> Result<(), Error> {
+    for sge in sges {
+        if data.is_empty() {
+            break;
+        }
+        let l = sge.length as u64;
+        if off >= l {
+            off -= l;
+            continue;
+        }
+        let n = ((l - off) as usize).min(data.len());
+        mem.write_local(sge.lkey, pd, sge.addr + off, &data[..n])?;
+        data = &data[n..];
+        off = 0;
+    }
+    if data.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::MessageTooLong)
+    }
+}

@@ -1,0 +1,305 @@
+//! The phase machine and the Commit hand-off, driven through the public
+//! sans-IO API between two connections.
+
+use std::ptr::NonNull;
+
+use super::*;
+use crate::mem::Access;
+use crate::wire::marker::{Deframer, DeframerConfig};
+use crate::wire::rdmap::RdmapRepr;
+use crate::wr::Remote;
+
+const PD: PdId = 1;
+
+fn negotiated(initiator: bool, rtr: Option<Rtr>) -> Negotiated {
+    Negotiated {
+        initiator,
+        revision: 2,
+        crc: true,
+        markers_tx: false,
+        markers_rx: false,
+        ird: 8,
+        ord: 8,
+        rtr,
+        peer_private_data: Vec::new(),
+    }
+}
+
+fn pair(rtr: Option<Rtr>) -> (Connection, Connection) {
+    let caps = QpCaps::default();
+    (
+        Connection::new(1, PD, caps, negotiated(true, rtr), false),
+        Connection::new(2, PD, caps, negotiated(false, rtr), false),
+    )
+}
+
+/// Everything `c` has to send now (no commit performed).
+fn transmit(c: &mut Connection, mem: &MrTable) -> Vec<u8> {
+    let env = Env { mem, srq: None };
+    let mut out = Vec::new();
+    while c.poll_transmit(&env, &mut out, 1 << 20) {}
+    out
+}
+
+fn deliver(bytes: &[u8], to: &mut Connection, mem: &MrTable) {
+    to.handle_bytes(bytes, &Env { mem, srq: None });
+}
+
+/// The RDMAP messages in `bytes`.
+fn frames(bytes: &[u8]) -> Vec<RdmapRepr> {
+    let mut d = Deframer::new(DeframerConfig {
+        crc: true,
+        markers: false,
+        max_ulpdu_len: u16::MAX,
+    });
+    let mut input = bytes;
+    let mut out = Vec::new();
+    while let Some(u) = d.poll(&mut input).expect("deframes") {
+        out.push(RdmapRepr::parse(&u).expect("parses").0);
+    }
+    out
+}
+
+fn events(c: &mut Connection) -> Vec<Event> {
+    std::iter::from_fn(|| c.poll_event()).collect()
+}
+
+fn completions(c: &mut Connection) -> Vec<(CqSide, WorkCompletion)> {
+    std::iter::from_fn(|| c.poll_completion()).collect()
+}
+
+/// A registered buffer (leaked for the test's lifetime, so the
+/// registration can never outlive it).
+fn region(mem: &MrTable, len: usize, access: Access) -> (u32, u64) {
+    let buf: &'static mut [u8] = Box::leak(vec![0u8; len].into_boxed_slice());
+    let base = NonNull::new(buf.as_mut_ptr()).expect("non-null");
+    let va = base.as_ptr() as u64;
+    // SAFETY: the buffer is leaked, so it stays valid forever.
+    let stag = unsafe { mem.register(PD, base, va, len as u64, access, false) }.expect("register");
+    (stag, va)
+}
+
+#[test]
+fn client_server_is_running_from_the_start() {
+    let (a, b) = pair(None);
+    for mut c in [a, b] {
+        assert_eq!(c.phase, Phase::Running);
+        assert_eq!(c.state(), QpState::Rts);
+        assert_eq!(events(&mut c), [Event::Established]);
+        assert!(!c.wants_close());
+    }
+}
+
+#[test]
+fn read_rtr_holds_an_ord_credit_until_its_response() {
+    let mem = MrTable::new();
+    let (mut a, mut b) = pair(Some(Rtr::ZeroLengthRead));
+    assert_eq!(a.phase, Phase::SendRtr(Rtr::ZeroLengthRead));
+    assert_eq!(a.state(), QpState::Rts);
+    assert_eq!(b.phase, Phase::AwaitRtr(Rtr::ZeroLengthRead));
+    assert_eq!(b.state(), QpState::Rtr);
+    assert!(events(&mut b).is_empty());
+    assert!(a.has_pending_tx() && !b.has_pending_tx());
+    // The responder says nothing before the RTR.
+    assert!(transmit(&mut b, &mem).is_empty());
+
+    let rtr = transmit(&mut a, &mem);
+    assert!(matches!(
+        frames(&rtr)[..],
+        [RdmapRepr::ReadRequest { size: 0, .. }]
+    ));
+    assert_eq!((a.phase, a.ord_used), (Phase::AwaitRtrResponse, 1));
+    deliver(&rtr, &mut b, &mem);
+    assert_eq!(b.phase, Phase::Running);
+    assert_eq!(events(&mut b), [Event::Established]);
+
+    let response = transmit(&mut b, &mem);
+    assert!(matches!(
+        frames(&response)[..],
+        [RdmapRepr::ReadResponse { last: true, .. }]
+    ));
+    deliver(&response, &mut a, &mem);
+    assert_eq!((a.phase, a.ord_used), (Phase::Running, 0));
+    assert!(completions(&mut a).is_empty(), "the RTR is no WR");
+}
+
+#[test]
+fn write_and_send_rtr_go_straight_to_running() {
+    let mem = MrTable::new();
+    for rtr in [Rtr::ZeroLengthWrite, Rtr::ZeroLengthSend] {
+        let (mut a, mut b) = pair(Some(rtr));
+        let bytes = transmit(&mut a, &mem);
+        assert_eq!(a.phase, Phase::Running);
+        deliver(&bytes, &mut b, &mem);
+        assert_eq!(b.phase, Phase::Running, "{rtr:?}");
+        assert!(completions(&mut b).is_empty(), "the RTR takes no receive");
+    }
+}
+
+#[test]
+fn wrong_rtr_terminates_then_closes() {
+    let mem = MrTable::new();
+    let (_, mut b) = pair(Some(Rtr::ZeroLengthWrite));
+    let (mut a, _) = pair(Some(Rtr::ZeroLengthSend));
+    deliver(&transmit(&mut a, &mem), &mut b, &mem);
+    assert_eq!(b.phase, Phase::Closing);
+    assert_eq!(b.state(), QpState::Error);
+    assert!(!b.wants_close(), "the Terminate drains first");
+    assert!(matches!(
+        frames(&transmit(&mut b, &mem))[..],
+        [RdmapRepr::Terminate(_)]
+    ));
+    assert!(b.wants_close());
+    b.handle_closed();
+    assert_eq!(b.phase, Phase::Closed);
+    assert!(b.wants_close() && !b.has_pending_tx());
+    let evs = events(&mut b);
+    assert!(
+        matches!(evs[..], [Event::TerminateSent(_), Event::Closed]),
+        "{evs:?}"
+    );
+}
+
+#[test]
+fn set_error_closes_without_a_terminate() {
+    let mem = MrTable::new();
+    let (mut a, _) = pair(None);
+    a.set_error();
+    assert_eq!(a.phase, Phase::Closing);
+    assert!(transmit(&mut a, &mem).is_empty());
+    assert!(a.wants_close());
+    // A post in Error completes with a flush error.
+    a.post_recv(RecvWr {
+        wr_id: 7,
+        sg_list: Vec::new(),
+    })
+    .expect("accepted");
+    let c = completions(&mut a);
+    assert_eq!((c[0].1.wr_id, c[0].1.status), (7, WcStatus::WrFlushErr));
+}
+
+/// A posts a Commit of `commit_stag` then a Read of `read` (16 bytes).
+fn commit_then_read(a: &mut Connection, mem: &MrTable, commit_stag: u32, read: (u32, u64)) {
+    let env = Env { mem, srq: None };
+    let (sink, sink_va) = region(mem, 16, Access::LOCAL_WRITE);
+    a.post_send(
+        SendWr {
+            wr_id: 1,
+            op: SendOp::Commit {
+                remote: Remote {
+                    addr: read.1,
+                    rkey: commit_stag,
+                },
+                len: 8,
+            },
+            sg_list: Vec::new(),
+            signaled: true,
+            fence: false,
+        },
+        &env,
+    )
+    .expect("commit");
+    a.post_send(
+        SendWr {
+            wr_id: 2,
+            op: SendOp::Read {
+                remote: Remote {
+                    addr: read.1,
+                    rkey: read.0,
+                },
+            },
+            sg_list: vec![Sge {
+                addr: sink_va,
+                length: 16,
+                lkey: sink,
+            }],
+            signaled: true,
+            fence: false,
+        },
+        &env,
+    )
+    .expect("read");
+}
+
+#[test]
+fn a_pending_commit_holds_back_a_later_read_response() {
+    let mem = MrTable::new();
+    let (mut a, mut b) = pair(None);
+    let (src, va) = region(&mem, 16, Access::REMOTE_READ | Access::FLUSH_PERSISTENT);
+    commit_then_read(&mut a, &mem, src, (src, va));
+    deliver(&transmit(&mut a, &mem), &mut b, &mem);
+
+    // Nothing goes out until the driver has performed the commit.
+    assert!(b.has_pending_tx());
+    assert!(transmit(&mut b, &mem).is_empty());
+    let job = b.poll_durability().expect("a commit job");
+    assert_eq!((job.stag, job.to, job.len, job.pd), (src, va, 8, PD));
+    assert!(b.poll_durability().is_none(), "one job at a time");
+    assert!(!b.has_pending_tx(), "waiting for the driver");
+    assert!(transmit(&mut b, &mem).is_empty(), "the Read Response waits");
+    // A stale or unknown completion changes nothing.
+    b.handle_commit_done(job.req_id.wrapping_add(1), 0);
+    assert!(transmit(&mut b, &mem).is_empty());
+
+    b.handle_commit_done(job.req_id, job.run(&mem));
+    let out = transmit(&mut b, &mem);
+    let f = frames(&out);
+    assert!(
+        matches!(
+            f[..],
+            [
+                RdmapRepr::CommitResponse { status: 0, .. },
+                RdmapRepr::ReadResponse { last: true, .. }
+            ]
+        ),
+        "{f:?}"
+    );
+    deliver(&out, &mut a, &mem);
+    let c = completions(&mut a);
+    assert_eq!(
+        c.iter()
+            .map(|(_, wc)| (wc.wr_id, wc.status))
+            .collect::<Vec<_>>(),
+        [(1, WcStatus::Success), (2, WcStatus::Success)]
+    );
+}
+
+#[test]
+fn a_failing_commit_answers_with_a_status() {
+    let mem = MrTable::new();
+    let (mut a, mut b) = pair(None);
+    // Readable but not flushable: the commit fails, the Read still works.
+    let (src, va) = region(&mem, 16, Access::REMOTE_READ);
+    commit_then_read(&mut a, &mem, src, (src, va));
+    deliver(&transmit(&mut a, &mem), &mut b, &mem);
+    assert!(transmit(&mut b, &mem).is_empty());
+    let job = b.poll_durability().expect("a commit job");
+    let status = job.run(&mem);
+    assert_ne!(status, 0);
+    b.handle_commit_done(job.req_id, status);
+    let out = transmit(&mut b, &mem);
+    deliver(&out, &mut a, &mem);
+    assert_eq!(b.phase, Phase::Running, "no Terminate");
+    let c = completions(&mut a);
+    assert_eq!(
+        c.iter()
+            .map(|(_, wc)| (wc.wr_id, wc.status, wc.vendor_err))
+            .collect::<Vec<_>>(),
+        [(1, WcStatus::RemOpErr, status), (2, WcStatus::Success, 0)]
+    );
+}
+
+#[test]
+fn teardown_drops_a_pending_commit() {
+    let mem = MrTable::new();
+    let (mut a, mut b) = pair(None);
+    let (src, va) = region(&mem, 16, Access::REMOTE_READ | Access::FLUSH_GLOBAL);
+    commit_then_read(&mut a, &mem, src, (src, va));
+    deliver(&transmit(&mut a, &mem), &mut b, &mem);
+    assert!(transmit(&mut b, &mem).is_empty());
+    let job = b.poll_durability().expect("a commit job");
+    b.handle_closed();
+    b.handle_commit_done(job.req_id, 0);
+    assert!(transmit(&mut b, &mem).is_empty());
+    assert!(b.poll_durability().is_none());
+}

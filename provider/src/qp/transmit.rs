@@ -1,0 +1,627 @@
+//! The transmit direction: the send queue, the responses we owe to inbound
+//! requests, and the framing of both into the stream.
+//!
+//! Responses are produced strictly in the order their requests arrived
+//! (RFC 5040 §5.3, RFC 7306 §7): the head of `inbound` is answered before
+//! anything behind it, and a Commit at the head holds the rest back until
+//! the driver has performed it ([`Connection::poll_durability`]).
+
+use tracing::warn;
+
+use super::{
+    CommitProgress, Connection, Env, InFlight, Inbound, Phase, TxCursor, MAX_HEADER_LEN,
+    QN_REQUEST, QN_RESPONSE, QN_SEND,
+};
+use crate::mem::{MrTable, PdId};
+use crate::setup::Rtr;
+use crate::wire::atomic::AtomicOpcode;
+use crate::wire::ddp::{SegmentSpan, Segments};
+use crate::wire::rdmap::{RdmapRepr, SendKind};
+use crate::wr::{Remote, SendOp, Sge, WcStatus};
+
+/// A Commit the driver performs outside the sans-IO core (it may block in
+/// `msync`), then reports with [`Connection::handle_commit_done`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommitJob {
+    /// The request's ID, to hand back with the status.
+    pub req_id: u32,
+    /// The target region.
+    pub stag: u32,
+    /// The QP's protection domain.
+    pub pd: PdId,
+    /// Start of the range.
+    pub to: u64,
+    /// Length of the range.
+    pub len: u32,
+}
+
+impl CommitJob {
+    /// Perform the commit against `mem` (msync for a file-backed region)
+    /// and return the status for the Commit Response: 0 on success. A
+    /// failing commit answers with a status, never a Terminate.
+    pub fn run(&self, mem: &MrTable) -> u32 {
+        match mem.commit(self.stag, self.pd, self.to, self.len as u64) {
+            Ok(()) => 0,
+            Err(e) => {
+                warn!(req_id = self.req_id, error = %e, "commit failed");
+                e.status()
+            }
+        }
+    }
+}
+
+/// The header length of each kind of segmented message.
+const TAGGED: usize = crate::wire::ddp::TAGGED_HEADER_LEN;
+const UNTAGGED: usize = crate::wire::ddp::UNTAGGED_HEADER_LEN;
+
+impl Connection {
+    /// Append up to about `max` bytes of framed stream data to `out`.
+    /// Returns whether anything was added.
+    pub fn poll_transmit(&mut self, env: &Env, out: &mut Vec<u8>, max: usize) -> bool {
+        let start = out.len();
+        // Frame straight into the caller's buffer rather than copying out
+        // of `tx`: the two trade places for the call.
+        let mut own = std::mem::replace(&mut self.tx, std::mem::take(out));
+        self.tx.append(&mut own);
+        self.transmit_into(env, start, max);
+        *out = std::mem::replace(&mut self.tx, own);
+        out.len() > start
+    }
+
+    /// The next Commit for the driver to perform. Its response, and every
+    /// response behind it, waits for
+    /// [`handle_commit_done`](Self::handle_commit_done).
+    pub fn poll_durability(&mut self) -> Option<CommitJob> {
+        self.durability.pop_front()
+    }
+
+    /// The driver performed the Commit `req_id` with `status` (0 =
+    /// success; see [`CommitJob::run`]). Its response goes out with the
+    /// next [`poll_transmit`](Self::poll_transmit). Unknown or stale IDs
+    /// (the stream was torn down meanwhile) are ignored.
+    pub fn handle_commit_done(&mut self, req_id: u32, status: u32) {
+        if let Some(Inbound::Commit {
+            req_id: id,
+            progress,
+            ..
+        }) = self.inbound.front_mut()
+        {
+            if *id == req_id && *progress == CommitProgress::Issued {
+                *progress = CommitProgress::Done(status);
+            }
+        }
+    }
+
+    /// Whether the connection has work it could transmit now.
+    pub fn has_pending_tx(&self) -> bool {
+        if !self.tx.is_empty() || matches!(self.phase, Phase::SendRtr(_)) {
+            return true;
+        }
+        let rts = matches!(self.phase, Phase::Running | Phase::AwaitRtrResponse);
+        rts && (self.inbound_ready() || self.sq_can_progress())
+    }
+
+    /// The head of the responses can be worked on (it is not a Commit
+    /// waiting for the driver).
+    fn inbound_ready(&self) -> bool {
+        match self.inbound.front() {
+            None => false,
+            Some(Inbound::Commit { progress, .. }) => *progress != CommitProgress::Issued,
+            Some(_) => true,
+        }
+    }
+
+    fn sq_can_progress(&self) -> bool {
+        match self.sq.front() {
+            None => false,
+            Some(wr) => {
+                !(wr.op.needs_response() && self.ord_used >= self.neg.ord && self.cursor.at_start())
+            }
+        }
+    }
+
+    /// [`poll_transmit`](Self::poll_transmit)'s work, framing into `tx`
+    /// until it holds `max` bytes past `start`.
+    fn transmit_into(&mut self, env: &Env, start: usize, max: usize) {
+        match self.phase {
+            Phase::Closing | Phase::Closed | Phase::AwaitRtr(_) => return,
+            Phase::SendRtr(rtr) => self.send_rtr(rtr),
+            Phase::AwaitRtrResponse | Phase::Running => {}
+        }
+        while self.tx.len() - start < max && !self.phase.is_error() {
+            if !(self.transmit_inbound(env) || self.transmit_sq(env)) {
+                break;
+            }
+        }
+        self.deliver_completions();
+    }
+
+    /// Frame one ULPDU (header from `repr`, then `payload`) into `tx`.
+    pub(super) fn frame(&mut self, repr: &RdmapRepr, payload: &[u8]) {
+        let hlen = repr.header_len();
+        let mut header = [0u8; MAX_HEADER_LEN];
+        repr.emit(&mut header[..hlen]);
+        if let Err(e) = self.framer.frame(&[&header[..hlen], payload], &mut self.tx) {
+            // Segments are sized below the framer's limit; reaching this is
+            // a bug, and the stream cannot continue without the frame.
+            warn!(qp = self.qp_num, error = %e, "cannot frame a ULPDU");
+            self.fail_stream();
+        }
+    }
+
+    /// The RTR frame of RFC 6581 §4, first thing on the stream.
+    fn send_rtr(&mut self, rtr: Rtr) {
+        self.phase = Phase::Running;
+        match rtr {
+            Rtr::ZeroLengthWrite => {
+                // siw sends its RTR as a zero-length Write to STag 1, TO 0.
+                self.frame(
+                    &RdmapRepr::Write {
+                        last: true,
+                        stag: 1,
+                        to: 0,
+                    },
+                    &[],
+                );
+            }
+            Rtr::ZeroLengthRead => {
+                let msn = self.next_msn(QN_REQUEST);
+                self.phase = Phase::AwaitRtrResponse;
+                self.ord_used += 1;
+                self.frame(
+                    &RdmapRepr::ReadRequest {
+                        msn,
+                        // As siw_qp_mpa_rts builds it: a zero-length SGE with
+                        // lkey 0 is the sink, STag 1 the source.
+                        sink_stag: 0,
+                        sink_to: 0,
+                        size: 0,
+                        src_stag: 1,
+                        src_to: 0,
+                    },
+                    &[],
+                );
+            }
+            Rtr::ZeroLengthSend => {
+                let msn = self.next_msn(QN_SEND);
+                self.frame(
+                    &RdmapRepr::Send {
+                        kind: SendKind::Send,
+                        last: true,
+                        msn,
+                        mo: 0,
+                        invalidate_stag: 0,
+                    },
+                    &[],
+                );
+            }
+        }
+    }
+
+    pub(super) fn next_msn(&mut self, qn: usize) -> u32 {
+        let m = self.tx_msn[qn];
+        self.tx_msn[qn] = m.wrapping_add(1);
+        m
+    }
+
+    /// Answer the oldest inbound request (or the next segment of it).
+    /// Returns whether anything happened.
+    fn transmit_inbound(&mut self, env: &Env) -> bool {
+        let pd = self.pd;
+        let Some(head) = self.inbound.front_mut() else {
+            return false;
+        };
+        match head {
+            Inbound::Read {
+                sink_stag,
+                sink_to,
+                src_stag,
+                src_to,
+                segments,
+            } => {
+                let Some(span) = segments.next() else {
+                    // Cannot happen: the last segment pops the request.
+                    self.inbound.pop_front();
+                    return true;
+                };
+                // The sink TO is the peer's to check (it draws a tagged
+                // TO-wrap or bounds error there); it may wrap here.
+                let off = span.offset as u64;
+                let (sink_stag, to, src_stag, src) = (
+                    *sink_stag,
+                    sink_to.wrapping_add(off),
+                    *src_stag,
+                    src_to.wrapping_add(off),
+                );
+                let mut payload = std::mem::take(&mut self.scratch);
+                fit(&mut payload, span.len as usize);
+                if let Err(e) = env.mem.read_remote(src_stag, pd, src, &mut payload) {
+                    // Checked on arrival; it can only fail now if the region
+                    // was deregistered meanwhile.
+                    self.scratch = payload;
+                    self.terminate(e, &[]);
+                    return true;
+                }
+                self.frame(
+                    &RdmapRepr::ReadResponse {
+                        last: span.last,
+                        stag: sink_stag,
+                        to,
+                    },
+                    &payload,
+                );
+                self.scratch = payload;
+                if span.last {
+                    self.inbound.pop_front();
+                }
+            }
+            Inbound::Atomic {
+                req_id,
+                stag,
+                to,
+                op,
+            } => {
+                let (req_id, stag, to, op) = (*req_id, *stag, *to, *op);
+                self.inbound.pop_front();
+                match env.mem.atomic(stag, pd, to, op) {
+                    Ok(original) => {
+                        let msn = self.next_msn(QN_RESPONSE);
+                        self.frame(
+                            &RdmapRepr::AtomicResponse {
+                                msn,
+                                req_id,
+                                original,
+                            },
+                            &[],
+                        );
+                    }
+                    Err(e) => {
+                        // RFC 7306 §8: an invalid atomic draws a Terminate
+                        // and leaves memory untouched.
+                        self.terminate(e, &[]);
+                    }
+                }
+            }
+            Inbound::Commit {
+                req_id,
+                stag,
+                to,
+                len,
+                progress,
+            } => match *progress {
+                CommitProgress::Queued => {
+                    // The msync may block: the driver performs it, and the
+                    // responses behind this one wait for it.
+                    *progress = CommitProgress::Issued;
+                    let job = CommitJob {
+                        req_id: *req_id,
+                        stag: *stag,
+                        pd,
+                        to: *to,
+                        len: *len,
+                    };
+                    self.durability.push_back(job);
+                    return false;
+                }
+                CommitProgress::Issued => return false,
+                CommitProgress::Done(status) => {
+                    let req_id = *req_id;
+                    self.inbound.pop_front();
+                    let msn = self.next_msn(QN_RESPONSE);
+                    self.frame(
+                        &RdmapRepr::CommitResponse {
+                            msn,
+                            req_id,
+                            status,
+                        },
+                        &[],
+                    );
+                }
+            },
+        }
+        true
+    }
+
+    /// The next segment of the head WR's message, planning its segments
+    /// at the first one. `header_len` is the DDP+RDMAP header each
+    /// segment carries.
+    fn next_span(&mut self, total: u64, header_len: usize) -> Option<SegmentSpan> {
+        if self.cursor.segments.is_none() {
+            // post_send refuses messages of 2^32 bytes or more.
+            let msg_len = u32::try_from(total).unwrap_or(u32::MAX);
+            let mulpdu = self.caps.max_segment as usize + header_len;
+            self.cursor.segments = Segments::new(msg_len, mulpdu, header_len);
+        }
+        let span = self.cursor.segments.as_mut().and_then(Iterator::next);
+        if span.is_none() {
+            // max_segment is at least 1, so planning cannot fail.
+            warn!(qp = self.qp_num, "no segment to send");
+            self.fail_stream();
+        }
+        span
+    }
+
+    /// Push the send queue's head (or its next segment) out.
+    fn transmit_sq(&mut self, env: &Env) -> bool {
+        let Some(wr) = self.sq.front() else {
+            return false;
+        };
+        if self.cursor.at_start() {
+            if wr.op.needs_response() && self.ord_used >= self.neg.ord {
+                return false;
+            }
+            if wr.fence && self.ord_used > 0 {
+                return false;
+            }
+        }
+        let op = wr.op;
+        let total: u64 = wr.sg_list.iter().map(|s| s.length as u64).sum();
+        // A Read names its first SGE as the data sink; the responses are
+        // placed across all SGEs by offset.
+        let sink = wr.sg_list.first().copied().unwrap_or(Sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        });
+        match op {
+            SendOp::Send {
+                solicited,
+                invalidate,
+            } => {
+                let kind = match (solicited, invalidate.is_some()) {
+                    (false, false) => SendKind::Send,
+                    (false, true) => SendKind::SendInvalidate,
+                    (true, false) => SendKind::SendSe,
+                    (true, true) => SendKind::SendSeInvalidate,
+                };
+                let Some(span) = self.next_span(total, UNTAGGED) else {
+                    return true;
+                };
+                let msn = self.tx_msn[QN_SEND];
+                if span.last {
+                    self.tx_msn[QN_SEND] = msn.wrapping_add(1);
+                }
+                let payload = self.gather(env, span);
+                self.frame(
+                    &RdmapRepr::Send {
+                        kind,
+                        last: span.last,
+                        msn,
+                        mo: span.offset,
+                        invalidate_stag: invalidate.unwrap_or(0),
+                    },
+                    &payload,
+                );
+                self.scratch = payload;
+                if span.last {
+                    self.finish_head(total);
+                }
+            }
+            SendOp::Write { remote } => self.write_segment(env, remote, total, false),
+            SendOp::WriteImm { remote, .. } if !self.cursor.write_done => {
+                self.write_segment(env, remote, total, true)
+            }
+            SendOp::WriteImm { imm, .. } => {
+                // The Write part is out; RFC 7306 §6: its Immediate Data follows.
+                let msn = self.next_msn(QN_SEND);
+                self.frame(
+                    &RdmapRepr::ImmediateData { se: false, msn },
+                    &imm.to_be_bytes(),
+                );
+                self.finish_head(total);
+            }
+            SendOp::Imm { imm, solicited } => {
+                let msn = self.next_msn(QN_SEND);
+                self.frame(
+                    &RdmapRepr::ImmediateData { se: solicited, msn },
+                    &imm.to_be_bytes(),
+                );
+                self.finish_head(0);
+            }
+            SendOp::Read { remote } => {
+                let msn = self.next_msn(QN_REQUEST);
+                let size = total.min(u32::MAX as u64) as u32;
+                self.frame(
+                    &RdmapRepr::ReadRequest {
+                        msn,
+                        sink_stag: sink.lkey,
+                        sink_to: sink.addr,
+                        size,
+                        src_stag: remote.rkey,
+                        src_to: remote.addr,
+                    },
+                    &[],
+                );
+                self.start_response_wait(0);
+            }
+            SendOp::FetchAdd { remote, add, mask } => {
+                self.send_atomic(AtomicOpcode::FetchAdd, remote, add, mask, 0, 0);
+            }
+            SendOp::CmpSwap {
+                remote,
+                compare,
+                compare_mask,
+                swap,
+                swap_mask,
+            } => {
+                self.send_atomic(
+                    AtomicOpcode::CmpSwap,
+                    remote,
+                    swap,
+                    swap_mask,
+                    compare,
+                    compare_mask,
+                );
+            }
+            SendOp::Swap { remote, swap } => {
+                self.send_atomic(AtomicOpcode::Swap, remote, swap, 0, 0, 0);
+            }
+            SendOp::AtomicWrite { remote, value } => {
+                self.send_atomic(AtomicOpcode::Swap, remote, value, 0, 0, 0);
+            }
+            SendOp::Commit { remote, len } => {
+                let msn = self.next_msn(QN_REQUEST);
+                let req_id = self.alloc_req_id();
+                self.frame(
+                    &RdmapRepr::CommitRequest {
+                        msn,
+                        req_id,
+                        stag: remote.rkey,
+                        len,
+                        to: remote.addr,
+                        invalidate_stag: 0,
+                    },
+                    &[],
+                );
+                self.start_response_wait(req_id);
+            }
+        }
+        true
+    }
+
+    /// The next segment of an RDMA Write (of a Write with Immediate when
+    /// `imm_follows`, whose Immediate Data goes out after the last one).
+    fn write_segment(&mut self, env: &Env, remote: Remote, total: u64, imm_follows: bool) {
+        let Some(span) = self.next_span(total, TAGGED) else {
+            return;
+        };
+        let payload = self.gather(env, span);
+        self.frame(
+            &RdmapRepr::Write {
+                last: span.last,
+                stag: remote.rkey,
+                to: remote.addr.wrapping_add(span.offset as u64),
+            },
+            &payload,
+        );
+        self.scratch = payload;
+        if !span.last {
+            return;
+        }
+        if imm_follows {
+            self.cursor = TxCursor {
+                segments: None,
+                write_done: true,
+            };
+        } else {
+            self.finish_head(total);
+        }
+    }
+
+    fn alloc_req_id(&mut self) -> u32 {
+        let id = self.next_req_id;
+        self.next_req_id = id.wrapping_add(1).max(1);
+        id
+    }
+
+    fn send_atomic(
+        &mut self,
+        opcode: AtomicOpcode,
+        remote: Remote,
+        add_swap: u64,
+        add_swap_mask: u64,
+        compare: u64,
+        compare_mask: u64,
+    ) {
+        let msn = self.next_msn(QN_REQUEST);
+        let req_id = self.alloc_req_id();
+        self.frame(
+            &RdmapRepr::AtomicRequest {
+                msn,
+                opcode,
+                req_id,
+                stag: remote.rkey,
+                to: remote.addr,
+                add_swap,
+                add_swap_mask,
+                compare,
+                compare_mask,
+            },
+            &[],
+        );
+        self.start_response_wait(req_id);
+    }
+
+    /// The head WR's request is out: it now waits for its response.
+    fn start_response_wait(&mut self, req_id: u32) {
+        let Some(wr) = self.sq.pop_front() else {
+            return;
+        };
+        self.cursor = TxCursor::default();
+        self.ord_used += 1;
+        let byte_len = wr.sg_list.iter().map(|s| s.length).sum();
+        self.in_flight.push_back(InFlight {
+            wr_id: wr.wr_id,
+            op: wr.op,
+            sg_list: wr.sg_list,
+            signaled: wr.signaled,
+            status: None,
+            byte_len,
+            vendor_err: 0,
+            req_id,
+        });
+    }
+
+    /// The head WR's last segment is out: it is done.
+    fn finish_head(&mut self, total: u64) {
+        self.cursor = TxCursor::default();
+        if let Some(wr) = self.sq.pop_front() {
+            self.in_flight.push_back(InFlight {
+                wr_id: wr.wr_id,
+                op: wr.op,
+                sg_list: wr.sg_list,
+                signaled: wr.signaled,
+                status: Some(WcStatus::Success),
+                byte_len: total.min(u32::MAX as u64) as u32,
+                vendor_err: 0,
+                req_id: 0,
+            });
+        }
+    }
+
+    /// Gather the bytes of `span` from the head WR's SGEs.
+    fn gather(&mut self, env: &Env, span: SegmentSpan) -> Vec<u8> {
+        let mut buf = std::mem::take(&mut self.scratch);
+        fit(&mut buf, span.len as usize);
+        let Some(wr) = self.sq.front() else {
+            return buf;
+        };
+        let mut off = span.offset as u64;
+        let mut filled = 0usize;
+        for sge in &wr.sg_list {
+            if filled == buf.len() {
+                break;
+            }
+            let l = sge.length as u64;
+            if off >= l {
+                off -= l;
+                continue;
+            }
+            let n = ((l - off) as usize).min(buf.len() - filled);
+            // Checked at post time; the region can only have gone away since
+            // (deregistered under a posted WR), which the safe API prevents.
+            if let Err(e) = env.mem.read_local(
+                sge.lkey,
+                self.pd,
+                sge.addr + off,
+                &mut buf[filled..filled + n],
+            ) {
+                warn!(qp = self.qp_num, error = %e, "gather failed");
+                // `buf` is reused: never send a previous message's bytes.
+                buf[filled..filled + n].fill(0);
+            }
+            filled += n;
+            off = 0;
+        }
+        buf
+    }
+}
+
+/// Make `buf` `len` bytes long, zeroing only bytes it never held: the
+/// caller overwrites all of them (a gather buffer need not be cleared).
+fn fit(buf: &mut Vec<u8>, len: usize) {
+    if buf.len() < len {
+        buf.resize(len, 0);
+    }
+    buf.truncate(len);
+}
