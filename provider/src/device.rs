@@ -401,9 +401,6 @@ impl ProtectionDomain {
 #[derive(Debug, Default)]
 struct QpIo {
     conn: Option<Connection>,
-    /// Framed bytes not yet written, from `out_pos`.
-    out: Vec<u8>,
-    out_pos: usize,
     rbuf: Vec<u8>,
     /// Receives posted before the connection exists.
     early_recv: VecDeque<RecvWr>,
@@ -545,8 +542,6 @@ impl QpShared {
         };
         let QpIo {
             conn,
-            out,
-            out_pos,
             rbuf,
             writable_wanted,
             closed,
@@ -561,8 +556,8 @@ impl QpShared {
         }
         // What was posted leaves before we look for input: a post's
         // request is on the wire one read syscall sooner.
-        if read && !*writable_wanted && (*out_pos < out.len() || conn.has_pending_tx()) {
-            Self::flush(conn, &mut sock, out, out_pos, &env);
+        if read && !*writable_wanted && conn.has_pending_tx() {
+            Self::flush(conn, &mut sock, &env);
         }
         // Bounded so that one busy QP cannot starve the others.
         for _ in 0..if read { 64 } else { 0 } {
@@ -577,7 +572,7 @@ impl QpShared {
                 Ok(n) => {
                     conn.handle_bytes(&rbuf[..n], &env);
                     // Let responses and new requests out between reads.
-                    Self::flush(conn, &mut sock, out, out_pos, &env);
+                    Self::flush(conn, &mut sock, &env);
                     if n < rbuf.len() {
                         break;
                     }
@@ -591,7 +586,7 @@ impl QpShared {
                 }
             }
         }
-        let pending = Self::flush(conn, &mut sock, out, out_pos, &env);
+        let pending = Self::flush(conn, &mut sock, &env);
         if pending != *writable_wanted {
             *writable_wanted = pending;
             self.tx_blocked.store(pending, Ordering::Release);
@@ -621,38 +616,27 @@ impl QpShared {
     }
 
     /// Write what the connection has to send; returns whether bytes are
-    /// still waiting for the socket.
-    fn flush(
-        conn: &mut Connection,
-        sock: &mut &TcpStream,
-        out: &mut Vec<u8>,
-        out_pos: &mut usize,
-        env: &Env,
-    ) -> bool {
+    /// still waiting for the socket. Payloads go from registered memory
+    /// straight into `writev` (the core keeps only headers and CRCs).
+    fn flush(conn: &mut Connection, sock: &mut &TcpStream, env: &Env) -> bool {
         loop {
-            if *out_pos == out.len() {
-                out.clear();
-                *out_pos = 0;
-                if !conn.poll_transmit(env, out, TX_BUDGET) {
-                    // A Commit holds the responses back until it is done:
-                    // msync here, outside the core, then frame again.
-                    let Some(job) = conn.poll_durability() else {
-                        return false;
-                    };
-                    conn.handle_commit_done(job.req_id, job.run(env.mem));
-                    continue;
-                }
+            if !conn.has_queued_tx() && !conn.prepare_transmit(env, TX_BUDGET) {
+                // A Commit holds the responses back until it is done:
+                // msync here, outside the core, then frame again.
+                let Some(job) = conn.poll_durability() else {
+                    return false;
+                };
+                conn.handle_commit_done(job.req_id, job.run(env.mem));
+                continue;
             }
-            match sock.write(&out[*out_pos..]) {
+            match conn.write_transmit(env, |iov| sock.write_vectored(iov)) {
                 Ok(0) => return true,
-                Ok(n) => *out_pos += n,
+                Ok(_) => {}
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return true,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
                     debug!(error = %e, "socket write failed");
                     conn.handle_closed();
-                    out.clear();
-                    *out_pos = 0;
                     return false;
                 }
             }

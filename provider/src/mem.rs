@@ -265,39 +265,8 @@ impl MrTable {
         f: impl FnOnce(&Entry, NonNull<u8>) -> R,
     ) -> Result<R, Error> {
         let slots = self.inner.read().unwrap_or_else(|p| p.into_inner());
-        let entry = match slots.entries.get((stag >> 8) as usize) {
-            Some(Some(e)) if e.key == stag as u8 => e,
-            _ => {
-                return Err(match origin {
-                    Origin::RemoteDdp => Error::DdpInvalidStag(stag),
-                    _ => Error::InvalidStag(stag),
-                })
-            }
-        };
-        if entry.pd != pd {
-            return Err(match origin {
-                Origin::RemoteDdp => Error::DdpStagNotAssociated(stag),
-                _ => Error::StagNotAssociated(stag),
-            });
-        }
-        if !entry.access.contains(need) {
-            return Err(Error::AccessRights);
-        }
-        let end = addr.checked_add(len).ok_or(match origin {
-            Origin::RemoteDdp => Error::DdpToWrap,
-            _ => Error::ToWrap,
-        })?;
-        if addr < entry.iova || end > entry.iova + entry.len {
-            return Err(match origin {
-                Origin::RemoteDdp => Error::DdpBaseBounds,
-                _ => Error::BaseBounds,
-            });
-        }
-        let offset = (addr - entry.iova) as usize;
-        // SAFETY: offset + len <= entry.len, checked above, and the entry's
-        // range is valid memory by `register`'s contract while we hold the
-        // read lock.
-        let ptr = unsafe { NonNull::new_unchecked(entry.base.as_ptr().add(offset)) };
+        // The entry and pointer are used only while the read lock is held.
+        let (entry, ptr) = checked_range(&slots, origin, (stag, pd, addr, len), need)?;
         Ok(f(entry, ptr))
     }
 
@@ -349,6 +318,17 @@ impl MrTable {
             // registered region; `out` is our own buffer.
             unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), out.as_mut_ptr(), out.len()) }
         })
+    }
+
+    /// Run `f` with a [`ReadScope`]: shared views of registered memory,
+    /// checked like [`read_local`](Self::read_local) and
+    /// [`read_remote`](Self::read_remote), that cannot outlive the call.
+    /// The table's read lock is held throughout, so no region seen through
+    /// the scope is deregistered meanwhile; `f` must not call back into
+    /// this table (a waiting deregistration would block it).
+    pub fn read_scope<R>(&self, f: impl FnOnce(&ReadScope<'_>) -> R) -> R {
+        let slots = self.inner.read().unwrap_or_else(|p| p.into_inner());
+        f(&ReadScope { slots: &slots })
     }
 
     /// Place a peer's tagged DDP segment (RDMA Write, Read Response sink).
@@ -478,6 +458,91 @@ impl MrTable {
         )
         .map_err(CommitError::Invalid)?
     }
+}
+
+/// Registered memory to read in place, for the duration of
+/// [`MrTable::read_scope`]: the transmit path hands these slices straight
+/// to `writev` instead of copying them out first.
+pub struct ReadScope<'t> {
+    slots: &'t Slots,
+}
+
+impl ReadScope<'_> {
+    /// `len` bytes at `addr` of a local SGE's region (a Send or Write
+    /// payload), after [`MrTable::read_local`]'s checks.
+    pub fn local(&self, lkey: u32, pd: PdId, addr: u64, len: u32) -> Result<&[u8], Error> {
+        self.slice(Origin::Local, (lkey, pd, addr, len), Access::empty())
+    }
+
+    /// `len` bytes at `to` of a peer-readable region (a Read Response's
+    /// source), after [`MrTable::read_remote`]'s checks.
+    pub fn remote(&self, stag: u32, pd: PdId, to: u64, len: u32) -> Result<&[u8], Error> {
+        self.slice(Origin::Remote, (stag, pd, to, len), Access::REMOTE_READ)
+    }
+
+    fn slice(
+        &self,
+        origin: Origin,
+        (key, pd, addr, len): (u32, PdId, u64, u32),
+        need: Access,
+    ) -> Result<&[u8], Error> {
+        if len == 0 {
+            return Ok(&[]);
+        }
+        let ptr = checked_range(self.slots, origin, (key, pd, addr, len as u64), need)?.1;
+        // SAFETY: `ptr` points at `len` checked bytes of a registered
+        // region, valid by `register`'s contract until deregistration,
+        // which waits for the read lock the enclosing `read_scope` holds
+        // for at least the slice's lifetime (it borrows `self`). The bytes
+        // may change under the slice only if the application rewrites a
+        // buffer of an outstanding WR or a peer writes a region another
+        // peer is reading — the same race an RNIC's DMA has, which verbs
+        // leaves undefined; we only read them (CRC, writev).
+        Ok(unsafe { std::slice::from_raw_parts(ptr.as_ptr(), len as usize) })
+    }
+}
+
+/// Check `[addr, addr+len)` of `key` for `origin` with right `need`; the
+/// entry and a pointer to the first byte.
+fn checked_range(
+    slots: &Slots,
+    origin: Origin,
+    (stag, pd, addr, len): (u32, PdId, u64, u64),
+    need: Access,
+) -> Result<(&Entry, NonNull<u8>), Error> {
+    let entry = match slots.entries.get((stag >> 8) as usize) {
+        Some(Some(e)) if e.key == stag as u8 => e,
+        _ => {
+            return Err(match origin {
+                Origin::RemoteDdp => Error::DdpInvalidStag(stag),
+                _ => Error::InvalidStag(stag),
+            })
+        }
+    };
+    if entry.pd != pd {
+        return Err(match origin {
+            Origin::RemoteDdp => Error::DdpStagNotAssociated(stag),
+            _ => Error::StagNotAssociated(stag),
+        });
+    }
+    if !entry.access.contains(need) {
+        return Err(Error::AccessRights);
+    }
+    let end = addr.checked_add(len).ok_or(match origin {
+        Origin::RemoteDdp => Error::DdpToWrap,
+        _ => Error::ToWrap,
+    })?;
+    if addr < entry.iova || end > entry.iova + entry.len {
+        return Err(match origin {
+            Origin::RemoteDdp => Error::DdpBaseBounds,
+            _ => Error::BaseBounds,
+        });
+    }
+    let offset = (addr - entry.iova) as usize;
+    // SAFETY: offset + len <= entry.len, checked above, so the pointer
+    // stays inside the registered range (valid by `register`'s contract).
+    let ptr = unsafe { NonNull::new_unchecked(entry.base.as_ptr().add(offset)) };
+    Ok((entry, ptr))
 }
 
 /// The value an atomic leaves behind (RFC 7306 arithmetic from

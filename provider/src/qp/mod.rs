@@ -21,6 +21,7 @@
 //! responses and framing; [`receive`] the dispatch of inbound ULPDUs, one
 //! function per RDMAP message; [`teardown`] Terminate, flush and close.
 
+mod output;
 mod receive;
 mod teardown;
 mod transmit;
@@ -266,10 +267,12 @@ pub struct Connection {
     neg: Negotiated,
     deframer: Deframer,
     framer: Framer,
-    /// Framed bytes not yet handed to the driver.
-    tx: Vec<u8>,
-    /// Reused for gathering payloads.
+    /// Framed output not yet written (payloads stay in registered memory).
+    tx: output::TxQueue,
+    /// Reused for gathering payloads when markers force a copy.
     scratch: Vec<u8>,
+    /// Reused for the payload pieces of one segment.
+    pieces: Vec<output::Piece>,
 
     sq: VecDeque<SendWr>,
     cursor: TxCursor,
@@ -357,8 +360,9 @@ impl Connection {
                 markers: neg.markers_tx,
             }),
             neg,
-            tx: Vec::with_capacity(64 * 1024),
-            scratch: Vec::with_capacity(64 * 1024),
+            tx: output::TxQueue::with_capacity(16 * 1024),
+            scratch: Vec::new(),
+            pieces: Vec::new(),
             sq: VecDeque::new(),
             cursor: TxCursor::default(),
             in_flight: VecDeque::new(),
@@ -392,8 +396,8 @@ impl Connection {
         &self.neg
     }
 
-    /// Whether the driver should close the stream once it has written
-    /// everything [`poll_transmit`](Self::poll_transmit) gave it.
+    /// Whether the driver should close the stream (everything framed has
+    /// been written).
     pub fn wants_close(&self) -> bool {
         match self.phase {
             Phase::Closing => self.tx.is_empty(),

@@ -8,6 +8,7 @@
 
 use tracing::warn;
 
+use super::output::Piece;
 use super::{
     CommitProgress, Connection, Env, InFlight, Inbound, Phase, TxCursor, MAX_HEADER_LEN,
     QN_REQUEST, QN_RESPONSE, QN_SEND,
@@ -56,16 +57,40 @@ const UNTAGGED: usize = crate::wire::ddp::UNTAGGED_HEADER_LEN;
 
 impl Connection {
     /// Append up to about `max` bytes of framed stream data to `out`.
-    /// Returns whether anything was added.
+    /// Returns whether anything was added. (A copying convenience over
+    /// [`prepare_transmit`](Self::prepare_transmit) and
+    /// [`write_transmit`](Self::write_transmit), which drivers use.)
     pub fn poll_transmit(&mut self, env: &Env, out: &mut Vec<u8>, max: usize) -> bool {
         let start = out.len();
-        // Frame straight into the caller's buffer rather than copying out
-        // of `tx`: the two trade places for the call.
-        let mut own = std::mem::replace(&mut self.tx, std::mem::take(out));
-        self.tx.append(&mut own);
-        self.transmit_into(env, start, max);
-        *out = std::mem::replace(&mut self.tx, own);
+        self.prepare_transmit(env, max);
+        self.tx.drain_into(env.mem, self.pd, out);
         out.len() > start
+    }
+
+    /// Frame output until about `max` octets wait to be written. Returns
+    /// whether anything was added.
+    pub fn prepare_transmit(&mut self, env: &Env, max: usize) -> bool {
+        let before = self.tx.len();
+        self.transmit_into(env, max);
+        self.tx.len() > before
+    }
+
+    /// Whether framed output waits for [`write_transmit`](Self::write_transmit).
+    pub fn has_queued_tx(&self) -> bool {
+        !self.tx.is_empty()
+    }
+
+    /// Hand the framed output to `write` as one gather list: the headers
+    /// and trailers the core owns, the payloads in place in registered
+    /// memory (borrowed for the call only, under the table's read lock).
+    /// `write` returns how many octets it took, as `writev` does; the rest
+    /// stays queued for the next call.
+    pub fn write_transmit(
+        &mut self,
+        env: &Env,
+        write: impl FnOnce(&[std::io::IoSlice<'_>]) -> std::io::Result<usize>,
+    ) -> std::io::Result<usize> {
+        self.tx.write_with(env.mem, self.pd, write)
     }
 
     /// The next Commit for the driver to perform. Its response, and every
@@ -120,15 +145,15 @@ impl Connection {
         }
     }
 
-    /// [`poll_transmit`](Self::poll_transmit)'s work, framing into `tx`
-    /// until it holds `max` bytes past `start`.
-    fn transmit_into(&mut self, env: &Env, start: usize, max: usize) {
+    /// [`prepare_transmit`](Self::prepare_transmit)'s work: frame until
+    /// `tx` holds `max` octets.
+    fn transmit_into(&mut self, env: &Env, max: usize) {
         match self.phase {
             Phase::Closing | Phase::Closed | Phase::AwaitRtr(_) => return,
             Phase::SendRtr(rtr) => self.send_rtr(rtr),
             Phase::AwaitRtrResponse | Phase::Running => {}
         }
-        while self.tx.len() - start < max && !self.phase.is_error() {
+        while self.tx.len() < max && !self.phase.is_error() {
             if !(self.transmit_inbound(env) || self.transmit_sq(env)) {
                 break;
             }
@@ -141,12 +166,81 @@ impl Connection {
         let hlen = repr.header_len();
         let mut header = [0u8; MAX_HEADER_LEN];
         repr.emit(&mut header[..hlen]);
-        if let Err(e) = self.framer.frame(&[&header[..hlen], payload], &mut self.tx) {
-            // Segments are sized below the framer's limit; reaching this is
-            // a bug, and the stream cannot continue without the frame.
-            warn!(qp = self.qp_num, error = %e, "cannot frame a ULPDU");
-            self.fail_stream();
+        let start = self.tx.bytes.len();
+        match self
+            .framer
+            .frame(&[&header[..hlen], payload], &mut self.tx.bytes)
+        {
+            Ok(()) => self.tx.push_bytes(start),
+            Err(e) => self.frame_failed(e),
         }
+    }
+
+    /// Frame one ULPDU whose payload is `self.pieces` (read in place from
+    /// registered memory, never copied, unless markers are in use).
+    fn frame_pieces(&mut self, env: &Env, repr: &RdmapRepr) {
+        let hlen = repr.header_len();
+        let mut header = [0u8; MAX_HEADER_LEN];
+        repr.emit(&mut header[..hlen]);
+        if self.framer.config().markers {
+            // Markers fall inside payloads every 512 octets: copy (rare;
+            // siw does not ask for them by default).
+            let mut payload = std::mem::take(&mut self.scratch);
+            payload.clear();
+            self.tx_drain_pieces_into(env, &mut payload);
+            self.frame(repr, &payload);
+            self.scratch = payload;
+            return;
+        }
+        let payload_len: usize = self.pieces.iter().map(|p| p.len()).sum();
+        let start = self.tx.bytes.len();
+        let (pd, pieces, tx, framer) = (self.pd, &mut self.pieces, &mut self.tx, &mut self.framer);
+        let framed = env.mem.read_scope(|scope| {
+            framer.frame_gather(&header[..hlen], payload_len, &mut tx.bytes, |crc| {
+                for piece in pieces.iter_mut() {
+                    match piece.try_payload(scope, pd) {
+                        Some(bytes) => crc.update(bytes),
+                        None => {
+                            // Gone already: zeros go (see Piece::Zeros).
+                            *piece = Piece::Zeros {
+                                len: piece.len() as u32,
+                            };
+                            crc.update(piece.payload(scope, pd));
+                        }
+                    }
+                }
+            })
+        });
+        match framed {
+            Ok(trailer) => {
+                self.tx.push_bytes(start);
+                for piece in self.pieces.drain(..) {
+                    self.tx.push_payload(piece);
+                }
+                let start = self.tx.bytes.len();
+                self.tx.bytes.extend_from_slice(trailer.as_bytes());
+                self.tx.push_bytes(start);
+            }
+            Err(e) => self.frame_failed(e),
+        }
+    }
+
+    /// Copy the payload of `self.pieces` into `out` (the markers path).
+    fn tx_drain_pieces_into(&mut self, env: &Env, out: &mut Vec<u8>) {
+        let pd = self.pd;
+        env.mem.read_scope(|scope| {
+            for piece in self.pieces.drain(..) {
+                let bytes = piece.payload(scope, pd);
+                out.extend_from_slice(bytes);
+            }
+        });
+    }
+
+    fn frame_failed(&mut self, e: crate::wire::Error) {
+        // Segments are sized below the framer's limit; reaching this is a
+        // bug, and the stream cannot continue without the frame.
+        warn!(qp = self.qp_num, error = %e, "cannot frame a ULPDU");
+        self.fail_stream();
     }
 
     /// The RTR frame of RFC 6581 §4, first thing on the stream.
@@ -233,24 +327,30 @@ impl Connection {
                     *src_stag,
                     src_to.wrapping_add(off),
                 );
-                let mut payload = std::mem::take(&mut self.scratch);
-                fit(&mut payload, span.len as usize);
-                if let Err(e) = env.mem.read_remote(src_stag, pd, src, &mut payload) {
+                let access = crate::mem::Access::REMOTE_READ;
+                if let Err(e) = env
+                    .mem
+                    .check_remote(src_stag, pd, src, span.len as u64, access)
+                {
                     // Checked on arrival; it can only fail now if the region
                     // was deregistered meanwhile.
-                    self.scratch = payload;
                     self.terminate(e, &[]);
                     return true;
                 }
-                self.frame(
+                self.pieces.clear();
+                self.pieces.push(Piece::Remote {
+                    stag: src_stag,
+                    to: src,
+                    len: span.len,
+                });
+                self.frame_pieces(
+                    env,
                     &RdmapRepr::ReadResponse {
                         last: span.last,
                         stag: sink_stag,
                         to,
                     },
-                    &payload,
                 );
-                self.scratch = payload;
                 if span.last {
                     self.inbound.pop_front();
                 }
@@ -381,8 +481,9 @@ impl Connection {
                 if span.last {
                     self.tx_msn[QN_SEND] = msn.wrapping_add(1);
                 }
-                let payload = self.gather(env, span);
-                self.frame(
+                self.collect_pieces(span);
+                self.frame_pieces(
+                    env,
                     &RdmapRepr::Send {
                         kind,
                         last: span.last,
@@ -390,9 +491,7 @@ impl Connection {
                         mo: span.offset,
                         invalidate_stag: invalidate.unwrap_or(0),
                     },
-                    &payload,
                 );
-                self.scratch = payload;
                 if span.last {
                     self.finish_head(total);
                 }
@@ -485,16 +584,15 @@ impl Connection {
         let Some(span) = self.next_span(total, TAGGED) else {
             return;
         };
-        let payload = self.gather(env, span);
-        self.frame(
+        self.collect_pieces(span);
+        self.frame_pieces(
+            env,
             &RdmapRepr::Write {
                 last: span.last,
                 stag: remote.rkey,
                 to: remote.addr.wrapping_add(span.offset as u64),
             },
-            &payload,
         );
-        self.scratch = payload;
         if !span.last {
             return;
         }
@@ -579,17 +677,16 @@ impl Connection {
         }
     }
 
-    /// Gather the bytes of `span` from the head WR's SGEs.
-    fn gather(&mut self, env: &Env, span: SegmentSpan) -> Vec<u8> {
-        let mut buf = std::mem::take(&mut self.scratch);
-        fit(&mut buf, span.len as usize);
+    /// The pieces of `span` in the head WR's SGEs, into `self.pieces`.
+    fn collect_pieces(&mut self, span: SegmentSpan) {
+        self.pieces.clear();
         let Some(wr) = self.sq.front() else {
-            return buf;
+            return;
         };
         let mut off = span.offset as u64;
-        let mut filled = 0usize;
+        let mut left = span.len;
         for sge in &wr.sg_list {
-            if filled == buf.len() {
+            if left == 0 {
                 break;
             }
             let l = sge.length as u64;
@@ -597,31 +694,16 @@ impl Connection {
                 off -= l;
                 continue;
             }
-            let n = ((l - off) as usize).min(buf.len() - filled);
-            // Checked at post time; the region can only have gone away since
-            // (deregistered under a posted WR), which the safe API prevents.
-            if let Err(e) = env.mem.read_local(
-                sge.lkey,
-                self.pd,
-                sge.addr + off,
-                &mut buf[filled..filled + n],
-            ) {
-                warn!(qp = self.qp_num, error = %e, "gather failed");
-                // `buf` is reused: never send a previous message's bytes.
-                buf[filled..filled + n].fill(0);
-            }
-            filled += n;
+            let n = ((l - off).min(left as u64)) as u32;
+            // Checked at post time; should the region go away before the
+            // bytes leave, zeros go instead (see Piece::Zeros).
+            self.pieces.push(Piece::Local {
+                lkey: sge.lkey,
+                addr: sge.addr + off,
+                len: n,
+            });
+            left -= n;
             off = 0;
         }
-        buf
     }
-}
-
-/// Make `buf` `len` bytes long, zeroing only bytes it never held: the
-/// caller overwrites all of them (a gather buffer need not be cleared).
-fn fit(buf: &mut Vec<u8>, len: usize) {
-    if buf.len() < len {
-        buf.resize(len, 0);
-    }
-    buf.truncate(len);
 }

@@ -259,6 +259,64 @@ impl Framer {
     }
 }
 
+/// The end of an FPDU framed by [`Framer::frame_gather`]: pad and CRC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Trailer {
+    bytes: [u8; 3 + CRC_LEN],
+    len: u8,
+}
+
+impl Trailer {
+    /// The octets that follow the payload.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..usize::from(self.len)]
+    }
+}
+
+impl Framer {
+    /// Frames one ULPDU whose payload is not copied (marker-free streams
+    /// only): appends the length field and `header` to `head`, lets
+    /// `payload_crc` feed the `payload_len` payload octets to the CRC
+    /// (they go on the wire from where they are, right after `head`), and
+    /// returns the pad and CRC to send after them.
+    ///
+    /// The octets are the ones [`Framer::frame`] produces for
+    /// `[header, payload]`. Fails like it, writing nothing; with markers
+    /// negotiated (they would fall inside the payload) it refuses with
+    /// [`Error::MpaLocalCatastrophic`], a caller's bug: use `frame` then.
+    pub fn frame_gather(
+        &mut self,
+        header: &[u8],
+        payload_len: usize,
+        head: &mut Vec<u8>,
+        payload_crc: impl FnOnce(&mut Crc32c),
+    ) -> Result<Trailer> {
+        if self.config.markers {
+            return Err(Error::MpaLocalCatastrophic);
+        }
+        let ulpdu_len = header.len() + payload_len;
+        let total = self.framed_len(ulpdu_len)?;
+        let start = head.len();
+        // Cannot truncate: framed_len checked it against MAX_ULPDU_LEN.
+        head.extend_from_slice(&(ulpdu_len as u16).to_be_bytes());
+        head.extend_from_slice(header);
+        let pad = pad_len(ulpdu_len);
+        let mut trailer = Trailer {
+            bytes: [0; 3 + CRC_LEN],
+            len: (pad + CRC_LEN) as u8,
+        };
+        if self.config.crc {
+            let mut crc = Crc32c::new();
+            crc.update(&head[start..]);
+            payload_crc(&mut crc);
+            crc.update(&[0u8; 3][..pad]);
+            trailer.bytes[pad..pad + CRC_LEN].copy_from_slice(&crc.to_wire());
+        }
+        self.pos += total as u64;
+        Ok(trailer)
+    }
+}
+
 /// Writes the logical octets of one FPDU, inserting markers at stream
 /// offsets that are multiples of 512 and feeding the CRC.
 struct MarkedWriter<'o> {

@@ -1,0 +1,191 @@
+//! Framed output waiting for the socket, without copying payloads: the
+//! octets the core produces (MPA length, DDP/RDMAP headers, pad and CRC)
+//! sit in one buffer, and payloads stay in registered memory until the
+//! driver's `writev` reads them from there.
+
+use std::collections::VecDeque;
+use std::io::IoSlice;
+
+use crate::mem::{MrTable, PdId, ReadScope};
+
+/// At most this many iovecs go to one `writev` (well below `IOV_MAX`).
+pub(super) const MAX_IOV: usize = 64;
+
+/// Zeros standing in for payload bytes whose region went away (see
+/// [`Piece::Zeros`]); a segment is never longer than this.
+static ZEROS: [u8; 1 << 16] = [0; 1 << 16];
+
+/// One run of output octets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Piece {
+    /// `bytes[start..end]`.
+    Bytes { start: usize, end: usize },
+    /// A payload in a local SGE's region (Send, Write).
+    Local { lkey: u32, addr: u64, len: u32 },
+    /// A payload in a peer-readable region (Read Response).
+    Remote { stag: u32, to: u64, len: u32 },
+    /// Payload bytes that could not be read (the region was deregistered
+    /// under a posted WR, which the safe APIs prevent): zeros keep the
+    /// framing intact, and the CRC, computed over what was there at
+    /// framing time, makes the peer terminate.
+    Zeros { len: u32 },
+}
+
+impl Piece {
+    pub(super) fn len(&self) -> usize {
+        match *self {
+            Piece::Bytes { start, end } => end - start,
+            Piece::Local { len, .. } | Piece::Remote { len, .. } | Piece::Zeros { len } => {
+                len as usize
+            }
+        }
+    }
+
+    /// The octets of a payload piece inside `scope`; `None` if its region
+    /// is gone.
+    pub(super) fn try_payload<'s>(&self, scope: &'s ReadScope<'_>, pd: PdId) -> Option<&'s [u8]> {
+        let got = match *self {
+            Piece::Local { lkey, addr, len } => scope.local(lkey, pd, addr, len),
+            Piece::Remote { stag, to, len } => scope.remote(stag, pd, to, len),
+            Piece::Zeros { len } => return ZEROS.get(..len as usize),
+            Piece::Bytes { .. } => return Some(&[]),
+        };
+        got.map_err(|e| tracing::warn!(error = %e, "payload region gone before transmit"))
+            .ok()
+    }
+
+    /// [`try_payload`](Self::try_payload), zeros if the region is gone.
+    pub(super) fn payload<'s>(&self, scope: &'s ReadScope<'_>, pd: PdId) -> &'s [u8] {
+        self.try_payload(scope, pd)
+            .unwrap_or(&ZEROS[..self.len().min(ZEROS.len())])
+    }
+}
+
+/// The queue of framed output.
+#[derive(Debug, Default)]
+pub(super) struct TxQueue {
+    /// Octets the core produced.
+    pub(super) bytes: Vec<u8>,
+    pieces: VecDeque<Piece>,
+    /// Octets of the front piece already written.
+    front_done: usize,
+    /// Octets queued and not yet written.
+    queued: usize,
+}
+
+impl TxQueue {
+    pub(super) fn with_capacity(n: usize) -> TxQueue {
+        TxQueue {
+            bytes: Vec::with_capacity(n),
+            ..TxQueue::default()
+        }
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.queued == 0
+    }
+
+    /// Octets queued and not yet written.
+    pub(super) fn len(&self) -> usize {
+        self.queued
+    }
+
+    pub(super) fn clear(&mut self) {
+        self.bytes.clear();
+        self.pieces.clear();
+        self.front_done = 0;
+        self.queued = 0;
+    }
+
+    /// The octets appended to `bytes` since `start` are output.
+    pub(super) fn push_bytes(&mut self, start: usize) {
+        let end = self.bytes.len();
+        if end == start {
+            return;
+        }
+        self.queued += end - start;
+        // Contiguous with the previous run (a trailer and the next
+        // header): one iovec.
+        if let Some(Piece::Bytes { end: last, .. }) = self.pieces.back_mut() {
+            if *last == start {
+                *last = end;
+                return;
+            }
+        }
+        self.pieces.push_back(Piece::Bytes { start, end });
+    }
+
+    /// A payload piece.
+    pub(super) fn push_payload(&mut self, piece: Piece) {
+        let n = piece.len();
+        if n == 0 {
+            return;
+        }
+        self.queued += n;
+        self.pieces.push_back(piece);
+    }
+
+    /// Hand up to [`MAX_IOV`] pieces to `write` as iovecs (payloads read in
+    /// place under `mem`'s read scope); consume what it accepted.
+    pub(super) fn write_with(
+        &mut self,
+        mem: &MrTable,
+        pd: PdId,
+        write: impl FnOnce(&[IoSlice<'_>]) -> std::io::Result<usize>,
+    ) -> std::io::Result<usize> {
+        let n = mem.read_scope(|scope| {
+            let mut iov = [IoSlice::new(&[]); MAX_IOV];
+            let mut count = 0;
+            for (i, piece) in self.pieces.iter().take(MAX_IOV).enumerate() {
+                let all = match *piece {
+                    Piece::Bytes { start, end } => &self.bytes[start..end],
+                    _ => piece.payload(scope, pd),
+                };
+                let skip = if i == 0 { self.front_done } else { 0 };
+                iov[count] = IoSlice::new(all.get(skip..).unwrap_or_default());
+                count += 1;
+            }
+            write(&iov[..count])
+        })?;
+        self.consume(n);
+        Ok(n)
+    }
+
+    /// Copy everything queued to `out` and consume it (for callers that
+    /// want one buffer, such as tests).
+    pub(super) fn drain_into(&mut self, mem: &MrTable, pd: PdId, out: &mut Vec<u8>) {
+        mem.read_scope(|scope| {
+            for (i, piece) in self.pieces.iter().enumerate() {
+                let all = match *piece {
+                    Piece::Bytes { start, end } => &self.bytes[start..end],
+                    _ => piece.payload(scope, pd),
+                };
+                let skip = if i == 0 { self.front_done } else { 0 };
+                out.extend_from_slice(all.get(skip..).unwrap_or_default());
+            }
+        });
+        self.clear();
+    }
+
+    /// `n` octets from the front were written.
+    fn consume(&mut self, mut n: usize) {
+        self.queued -= n.min(self.queued);
+        while n > 0 {
+            let Some(front) = self.pieces.front() else {
+                break;
+            };
+            let left = front.len() - self.front_done;
+            if n < left {
+                self.front_done += n;
+                return;
+            }
+            n -= left;
+            self.front_done = 0;
+            self.pieces.pop_front();
+        }
+        if self.pieces.is_empty() {
+            self.bytes.clear();
+            self.queued = 0;
+        }
+    }
+}
