@@ -355,7 +355,13 @@ impl Drop for Engine {
         self.stop.store(true, Ordering::Release);
         let _ = self.wake.write(1);
         if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = t.join();
+            // The engine thread itself may hold the last reference (a QP it
+            // drives upgrades its weak one while the application drops the
+            // device): it cannot join itself, and it stops at its next
+            // look at `stop`.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
         }
     }
 }
