@@ -380,7 +380,16 @@ struct Spinner {
     /// Reads the engine thread's involuntary context switches (replaced
     /// in tests).
     switches: fn() -> i64,
+    /// Whether more threads are runnable than there are cores (replaced
+    /// in tests).
+    contended: fn() -> bool,
+    /// Adaptive: polls since contention was last looked at.
+    polls: u32,
 }
+
+/// How many polls of a window pass between two looks at the run queue
+/// (a look reads `/proc/loadavg`, a few microseconds).
+const CONTENTION_EVERY: u32 = 64;
 
 impl Spinner {
     fn new(progress: Progress) -> Spinner {
@@ -394,6 +403,8 @@ impl Spinner {
             until: None,
             preempted_at_open: 0,
             switches: involuntary_switches,
+            contended: cores_contended,
+            polls: 0,
         }
     }
 
@@ -408,7 +419,18 @@ impl Spinner {
             Progress::Busy => true,
             Progress::Blocking => false,
             Progress::Adaptive { .. } => match self.until {
-                Some(until) if now < until => true,
+                Some(until) if now < until => {
+                    self.polls += 1;
+                    if self.polls >= CONTENTION_EVERY {
+                        self.polls = 0;
+                        if (self.contended)() {
+                            // Someone waits for a core this loop holds.
+                            self.until = None;
+                            return false;
+                        }
+                    }
+                    true
+                }
                 Some(_) => {
                     self.close(now);
                     false
@@ -429,6 +451,13 @@ impl Spinner {
                 self.budget = (spin / 16).max(Duration::from_micros(1));
                 return;
             }
+            // A polling engine on a full machine holds a core that a
+            // runnable thread (the application, its peer) is waiting for:
+            // every request would then wait for the window to end.
+            if (self.contended)() {
+                return;
+            }
+            self.polls = 0;
             self.preempted_at_open = (self.switches)();
         }
         self.until = Some(now + self.budget);
@@ -459,6 +488,32 @@ fn involuntary_switches() -> i64 {
     nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_THREAD)
         .map(|u| u.involuntary_context_switches())
         .unwrap_or(0)
+}
+
+/// Whether the machine has more runnable threads than this process may
+/// use cores: the running count of `/proc/loadavg` (which includes the
+/// caller) against the CPU affinity. Unknown counts as uncontended.
+fn cores_contended() -> bool {
+    use std::io::Read as _;
+    use std::sync::OnceLock;
+    static CORES: OnceLock<usize> = OnceLock::new();
+    let cores = *CORES.get_or_init(|| {
+        std::thread::available_parallelism()
+            .map(usize::from)
+            .unwrap_or(1)
+    });
+    let mut buf = [0u8; 128];
+    let Ok(n) = std::fs::File::open("/proc/loadavg").and_then(|mut f| f.read(&mut buf)) else {
+        return false;
+    };
+    running_threads(&buf[..n]).is_some_and(|running| running > cores)
+}
+
+/// The running count of a `/proc/loadavg` line (`0.74 1.23 1.52 4/101 7031`).
+fn running_threads(loadavg: &[u8]) -> Option<usize> {
+    let text = std::str::from_utf8(loadavg).ok()?;
+    let field = text.split_ascii_whitespace().nth(3)?;
+    field.split('/').next()?.parse().ok()
 }
 
 /// The engine thread's state.
@@ -591,10 +646,39 @@ mod tests {
     /// (uncontended) keeps its length; a busy engine polls only while it
     /// drives a QP; a blocking one never polls.
     #[test]
+    fn loadavg_running_count() {
+        assert_eq!(running_threads(b"0.74 1.23 1.52 4/101 7031\n"), Some(4));
+        assert_eq!(running_threads(b"0.00 0.00 0.00 1/9 12"), Some(1));
+        assert_eq!(running_threads(b"garbage"), None);
+        assert_eq!(running_threads(b"1 2 3 x/5 6"), None);
+    }
+
+    /// On a machine whose cores are all taken, an adaptive window never
+    /// opens (and one in progress closes at the next look).
+    #[test]
+    fn no_poll_window_while_cores_are_contended() {
+        let t0 = Instant::now();
+        let mut s = Spinner::new(Progress::default());
+        s.contended = || true;
+        s.traffic(t0);
+        assert!(!s.polling(true, t0));
+        s.contended = || false;
+        s.traffic(t0);
+        assert!(s.polling(true, t0));
+        s.contended = || true;
+        let polled = (0..CONTENTION_EVERY * 2)
+            .take_while(|_| s.polling(true, t0))
+            .count();
+        // One poll above, then all but the one that looks.
+        assert_eq!(polled as u32, CONTENTION_EVERY - 2);
+    }
+
+    #[test]
     fn spinner_windows() {
         let t0 = Instant::now();
         let spin = Duration::from_micros(100);
         let mut s = Spinner::new(Progress::Adaptive { spin });
+        s.contended = || false;
         assert!(!s.polling(true, t0), "no traffic yet");
         s.traffic(t0);
         assert!(s.polling(true, t0 + Duration::from_micros(50)));
@@ -612,6 +696,7 @@ mod tests {
         // Preempted in every window: it halves down to none, then probes
         // with a short window again.
         let mut s = Spinner::new(Progress::Adaptive { spin });
+        s.contended = || false;
         s.switches = {
             fn rising() -> i64 {
                 static N: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
