@@ -389,7 +389,7 @@ struct Spinner {
 
 /// How many polls of a window pass between two looks at the run queue
 /// (a look reads `/proc/loadavg`, a few microseconds).
-const CONTENTION_EVERY: u32 = 64;
+const CONTENTION_EVERY: u32 = 256;
 
 impl Spinner {
     fn new(progress: Progress) -> Spinner {
@@ -494,16 +494,22 @@ fn involuntary_switches() -> i64 {
 /// use cores: the running count of `/proc/loadavg` (which includes the
 /// caller) against the CPU affinity. Unknown counts as uncontended.
 fn cores_contended() -> bool {
-    use std::io::Read as _;
+    use std::os::unix::fs::FileExt as _;
     use std::sync::OnceLock;
     static CORES: OnceLock<usize> = OnceLock::new();
+    static LOADAVG: OnceLock<Option<std::fs::File>> = OnceLock::new();
     let cores = *CORES.get_or_init(|| {
         std::thread::available_parallelism()
             .map(usize::from)
             .unwrap_or(1)
     });
+    // Kept open: a read at offset 0 regenerates the line, and an open per
+    // look would cost as much as the read.
+    let Some(file) = LOADAVG.get_or_init(|| std::fs::File::open("/proc/loadavg").ok()) else {
+        return false;
+    };
     let mut buf = [0u8; 128];
-    let Ok(n) = std::fs::File::open("/proc/loadavg").and_then(|mut f| f.read(&mut buf)) else {
+    let Ok(n) = file.read_at(&mut buf, 0) else {
         return false;
     };
     running_threads(&buf[..n]).is_some_and(|running| running > cores)
