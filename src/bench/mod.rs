@@ -15,6 +15,7 @@
 //! queue empty.
 
 pub mod bw;
+pub mod floor;
 pub mod lat;
 pub mod plot;
 pub mod stats;
