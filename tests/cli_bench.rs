@@ -268,3 +268,42 @@ fn floor_refuses_a_mismatched_client() {
     assert!(String::from_utf8_lossy(&srv.stderr).contains("the client runs bw"));
     assert!(!out.status.success());
 }
+
+#[test]
+fn bw_multi_qp_two_processes() {
+    let v = two_processes(
+        &["bw", "write"],
+        &["bw", "write", "-s", "64", "-n", "300", "--qps", "3"],
+    );
+    assert_eq!(v["qps"], 3);
+    let r = &v["results"][0];
+    assert_eq!(r["bytes"], 64);
+    // -n is per QP; the report counts every QP's messages.
+    assert_eq!(r["iterations"], 900);
+    let (avg, peak, rate) = (
+        num(r, "bw_avg_mb_s"),
+        num(r, "bw_peak_mb_s"),
+        num(r, "msg_rate_mpps"),
+    );
+    assert!(avg > 0.0 && peak >= avg && rate > 0.0, "{r}");
+}
+
+#[test]
+fn bw_multi_qp_reads_loopback() {
+    // Reads keep their ORD-limited window on each QP.
+    let v = stag(&[
+        "bw",
+        "read",
+        "--loopback",
+        "-s",
+        "4096",
+        "-n",
+        "100",
+        "--qps",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(v["qps"], 2);
+    assert_eq!(v["tx_depth"], 16);
+    assert_eq!(v["results"][0]["iterations"], 200);
+}

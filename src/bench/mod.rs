@@ -303,6 +303,8 @@ pub(crate) struct Plan {
     pub tx_depth: u32,
     /// Commit: the server's target is memory, not a file.
     pub commit_to_memory: bool,
+    /// Queue pairs (connections) the client drives at once (bandwidth).
+    pub qps: u16,
 }
 
 impl Plan {
@@ -340,12 +342,15 @@ pub(crate) struct Hello {
     pub commit_to_memory: bool,
     /// The sender's target buffer.
     pub target: Remote,
+    /// Queue pairs the client opens (each connection carries the count).
+    pub qps: u16,
 }
 
 const HELLO_MAGIC: &[u8; 4] = b"STGB";
-const HELLO_VERSION: u8 = 1;
+/// 2: the QP count.
+const HELLO_VERSION: u8 = 2;
 /// Fits librdmacm's 56-byte limit for an RC connect's private data.
-pub(crate) const HELLO_LEN: usize = 32;
+pub(crate) const HELLO_LEN: usize = 36;
 
 impl Hello {
     pub fn encode(&self) -> Vec<u8> {
@@ -369,6 +374,8 @@ impl Hello {
         b.extend_from_slice(&[u8::from(self.commit_to_memory), 0]);
         b.extend_from_slice(&self.target.addr.to_be_bytes());
         b.extend_from_slice(&self.target.rkey.to_be_bytes());
+        b.extend_from_slice(&self.qps.to_be_bytes());
+        b.extend_from_slice(&[0, 0]);
         debug_assert_eq!(b.len(), HELLO_LEN);
         b
     }
@@ -402,6 +409,7 @@ impl Hello {
                 addr: u64::from_be_bytes(b[20..28].try_into().expect("8 bytes")),
                 rkey: u32_at(28),
             },
+            qps: u16::from_be_bytes([b[32], b[33]]),
         })
     }
 }
@@ -831,6 +839,7 @@ pub(crate) fn connect_client(
         tx_depth: plan.tx_depth as u16,
         commit_to_memory: plan.commit_to_memory,
         target: bufs.data.remote(0),
+        qps: plan.qps,
     };
     let opts = connect_options(plan, hello.encode());
     info!(%addr, op = %plan.op, "connecting");
@@ -856,14 +865,7 @@ pub(crate) fn accept_server(
     op: OpKind,
     blocking: bool,
 ) -> Result<(Endpoint, Plan)> {
-    let req = listener.get_request()?;
-    let hello = match Hello::decode(req.private_data()) {
-        Ok(h) => h,
-        Err(e) => {
-            let _ = req.reject(b"not a stag benchmark");
-            return Err(e);
-        }
-    };
+    let (req, hello) = next_request(listener)?;
     if hello.test != test || hello.op != op {
         let _ = req.reject(b"test mismatch");
         return Err(BenchError::Protocol(format!(
@@ -879,19 +881,67 @@ pub(crate) fn accept_server(
         iters: hello.iters,
         tx_depth: u32::from(hello.tx_depth).max(1),
         commit_to_memory: hello.commit_to_memory,
+        qps: hello.qps.max(1),
     };
-    let bufs = Buffers::new(ctx, &plan, Role::Server)?;
+    let ep = accept_request(ctx, req, hello, &plan, blocking)?;
+    info!(op = %op, sizes = ?plan.sizes, iters = plan.iters, qps = plan.qps, "client connected");
+    Ok((ep, plan))
+}
+
+/// The server side of a multi-QP test: accept the client's other
+/// `plan.qps - 1` connections, which must announce the same plan.
+pub(crate) fn accept_rest(
+    ctx: &Context,
+    listener: &Listener,
+    plan: &Plan,
+    blocking: bool,
+) -> Result<Vec<Endpoint>> {
+    (1..plan.qps)
+        .map(|n| {
+            let (req, hello) = next_request(listener)?;
+            let first = plan.sizes[0];
+            if (hello.test, hello.op, hello.iters, hello.qps, hello.size)
+                != (plan.test, plan.op, plan.iters, plan.qps, first)
+            {
+                let _ = req.reject(b"plan mismatch");
+                return Err(BenchError::Protocol(format!(
+                    "QP #{n} announces {hello:?}, the first announced {plan:?}"
+                )));
+            }
+            debug!(n, "further QP connected");
+            accept_request(ctx, req, hello, plan, blocking)
+        })
+        .collect()
+}
+
+/// The next connection request and its [`Hello`] (a stranger is rejected).
+fn next_request(listener: &Listener) -> Result<(stag::Incoming, Hello)> {
+    let req = listener.get_request()?;
+    match Hello::decode(req.private_data()) {
+        Ok(h) => Ok((req, h)),
+        Err(e) => {
+            let _ = req.reject(b"not a stag benchmark");
+            Err(e)
+        }
+    }
+}
+
+/// Accept `req` with fresh buffers, answering with our target.
+fn accept_request(
+    ctx: &Context,
+    req: stag::Incoming,
+    hello: Hello,
+    plan: &Plan,
+    blocking: bool,
+) -> Result<Endpoint> {
+    let bufs = Buffers::new(ctx, plan, Role::Server)?;
     let ours = Hello {
         target: bufs.data.remote(0),
         ..hello
     };
-    let opts = connect_options(&plan, ours.encode());
+    let opts = connect_options(plan, ours.encode());
     let qp = req.accept_with(&bufs.pd, &bufs.cq, &opts, bufs.pre_post())?;
-    info!(op = %op, sizes = ?plan.sizes, iters = plan.iters, "client connected");
-    Ok((
-        bufs.into_endpoint(Role::Server, qp, hello.target, blocking),
-        plan,
-    ))
+    Ok(bufs.into_endpoint(Role::Server, qp, hello.target, blocking))
 }
 
 /// Where the server listens.
@@ -1250,6 +1300,7 @@ mod tests {
                 addr: 0x7f00_dead_beef_0000,
                 rkey: 0x1234_5678,
             },
+            qps: 64,
         };
         let b = h.encode();
         assert_eq!(b.len(), HELLO_LEN);
@@ -1260,6 +1311,10 @@ mod tests {
         };
         assert_eq!(Hello::decode(&file.encode()).unwrap(), file);
         assert!(Hello::decode(&b[..20]).is_err());
+        // A version-1 peer (no QP count) is told apart.
+        let mut v1 = b.clone();
+        v1[4] = 1;
+        assert!(Hello::decode(&v1).is_err());
         assert!(Hello::decode(b"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx").is_err());
     }
 }
