@@ -14,10 +14,10 @@
 #
 #   scripts/bench-peers.sh [--quick] [--no-install]
 #
-# Knobs (environment): ROUNDS (3), ITERS (5000 latency iterations),
-# BW_ITERS (1000 messages of 1 MiB), QP_ITERS (2000 8-byte messages per
-# QP of the 64-QP run), STREAM_ITERS (20000 8-byte messages per floor
-# stream), PROGRESS_MODES ("busy adaptive blocking": each stag run once
+# Knobs (environment): ROUNDS (3), ITERS (20000 latency iterations; a
+# tenth for Commit and UCX's Get), BW_ITERS (2000 messages of 1 MiB),
+# QP_ITERS (4000 8-byte messages per QP of the 64-QP run), STREAM_ITERS
+# (50000 8-byte messages per floor stream), PROGRESS_MODES ("busy adaptive blocking": each stag run once
 # per mode), OUT (target/bench-peers). --quick: one round, few iterations
 # (a smoke run, not a measurement).
 #
@@ -50,10 +50,10 @@ if [[ $QUICK == 1 ]]; then
     STREAM_ITERS=${STREAM_ITERS:-2000}
 fi
 ROUNDS=${ROUNDS:-3}
-ITERS=${ITERS:-5000}
-BW_ITERS=${BW_ITERS:-1000}
-QP_ITERS=${QP_ITERS:-2000}
-STREAM_ITERS=${STREAM_ITERS:-20000}
+ITERS=${ITERS:-20000}
+BW_ITERS=${BW_ITERS:-2000}
+QP_ITERS=${QP_ITERS:-4000}
+STREAM_ITERS=${STREAM_ITERS:-50000}
 PROGRESS_MODES=${PROGRESS_MODES:-busy adaptive blocking}
 OUT=${OUT:-target/bench-peers}
 # Slow round trips (a Commit's msync, UCX's software Get) get fewer.
