@@ -2,10 +2,13 @@
 //! QPs feed, with an eventfd that is readable while completions are waiting
 //! and notifications are armed (for epoll users, like a completion channel).
 //!
-//! Polling an empty CQ drives its QPs from the polling thread; waiting on
-//! it sleeps in `poll(2)` on its QPs' sockets (and on an internal eventfd
-//! for completions that other threads deliver), so the thread that will
-//! consume the completion is the one the kernel wakes.
+//! Polling an empty CQ drives its QPs from the polling thread. Waiting on
+//! it sleeps on an internal eventfd that completions delivered by other
+//! threads write; in the `Blocking` progress mode the waiter also sleeps in
+//! `poll(2)` on its QPs' sockets (so the thread that will consume the
+//! completion is the one the kernel wakes), while in the polling modes it
+//! leaves them to the device's engine, which answers the peer's requests
+//! without waking it.
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -17,8 +20,25 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use tracing::error;
 
-use crate::device::QpShared;
 use crate::wr::{WcStatus, WorkCompletion};
+
+/// What a CQ needs of the QPs that feed it.
+pub(crate) trait CqQp: Send + Sync {
+    /// Drive the QP once from this (application) thread, unless another
+    /// thread is at it.
+    fn try_progress(&self);
+    /// The socket to sleep on in [`CompletionQueue::wait`], with whether
+    /// to wait for writability too; `None` when waiters leave the QP to
+    /// the device's engine (the polling progress modes), before connection
+    /// and after close.
+    fn wait_fd(&self) -> Option<(BorrowedFd<'_>, bool)>;
+    /// An application thread starts (`true`) or stops sleeping on the
+    /// socket.
+    fn set_waiting(&self, on: bool);
+    /// Hand the QP to the device's engine: the application is going to
+    /// sleep without driving it.
+    fn release_to_engine(&self);
+}
 
 /// Notification arming (`ibv_req_notify_cq`).
 const ARM_NONE: u8 = 0;
@@ -34,7 +54,7 @@ pub struct CompletionQueue {
     armed: AtomicU8,
     overrun: AtomicBool,
     /// QPs that feed this CQ, so that polling can drive them.
-    qps: RwLock<Vec<Weak<QpShared>>>,
+    qps: RwLock<Vec<Weak<dyn CqQp>>>,
     /// Readable when a completion arrived while a thread sleeps in
     /// [`wait`](Self::wait).
     wake: EventFd,
@@ -65,7 +85,7 @@ impl CompletionQueue {
         }))
     }
 
-    pub(crate) fn attach(&self, qp: Weak<QpShared>) {
+    pub(crate) fn attach(&self, qp: Weak<dyn CqQp>) {
         let mut qps = self.qps.write().unwrap_or_else(|p| p.into_inner());
         qps.retain(|w| w.strong_count() > 0);
         qps.push(qp);
@@ -179,7 +199,7 @@ impl CompletionQueue {
             if now >= deadline {
                 return 0;
             }
-            let qps: Vec<Arc<QpShared>> = {
+            let qps: Vec<Arc<dyn CqQp>> = {
                 let qps = self.qps.read().unwrap_or_else(|p| p.into_inner());
                 qps.iter().filter_map(Weak::upgrade).collect()
             };
@@ -194,6 +214,9 @@ impl CompletionQueue {
                     }
                     fds.push(PollFd::new(fd, ev));
                     sleeping.push(qp);
+                } else {
+                    // The engine drives it while we sleep on `wake`.
+                    qp.release_to_engine();
                 }
             }
             self.waiters.fetch_add(1, Ordering::SeqCst);

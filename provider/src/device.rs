@@ -1,45 +1,23 @@
-//! The userspace RNIC: device, protection domains, registrations, QPs and
-//! the TCP driver that moves bytes between sockets and the sans-IO
-//! [`Connection`].
+//! The userspace RNIC's verbs objects: device, protection domains,
+//! registrations, QPs, and the passive side of connection setup.
 //!
-//! Progress happens in two places: a per-device engine thread blocked in
-//! epoll (so responder-side work — Read Responses, atomics, commits,
-//! placement — goes on while the application does something else), and the
-//! application's own thread when it posts (the request leaves at once),
-//! polls a CQ that is empty (it reads the sockets itself, so busy polling
-//! costs no thread hand-off) or blocks in [`CompletionQueue::wait`] (it
-//! sleeps in `poll(2)` on the sockets themselves, so a blocking round trip
-//! costs one wake-up, as on a plain socket). A QP's connection sits behind
-//! one mutex, so the byte stream is processed in order whoever drives it.
-//!
-//! The two must not fight over a socket: on two cores, an engine woken for
-//! every message that a spinning application thread then finds already
-//! handled costs a wake-up and a context switch per message. So when an
-//! event fires while an application thread is driving that QP (it polled
-//! since the engine last looked, or it is blocked in `wait`), the engine
-//! disarms the socket in its epoll set ("parks" it) and looks again every
-//! [`PARK_RECHECK`]; once the application has stopped driving it, the
-//! engine drives the QP and re-arms. While the engine owns a QP its socket
-//! stays armed, level-triggered: no epoll_ctl per message.
-//! [`CompletionQueue::req_notify`] hands the QPs back at once, since an
-//! application that arms notifications is about to sleep.
+//! Each connected QP is a sans-IO [`Connection`] under a TCP driver
+//! ([`crate::driver`]); the device's progress engine ([`crate::engine`])
+//! drives the QPs no application thread is driving, in the device's
+//! [`Progress`] mode.
 
-use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::AsFd;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
-use nix::sys::eventfd::{EfdFlags, EventFd};
-use tracing::{debug, warn};
-
 use crate::cq::CompletionQueue;
+use crate::driver::QpShared;
+use crate::engine::{Engine, Progress};
 use crate::mem::{Access, MrTable, PdId, RegisterError};
-use crate::qp::{Connection, CqSide, Env, Event, PostError, QpCaps, QpState};
+use crate::qp::{Connection, Event, PostError, QpCaps, QpState};
 use crate::setup::{Answer, Initiator, MpaParams, Negotiated, Request};
 use crate::srq::Srq;
 use crate::wr::{RecvWr, SendWr, WcOpcode, WcStatus, WorkCompletion};
@@ -76,20 +54,6 @@ pub enum DeviceError {
 /// How long connection setup may take before it fails.
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Size of a QP's socket read buffer.
-const READ_CHUNK: usize = 256 * 1024;
-
-/// Bytes a QP frames per drive before letting the socket catch up.
-const TX_BUDGET: usize = 512 * 1024;
-
-/// The epoll token of the engine's wake-up eventfd.
-const WAKE_TOKEN: u64 = u64::MAX;
-
-/// How often the engine looks at the QPs it left to application threads
-/// (the longest an inbound request waits when the application stops
-/// driving its QP without arming notifications).
-pub const PARK_RECHECK: Duration = Duration::from_millis(1);
-
 /// A userspace iWARP device.
 #[derive(Debug, Clone)]
 pub struct Device {
@@ -99,194 +63,35 @@ pub struct Device {
 #[derive(Debug)]
 pub(crate) struct DeviceInner {
     name: String,
-    pub(crate) mem: MrTable,
+    mem: Arc<MrTable>,
     next_pd: AtomicU32,
     next_qpn: AtomicU32,
-    engine: Engine,
-}
-
-/// The per-device progress thread: epoll over every connected QP's socket.
-#[derive(Debug)]
-struct Engine {
-    epoll: Arc<Epoll>,
-    wake: Arc<EventFd>,
-    qps: Arc<Mutex<HashMap<u64, Weak<QpShared>>>>,
-    stop: Arc<AtomicBool>,
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
-}
-
-impl Engine {
-    fn start(name: &str) -> Result<Engine, DeviceError> {
-        let epoll = Arc::new(Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?);
-        let wake = Arc::new(EventFd::from_value_and_flags(
-            0,
-            EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC,
-        )?);
-        epoll.add(
-            wake.as_fd(),
-            EpollEvent::new(EpollFlags::EPOLLIN, WAKE_TOKEN),
-        )?;
-        let qps: Arc<Mutex<HashMap<u64, Weak<QpShared>>>> = Arc::default();
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let (epoll, wake, qps, stop) = (epoll.clone(), wake.clone(), qps.clone(), stop.clone());
-            std::thread::Builder::new()
-                .name(format!("{name}-engine"))
-                .spawn(move || Engine::run(&epoll, &wake, &qps, &stop))?
-        };
-        Ok(Engine {
-            epoll,
-            wake,
-            qps,
-            stop,
-            thread: Mutex::new(Some(thread)),
-        })
-    }
-
-    fn run(
-        epoll: &Epoll,
-        wake: &EventFd,
-        qps: &Mutex<HashMap<u64, Weak<QpShared>>>,
-        stop: &AtomicBool,
-    ) {
-        let mut events = vec![EpollEvent::empty(); 64];
-        // QPs whose socket is disarmed because an application thread
-        // drives them.
-        let mut parked: Vec<Weak<QpShared>> = Vec::new();
-        let mut last_check = Instant::now();
-        while !stop.load(Ordering::Acquire) {
-            let timeout = if parked.is_empty() {
-                EpollTimeout::NONE
-            } else {
-                EpollTimeout::try_from(PARK_RECHECK).unwrap_or(EpollTimeout::ZERO)
-            };
-            let n = match epoll.wait(&mut events, timeout) {
-                Ok(n) => n,
-                Err(nix::errno::Errno::EINTR) => continue,
-                Err(e) => {
-                    warn!(error = %e, "epoll_wait failed; engine stops");
-                    return;
-                }
-            };
-            let mut recheck = false;
-            for ev in &events[..n] {
-                let token = ev.data();
-                if token == WAKE_TOKEN {
-                    let _ = wake.read();
-                    recheck = true;
-                    continue;
-                }
-                let qp = qps
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get(&token)
-                    .and_then(Weak::upgrade);
-                let Some(qp) = qp else { continue };
-                if qp.parked.load(Ordering::Relaxed) || qp.app_active() {
-                    // Disarmed here (again, if a racing application
-                    // thread re-armed it) until the recheck.
-                    qp.armed.store(false, Ordering::Relaxed);
-                    if let Some(sock) = qp.sock.get() {
-                        Self::disarm(epoll, qp.qpn, sock);
-                    }
-                    if !qp.parked.swap(true, Ordering::Relaxed) {
-                        parked.push(Arc::downgrade(&qp));
-                    }
-                } else {
-                    qp.engine_drive(false);
-                }
-            }
-            if !parked.is_empty() && (recheck || last_check.elapsed() >= PARK_RECHECK) {
-                last_check = Instant::now();
-                parked.retain(|w| {
-                    let Some(qp) = w.upgrade() else {
-                        return false;
-                    };
-                    if qp.app_active() {
-                        return true;
-                    }
-                    qp.parked.store(false, Ordering::Relaxed);
-                    qp.engine_drive(true);
-                    false
-                });
-            }
-        }
-    }
-
-    fn register(&self, qp: &Arc<QpShared>, sock: &TcpStream) -> Result<(), DeviceError> {
-        let token = qp.qpn as u64;
-        self.qps
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(token, Arc::downgrade(qp));
-        qp.armed.store(true, Ordering::Relaxed);
-        self.epoll
-            .add(sock.as_fd(), EpollEvent::new(Self::flags(false), token))?;
-        Ok(())
-    }
-
-    fn flags(write: bool) -> EpollFlags {
-        let mut flags = EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP;
-        if write {
-            flags |= EpollFlags::EPOLLOUT;
-        }
-        flags
-    }
-
-    /// Stop watching a QP's socket. One-shot with no events: an error or
-    /// hang-up (always reported) wakes the engine once at most.
-    fn disarm(epoll: &Epoll, qpn: u32, sock: &TcpStream) {
-        let mut ev = EpollEvent::new(EpollFlags::EPOLLONESHOT, qpn as u64);
-        if let Err(e) = epoll.modify(sock.as_fd(), &mut ev) {
-            debug!(qpn, error = %e, "epoll modify failed");
-        }
-    }
-
-    /// (Re-)arm a QP's socket, with writability if `write`. Called with the
-    /// QP's io lock held, so the flags match its state.
-    fn arm(&self, qpn: u32, sock: &TcpStream, write: bool) {
-        let mut ev = EpollEvent::new(Self::flags(write), qpn as u64);
-        if let Err(e) = self.epoll.modify(sock.as_fd(), &mut ev) {
-            debug!(qpn, error = %e, "epoll modify failed");
-        }
-    }
-
-    /// Make the engine look at its parked QPs now.
-    fn kick(&self) {
-        let _ = self.wake.write(1);
-    }
-
-    fn deregister(&self, qpn: u32, sock: &TcpStream) {
-        let _ = self.epoll.delete(sock.as_fd());
-        self.qps
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&(qpn as u64));
-    }
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        let _ = self.wake.write(1);
-        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = t.join();
-        }
-    }
+    engine: Arc<Engine>,
 }
 
 impl Device {
-    /// Open a userspace device named `name` (e.g. `"stag0"`).
+    /// Open a userspace device named `name` (e.g. `"stag0"`), in the
+    /// progress mode `$STAG_PROGRESS` names (else the default).
     pub fn open(name: &str) -> Result<Device, DeviceError> {
+        Self::open_with(name, Progress::from_env())
+    }
+
+    /// Open a userspace device whose engine runs in `progress` mode.
+    pub fn open_with(name: &str, progress: Progress) -> Result<Device, DeviceError> {
         Ok(Device {
             inner: Arc::new(DeviceInner {
                 name: name.to_owned(),
-                mem: MrTable::new(),
+                mem: Arc::new(MrTable::new()),
                 next_pd: AtomicU32::new(1),
                 next_qpn: AtomicU32::new(1),
-                engine: Engine::start(name)?,
+                engine: Arc::new(Engine::start(name, progress)?),
             }),
         })
+    }
+
+    /// The progress mode of the device's engine.
+    pub fn progress(&self) -> Progress {
+        self.inner.engine.progress()
     }
 
     /// The device name.
@@ -367,289 +172,19 @@ impl ProtectionDomain {
         srq: Option<&Arc<Srq>>,
     ) -> QueuePair {
         let qpn = self.device.inner.next_qpn.fetch_add(1, Ordering::Relaxed);
-        let shared = Arc::new(QpShared {
+        let shared = QpShared::new(
             qpn,
-            pd: self.id,
+            self.id,
             caps,
-            device: Arc::downgrade(&self.device.inner),
-            send_cq: send_cq.clone(),
-            recv_cq: recv_cq.clone(),
-            srq: srq.cloned(),
-            io: Mutex::new(QpIo::default()),
-            sock: OnceLock::new(),
-            app_polls: AtomicU64::new(0),
-            app_waiters: AtomicU32::new(0),
-            released: AtomicBool::new(false),
-            engine_seen: AtomicU64::new(0),
-            parked: AtomicBool::new(false),
-            armed: AtomicBool::new(false),
-            tx_blocked: AtomicBool::new(false),
-            closed: AtomicBool::new(false),
-        });
-        send_cq.attach(Arc::downgrade(&shared));
-        if !Arc::ptr_eq(send_cq, recv_cq) {
-            recv_cq.attach(Arc::downgrade(&shared));
-        }
+            self.device.inner.mem.clone(),
+            &self.device.inner.engine,
+            send_cq,
+            recv_cq,
+            srq,
+        );
         QueuePair {
             shared,
-            device: self.device.clone(),
-        }
-    }
-}
-
-/// The socket side of a QP.
-#[derive(Debug, Default)]
-struct QpIo {
-    conn: Option<Connection>,
-    /// Framed bytes not yet written, from `out_pos`.
-    out: Vec<u8>,
-    out_pos: usize,
-    rbuf: Vec<u8>,
-    /// Receives posted before the connection exists.
-    early_recv: VecDeque<RecvWr>,
-    /// Moved to Error before any connection: posts flush at once, and no
-    /// connection may start on it.
-    errored_early: bool,
-    writable_wanted: bool,
-    closed: bool,
-    events: VecDeque<Event>,
-}
-
-/// What the engine and the CQs hold of a QP.
-#[derive(Debug)]
-pub struct QpShared {
-    qpn: u32,
-    pd: PdId,
-    caps: QpCaps,
-    device: Weak<DeviceInner>,
-    send_cq: Arc<CompletionQueue>,
-    recv_cq: Arc<CompletionQueue>,
-    srq: Option<Arc<Srq>>,
-    io: Mutex<QpIo>,
-    /// The stream, once connected. Reads and writes go through `&TcpStream`
-    /// under the `io` lock; outside it the socket is only polled.
-    sock: OnceLock<TcpStream>,
-    /// Bumped each time an application thread drives the QP.
-    app_polls: AtomicU64,
-    /// Application threads asleep in `poll(2)` on this QP's socket.
-    app_waiters: AtomicU32,
-    /// The application handed the QP to the engine (it armed a CQ).
-    released: AtomicBool,
-    /// Engine only: `app_polls` when the engine last looked.
-    engine_seen: AtomicU64,
-    /// Engine only: in the engine's parked list.
-    parked: AtomicBool,
-    /// The socket's epoll registration is armed. Set only under the `io`
-    /// lock; cleared by the engine when it parks the QP.
-    armed: AtomicBool,
-    /// Framed output waits for the socket to become writable.
-    tx_blocked: AtomicBool,
-    /// The stream is closed: nothing more to read.
-    closed: AtomicBool,
-}
-
-impl QpShared {
-    /// Drive the QP: read what the socket has, process it, write what is
-    /// due, deliver completions.
-    pub(crate) fn progress(&self) {
-        self.note_app();
-        let mut io = self.io.lock().unwrap_or_else(|p| p.into_inner());
-        self.drive(&mut io);
-    }
-
-    /// Like [`progress`](Self::progress), unless another thread is at it.
-    pub(crate) fn try_progress(&self) {
-        self.note_app();
-        if let Ok(mut io) = self.io.try_lock() {
-            self.drive(&mut io);
-        }
-    }
-
-    /// An application thread is driving this QP: the engine keeps off.
-    fn note_app(&self) {
-        self.app_polls.fetch_add(1, Ordering::Relaxed);
-        if self.released.load(Ordering::Relaxed) {
-            self.released.store(false, Ordering::Relaxed);
-        }
-    }
-
-    /// Engine only: whether an application thread drove the QP since the
-    /// engine last looked, or sleeps on its socket.
-    fn app_active(&self) -> bool {
-        let polls = self.app_polls.load(Ordering::Relaxed);
-        let seen = self.engine_seen.swap(polls, Ordering::Relaxed);
-        self.app_waiters.load(Ordering::SeqCst) > 0
-            || (polls != seen && !self.released.load(Ordering::Relaxed))
-    }
-
-    /// Hand the QP to the engine now (the application is going to sleep
-    /// on a completion channel).
-    pub(crate) fn release_to_engine(&self) {
-        self.released.store(true, Ordering::Relaxed);
-        if self.parked.load(Ordering::Relaxed) {
-            if let Some(dev) = self.device.upgrade() {
-                dev.engine.kick();
-            }
-        }
-    }
-
-    /// Engine only: drive, then re-arm the socket if `rearm`.
-    fn engine_drive(&self, rearm: bool) {
-        let mut io = self.io.lock().unwrap_or_else(|p| p.into_inner());
-        self.drive(&mut io);
-        if io.closed || !rearm {
-            return;
-        }
-        let (Some(dev), Some(sock)) = (self.device.upgrade(), self.sock.get()) else {
-            return;
-        };
-        self.armed.store(true, Ordering::Relaxed);
-        dev.engine.arm(self.qpn, sock, io.writable_wanted);
-    }
-
-    /// The socket to sleep on in [`CompletionQueue::wait`], with whether
-    /// to wait for writability too; `None` before connection and after
-    /// close.
-    pub(crate) fn wait_fd(&self) -> Option<(std::os::fd::BorrowedFd<'_>, bool)> {
-        if self.closed.load(Ordering::Acquire) {
-            return None;
-        }
-        let sock = self.sock.get()?;
-        Some((sock.as_fd(), self.tx_blocked.load(Ordering::Acquire)))
-    }
-
-    /// An application thread starts (`true`) or stops sleeping on the
-    /// socket.
-    pub(crate) fn set_waiting(&self, on: bool) {
-        if on {
-            self.app_waiters.fetch_add(1, Ordering::SeqCst);
-        } else {
-            self.app_waiters.fetch_sub(1, Ordering::SeqCst);
-        }
-    }
-
-    fn drive(&self, io: &mut QpIo) {
-        self.drive_with(io, true);
-    }
-
-    /// Drive; `read`: also read the socket (a post only writes: reading is
-    /// for whoever polls, so a thread that only posts never delays its
-    /// request behind a read syscall, nor keeps the engine off the QP).
-    fn drive_with(&self, io: &mut QpIo, read: bool) {
-        let Some(dev) = self.device.upgrade() else {
-            return;
-        };
-        let env = Env {
-            mem: &dev.mem,
-            srq: self.srq.as_deref(),
-        };
-        let QpIo {
-            conn,
-            out,
-            out_pos,
-            rbuf,
-            writable_wanted,
-            closed,
-            events,
-            ..
-        } = io;
-        let (Some(conn), Some(mut sock)) = (conn.as_mut(), self.sock.get()) else {
-            return;
-        };
-        if rbuf.is_empty() {
-            rbuf.resize(READ_CHUNK, 0);
-        }
-        // What was posted leaves before we look for input: a post's
-        // request is on the wire one read syscall sooner.
-        if read && !*writable_wanted && (*out_pos < out.len() || conn.has_pending_tx()) {
-            Self::flush(conn, &mut sock, out, out_pos, &env);
-        }
-        // Bounded so that one busy QP cannot starve the others.
-        for _ in 0..if read { 64 } else { 0 } {
-            if *closed {
-                break;
-            }
-            match sock.read(rbuf) {
-                Ok(0) => {
-                    conn.handle_closed();
-                    *closed = true;
-                }
-                Ok(n) => {
-                    conn.handle_bytes(&rbuf[..n], &env);
-                    // Let responses and new requests out between reads.
-                    Self::flush(conn, &mut sock, out, out_pos, &env);
-                    if n < rbuf.len() {
-                        break;
-                    }
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => {
-                    debug!(qpn = self.qpn, error = %e, "socket read failed");
-                    conn.handle_closed();
-                    *closed = true;
-                }
-            }
-        }
-        let pending = Self::flush(conn, &mut sock, out, out_pos, &env);
-        if pending != *writable_wanted {
-            *writable_wanted = pending;
-            self.tx_blocked.store(pending, Ordering::Release);
-            // A parked socket is re-armed with the right flags when the
-            // engine takes it back; application waiters poll for output
-            // through `tx_blocked`.
-            if self.armed.load(Ordering::Relaxed) {
-                dev.engine.arm(self.qpn, sock, pending);
-            }
-        }
-        while let Some((side, wc)) = conn.poll_completion() {
-            match side {
-                CqSide::Send => self.send_cq.push(wc),
-                CqSide::Recv => self.recv_cq.push(wc),
-            }
-        }
-        while let Some(ev) = conn.poll_event() {
-            debug!(qpn = self.qpn, ?ev, "event");
-            events.push_back(ev);
-        }
-        if conn.wants_close() || (*closed && conn.state() == QpState::Error) {
-            let _ = sock.shutdown(Shutdown::Both);
-            dev.engine.deregister(self.qpn, sock);
-            *closed = true;
-            self.closed.store(true, Ordering::Release);
-        }
-    }
-
-    /// Write what the connection has to send; returns whether bytes are
-    /// still waiting for the socket.
-    fn flush(
-        conn: &mut Connection,
-        sock: &mut &TcpStream,
-        out: &mut Vec<u8>,
-        out_pos: &mut usize,
-        env: &Env,
-    ) -> bool {
-        loop {
-            if *out_pos == out.len() {
-                out.clear();
-                *out_pos = 0;
-                if !conn.poll_transmit(env, out, TX_BUDGET) {
-                    return false;
-                }
-            }
-            match sock.write(&out[*out_pos..]) {
-                Ok(0) => return true,
-                Ok(n) => *out_pos += n,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return true,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => {
-                    debug!(error = %e, "socket write failed");
-                    conn.handle_closed();
-                    out.clear();
-                    *out_pos = 0;
-                    return false;
-                }
-            }
+            _device: self.device.clone(),
         }
     }
 }
@@ -658,7 +193,8 @@ impl QpShared {
 #[derive(Debug)]
 pub struct QueuePair {
     shared: Arc<QpShared>,
-    device: Device,
+    /// Keeps the device, and so its engine, alive while the QP is.
+    _device: Device,
 }
 
 impl QueuePair {
@@ -669,7 +205,7 @@ impl QueuePair {
 
     /// The current state (RTR before the connection is up).
     pub fn state(&self) -> QpState {
-        let io = self.shared.io.lock().unwrap_or_else(|p| p.into_inner());
+        let io = self.shared.lock();
         io.conn
             .as_ref()
             .map(Connection::state)
@@ -678,13 +214,13 @@ impl QueuePair {
 
     /// What the MPA exchange settled, once connected.
     pub fn negotiated(&self) -> Option<Negotiated> {
-        let io = self.shared.io.lock().unwrap_or_else(|p| p.into_inner());
+        let io = self.shared.lock();
         io.conn.as_ref().map(|c| c.negotiated().clone())
     }
 
     /// Connection events so far (Established, Terminate sent/received, Closed).
     pub fn take_events(&self) -> Vec<Event> {
-        let mut io = self.shared.io.lock().unwrap_or_else(|p| p.into_inner());
+        let mut io = self.shared.lock();
         io.events.drain(..).collect()
     }
 
@@ -692,12 +228,8 @@ impl QueuePair {
     /// thread (which does not read the socket: input is for whoever polls,
     /// the device's engine when nobody does).
     pub fn post_send(&self, wr: SendWr) -> Result<(), DeviceError> {
-        let dev = &self.device.inner;
-        let env = Env {
-            mem: &dev.mem,
-            srq: self.shared.srq.as_deref(),
-        };
-        let mut io = self.shared.io.lock().unwrap_or_else(|p| p.into_inner());
+        let env = self.shared.env();
+        let mut io = self.shared.lock();
         if io.conn.is_none() && io.errored_early {
             // A QP in Error completes what is posted with a flush error.
             self.shared.send_cq.push(WorkCompletion {
@@ -722,7 +254,7 @@ impl QueuePair {
         if self.shared.srq.is_some() {
             return Err(PostError::HasSrq.into());
         }
-        let mut io = self.shared.io.lock().unwrap_or_else(|p| p.into_inner());
+        let mut io = self.shared.lock();
         let errored_early = io.errored_early;
         match io.conn.as_mut() {
             Some(conn) => conn.post_recv(wr)?,
@@ -756,7 +288,7 @@ impl QueuePair {
     /// Move the QP to Error (`ibv_modify_qp(IBV_QPS_ERR)`): outstanding WRs
     /// complete with a flush error and the stream closes.
     pub fn set_error(&self) {
-        let mut io = self.shared.io.lock().unwrap_or_else(|p| p.into_inner());
+        let mut io = self.shared.lock();
         if let Some(conn) = io.conn.as_mut() {
             conn.set_error();
         } else {
@@ -820,39 +352,26 @@ impl QueuePair {
             neg,
             self.shared.srq.is_some(),
         );
-        let mut io = self.shared.io.lock().unwrap_or_else(|p| p.into_inner());
+        let mut io = self.shared.lock();
         if io.conn.is_some() || io.errored_early {
             return Err(DeviceError::InvalidState);
         }
         for wr in io.early_recv.drain(..) {
             conn.post_recv(wr)?;
         }
-        let dev = &self.device.inner;
         if !leftover.is_empty() {
-            let env = Env {
-                mem: &dev.mem,
-                srq: self.shared.srq.as_deref(),
-            };
-            conn.handle_bytes(leftover, &env);
+            conn.handle_bytes(leftover, &self.shared.env());
         }
-        let sock = self.shared.sock.get_or_init(|| sock);
-        dev.engine.register(&self.shared, sock)?;
         io.conn = Some(conn);
-        self.shared.drive(&mut io);
+        self.shared.attach_socket(&mut io, sock)?;
         Ok(())
     }
 }
 
 impl Drop for QueuePair {
     fn drop(&mut self) {
-        let mut io = self.shared.io.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(sock) = self.shared.sock.get() {
-            let _ = sock.shutdown(Shutdown::Both);
-            self.device.inner.engine.deregister(self.shared.qpn, sock);
-        }
-        io.closed = true;
-        self.shared.closed.store(true, Ordering::Release);
-        io.conn = None;
+        let mut io = self.shared.lock();
+        self.shared.shut(&mut io);
     }
 }
 

@@ -12,6 +12,8 @@
 
 pub mod cq;
 pub mod device;
+mod driver;
+pub mod engine;
 pub mod mem;
 pub mod qp;
 pub mod region;

@@ -785,6 +785,7 @@ pub(crate) fn open_context(common: &CommonArgs) -> Result<Context> {
         force_emulation: common.emulate.clone(),
         legacy_post: common.legacy_post,
         rfc5040_only: common.rfc5040,
+        progress: None,
     };
     let ctx = Context::open_with(&name, &opts)?;
     for &k in &common.emulate {

@@ -12,6 +12,7 @@ use crate::cq::CompletionQueue;
 use crate::error::{Error, Result};
 use crate::ibv;
 use crate::mr::{Access, MemoryRegion, MrInner};
+pub use provider::engine::{ParseProgressError, Progress, PROGRESS_ENV};
 
 /// The name of the userspace provider's device.
 pub const USERSPACE_DEVICE: &str = "stag0";
@@ -93,6 +94,9 @@ pub struct ContextOptions {
     /// emulated as on siw, and peers' requests for them are refused with a
     /// Terminate). Lets one machine test what a siw peer means.
     pub rfc5040_only: bool,
+    /// Userspace provider only: how its progress engine waits for input
+    /// (`None`: `$STAG_PROGRESS`, else adaptive). See [`Progress`].
+    pub progress: Option<Progress>,
 }
 
 /// An open device.
@@ -138,7 +142,8 @@ impl Context {
     /// Open a device with options.
     pub fn open_with(name: &str, options: &ContextOptions) -> Result<Context> {
         let (backend, mut caps, mut wr_ops) = if name == USERSPACE_DEVICE {
-            let dev = provider::device::Device::open(name)?;
+            let progress = options.progress.unwrap_or_else(Progress::from_env);
+            let dev = provider::device::Device::open_with(name, progress)?;
             let caps = if options.rfc5040_only {
                 Capabilities::userspace_rfc5040(name)
             } else {

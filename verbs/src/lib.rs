@@ -28,7 +28,8 @@ pub use caps::{Capabilities, Emulation, OpKind, OpSet, PostPath, Support};
 pub use cm::{connect, connect_with, ConnectOptions, Incoming, Listener};
 pub use cq::{Completion, CompletionKind, CompletionQueue, WcStatus};
 pub use device::{
-    default_device, devices, Backend, Context, ContextOptions, DeviceInfo, ProtectionDomain,
+    default_device, devices, Backend, Context, ContextOptions, DeviceInfo, ParseProgressError,
+    Progress, ProtectionDomain, PROGRESS_ENV,
 };
 pub use error::{Error, Result};
 pub use mr::{Access, MemoryRegion, Slice};

@@ -1,0 +1,331 @@
+//! The TCP driver of one connection: moves bytes between a QP's socket and
+//! its sans-IO [`Connection`], delivers the completions and events the
+//! connection produces, and performs what the core leaves to IO. It
+//! decides nothing about the protocol.
+//!
+//! A QP's connection sits behind one mutex, so the byte stream is processed
+//! in order whoever drives it: the device's [`Engine`], a posting thread
+//! (write only), or a thread polling or waiting on one of its CQs.
+
+use std::collections::VecDeque;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+
+use tracing::debug;
+
+use crate::cq::{CompletionQueue, CqQp};
+use crate::engine::{Engine, EngineQp, Ownership, Progress};
+use crate::mem::{MrTable, PdId};
+use crate::qp::{Connection, CqSide, Env, Event, QpCaps, QpState};
+use crate::srq::Srq;
+use crate::wr::RecvWr;
+
+/// Size of a QP's socket read buffer.
+const READ_CHUNK: usize = 256 * 1024;
+
+/// Bytes a QP frames per drive before letting the socket catch up.
+const TX_BUDGET: usize = 512 * 1024;
+
+/// The socket side of a QP, under its lock.
+#[derive(Debug, Default)]
+pub(crate) struct QpIo {
+    pub(crate) conn: Option<Connection>,
+    /// Framed bytes not yet written, from `out_pos`.
+    out: Vec<u8>,
+    out_pos: usize,
+    rbuf: Vec<u8>,
+    /// Receives posted before the connection exists.
+    pub(crate) early_recv: VecDeque<RecvWr>,
+    /// Moved to Error before any connection: posts flush at once, and no
+    /// connection may start on it.
+    pub(crate) errored_early: bool,
+    writable_wanted: bool,
+    pub(crate) closed: bool,
+    pub(crate) events: VecDeque<Event>,
+}
+
+/// What the engine, the CQs and the QP handle hold of a QP.
+#[derive(Debug)]
+pub(crate) struct QpShared {
+    pub(crate) qpn: u32,
+    pub(crate) pd: PdId,
+    pub(crate) caps: QpCaps,
+    mem: Arc<MrTable>,
+    engine: Weak<Engine>,
+    progress: Progress,
+    pub(crate) send_cq: Arc<CompletionQueue>,
+    pub(crate) recv_cq: Arc<CompletionQueue>,
+    pub(crate) srq: Option<Arc<Srq>>,
+    io: Mutex<QpIo>,
+    /// The stream, once connected. Reads and writes go through `&TcpStream`
+    /// under the `io` lock; outside it the socket is only polled.
+    sock: OnceLock<TcpStream>,
+    own: Ownership,
+    /// Framed output waits for the socket to become writable.
+    tx_blocked: AtomicBool,
+    /// The stream is closed: nothing more to read.
+    closed: AtomicBool,
+}
+
+impl QpShared {
+    /// A QP not yet connected, attached to its CQs.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        qpn: u32,
+        pd: PdId,
+        caps: QpCaps,
+        mem: Arc<MrTable>,
+        engine: &Arc<Engine>,
+        send_cq: &Arc<CompletionQueue>,
+        recv_cq: &Arc<CompletionQueue>,
+        srq: Option<&Arc<Srq>>,
+    ) -> Arc<QpShared> {
+        let shared = Arc::new(QpShared {
+            qpn,
+            pd,
+            caps,
+            mem,
+            engine: Arc::downgrade(engine),
+            progress: engine.progress(),
+            send_cq: send_cq.clone(),
+            recv_cq: recv_cq.clone(),
+            srq: srq.cloned(),
+            io: Mutex::new(QpIo::default()),
+            sock: OnceLock::new(),
+            own: Ownership::default(),
+            tx_blocked: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+        });
+        let weak: Weak<dyn CqQp> = Arc::downgrade(&shared) as Weak<dyn CqQp>;
+        send_cq.attach(weak.clone());
+        if !Arc::ptr_eq(send_cq, recv_cq) {
+            recv_cq.attach(weak);
+        }
+        shared
+    }
+
+    /// The QP's socket-side state, locked.
+    pub(crate) fn lock(&self) -> MutexGuard<'_, QpIo> {
+        self.io.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// What the connection may touch: the registrations and the SRQ.
+    pub(crate) fn env(&self) -> Env<'_> {
+        Env {
+            mem: &self.mem,
+            srq: self.srq.as_deref(),
+        }
+    }
+
+    /// Drive the QP: read what the socket has, process it, write what is
+    /// due, deliver completions.
+    pub(crate) fn progress(&self) {
+        self.own.note_app();
+        let mut io = self.lock();
+        self.drive(&mut io);
+    }
+
+    /// Take the connected stream: register it with the engine and drive
+    /// once (the connection is already in `io`).
+    pub(crate) fn attach_socket(
+        self: &Arc<Self>,
+        io: &mut QpIo,
+        sock: TcpStream,
+    ) -> Result<(), nix::Error> {
+        let sock = self.sock.get_or_init(|| sock);
+        if let Some(engine) = self.engine.upgrade() {
+            let weak: Weak<dyn EngineQp> = Arc::downgrade(self) as Weak<dyn EngineQp>;
+            engine.register(self.qpn as u64, weak, &self.own, sock.as_fd())?;
+        }
+        self.drive(io);
+        Ok(())
+    }
+
+    /// Close the stream and stop watching it (the QP handle is dropped).
+    pub(crate) fn shut(&self, io: &mut QpIo) {
+        if let Some(sock) = self.sock.get() {
+            let _ = sock.shutdown(Shutdown::Both);
+            if let Some(engine) = self.engine.upgrade() {
+                engine.deregister(self.qpn as u64, sock.as_fd());
+            }
+        }
+        io.closed = true;
+        self.closed.store(true, Ordering::Release);
+        io.conn = None;
+    }
+
+    pub(crate) fn drive(&self, io: &mut QpIo) {
+        self.drive_with(io, true);
+    }
+
+    /// Drive; `read`: also read the socket (a post only writes: reading is
+    /// for whoever polls, so a thread that only posts never delays its
+    /// request behind a read syscall, nor keeps the engine off the QP).
+    pub(crate) fn drive_with(&self, io: &mut QpIo, read: bool) {
+        let env = self.env();
+        let QpIo {
+            conn,
+            out,
+            out_pos,
+            rbuf,
+            writable_wanted,
+            closed,
+            events,
+            ..
+        } = io;
+        let (Some(conn), Some(mut sock)) = (conn.as_mut(), self.sock.get()) else {
+            return;
+        };
+        if rbuf.is_empty() {
+            rbuf.resize(READ_CHUNK, 0);
+        }
+        // What was posted leaves before we look for input: a post's
+        // request is on the wire one read syscall sooner.
+        if read && !*writable_wanted && (*out_pos < out.len() || conn.has_pending_tx()) {
+            Self::flush(conn, &mut sock, out, out_pos, &env);
+        }
+        // Bounded so that one busy QP cannot starve the others.
+        for _ in 0..if read { 64 } else { 0 } {
+            if *closed {
+                break;
+            }
+            match sock.read(rbuf) {
+                Ok(0) => {
+                    conn.handle_closed();
+                    *closed = true;
+                }
+                Ok(n) => {
+                    conn.handle_bytes(&rbuf[..n], &env);
+                    // Let responses and new requests out between reads.
+                    Self::flush(conn, &mut sock, out, out_pos, &env);
+                    if n < rbuf.len() {
+                        break;
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    debug!(qpn = self.qpn, error = %e, "socket read failed");
+                    conn.handle_closed();
+                    *closed = true;
+                }
+            }
+        }
+        let pending = Self::flush(conn, &mut sock, out, out_pos, &env);
+        let engine = self.engine.upgrade();
+        if pending != *writable_wanted {
+            *writable_wanted = pending;
+            self.tx_blocked.store(pending, Ordering::Release);
+            // A parked socket is re-armed with the right flags when the
+            // engine takes it back; application waiters poll for output
+            // through `tx_blocked`.
+            if let Some(engine) = &engine {
+                if self.own.armed.load(Ordering::Relaxed) {
+                    engine.arm(self.qpn as u64, sock.as_fd(), pending);
+                }
+            }
+        }
+        while let Some((side, wc)) = conn.poll_completion() {
+            match side {
+                CqSide::Send => self.send_cq.push(wc),
+                CqSide::Recv => self.recv_cq.push(wc),
+            }
+        }
+        while let Some(ev) = conn.poll_event() {
+            debug!(qpn = self.qpn, ?ev, "event");
+            events.push_back(ev);
+        }
+        if conn.wants_close() || (*closed && conn.state() == QpState::Error) {
+            let _ = sock.shutdown(Shutdown::Both);
+            if let Some(engine) = &engine {
+                engine.deregister(self.qpn as u64, sock.as_fd());
+            }
+            *closed = true;
+            self.closed.store(true, Ordering::Release);
+        }
+    }
+
+    /// Write what the connection has to send; returns whether bytes are
+    /// still waiting for the socket.
+    fn flush(
+        conn: &mut Connection,
+        sock: &mut &TcpStream,
+        out: &mut Vec<u8>,
+        out_pos: &mut usize,
+        env: &Env,
+    ) -> bool {
+        loop {
+            if *out_pos == out.len() {
+                out.clear();
+                *out_pos = 0;
+                if !conn.poll_transmit(env, out, TX_BUDGET) {
+                    return false;
+                }
+            }
+            match sock.write(&out[*out_pos..]) {
+                Ok(0) => return true,
+                Ok(n) => *out_pos += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return true,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    debug!(error = %e, "socket write failed");
+                    conn.handle_closed();
+                    out.clear();
+                    *out_pos = 0;
+                    return false;
+                }
+            }
+        }
+    }
+}
+
+impl EngineQp for QpShared {
+    fn ownership(&self) -> &Ownership {
+        &self.own
+    }
+
+    fn fd(&self) -> Option<BorrowedFd<'_>> {
+        self.sock.get().map(AsFd::as_fd)
+    }
+
+    fn engine_drive(&self, rearm: bool) {
+        let mut io = self.lock();
+        self.drive(&mut io);
+        if io.closed || !rearm {
+            return;
+        }
+        let (Some(engine), Some(sock)) = (self.engine.upgrade(), self.sock.get()) else {
+            return;
+        };
+        self.own.armed.store(true, Ordering::Relaxed);
+        engine.arm(self.qpn as u64, sock.as_fd(), io.writable_wanted);
+    }
+}
+
+impl CqQp for QpShared {
+    fn try_progress(&self) {
+        self.own.note_app();
+        if let Ok(mut io) = self.io.try_lock() {
+            self.drive(&mut io);
+        }
+    }
+
+    fn wait_fd(&self) -> Option<(BorrowedFd<'_>, bool)> {
+        if !self.progress.waiters_take_sockets() || self.closed.load(Ordering::Acquire) {
+            return None;
+        }
+        let sock = self.sock.get()?;
+        Some((sock.as_fd(), self.tx_blocked.load(Ordering::Acquire)))
+    }
+
+    fn set_waiting(&self, on: bool) {
+        self.own.set_waiting(on);
+    }
+
+    fn release_to_engine(&self) {
+        self.own.release(self.engine.upgrade().as_deref());
+    }
+}

@@ -1,0 +1,633 @@
+//! The device's progress engine: one thread per device that drives the
+//! connected QPs no application thread is driving, so responder work (Read
+//! Responses, atomics, Commits, placement of inbound Writes) goes on while
+//! the application does something else — a hardware RNIC's responder never
+//! waits for the host.
+//!
+//! How the engine waits for input is the device's [`Progress`] mode: it
+//! polls (`Busy`), polls for a while after traffic and then sleeps in
+//! `epoll_wait` (`Adaptive`, the default), or always sleeps (`Blocking`).
+//! A request that reaches a polling engine is answered at once; one that
+//! reaches a sleeping engine first pays a thread wake-up.
+//!
+//! Application threads drive QPs too: a post writes its request from the
+//! posting thread, polling an empty CQ reads the sockets from the polling
+//! thread, and in `Blocking` mode a thread in `CompletionQueue::wait`
+//! sleeps in `poll(2)` on the sockets itself (one wake-up per completion,
+//! as on a plain socket). The two must not fight over a socket: on two
+//! cores an engine woken for every message that a spinning application
+//! thread then finds already handled costs a wake-up and a context switch
+//! per message. So when an event fires while an application thread is
+//! driving that QP (it polled since the engine last looked, or sleeps on
+//! its socket), the engine disarms the socket in its epoll set ("parks"
+//! it) and looks again every [`PARK_RECHECK`]; once the application has
+//! stopped driving it, the engine drives the QP and re-arms. While the
+//! engine owns a QP its socket stays armed, level-triggered: no
+//! `epoll_ctl` per message. An application that arms a CQ's notifications
+//! or sleeps on the CQ in the polling modes hands its QPs back at once
+//! ([`Ownership::release`]).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use tracing::{debug, warn};
+
+/// The environment variable that picks the progress mode of devices opened
+/// without an explicit one (`busy`, `adaptive`, `adaptive:<µs>`,
+/// `blocking`).
+pub const PROGRESS_ENV: &str = "STAG_PROGRESS";
+
+/// How long an adaptive engine polls after traffic by default: a few
+/// round trips on loopback, so that back-to-back requests never meet a
+/// sleeping responder, and short enough that an idle device costs nothing.
+pub const DEFAULT_ADAPTIVE_SPIN: Duration = Duration::from_micros(200);
+
+/// How often the engine looks at the QPs it left to application threads
+/// (the longest an inbound request waits when the application stops
+/// driving its QP without arming notifications or waiting on the CQ).
+pub const PARK_RECHECK: Duration = Duration::from_millis(1);
+
+/// The epoll token of the engine's wake-up eventfd.
+const WAKE_TOKEN: u64 = u64::MAX;
+
+/// How a device's engine waits for input on the QPs it drives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// Poll without sleeping while it drives any QP: the lowest latency,
+    /// at the cost of one core per device whenever a QP is connected.
+    Busy,
+    /// Poll for `spin` after each burst of traffic, then sleep. The poll
+    /// window shrinks (down to none) when the engine finds itself
+    /// preempted while polling — a sign that its core is needed by other
+    /// threads, as on a 2-core machine where the application spins too —
+    /// and grows back when polling is uncontended.
+    Adaptive {
+        /// The longest poll window.
+        spin: Duration,
+    },
+    /// Always sleep in `epoll_wait`: no CPU when idle, a thread wake-up per
+    /// request the engine answers. Threads waiting on a CQ sleep on its
+    /// QPs' sockets themselves.
+    Blocking,
+}
+
+impl Default for Progress {
+    /// Adaptive: it answers at polling speed under load on a many-core
+    /// server, backs off where polling would steal the application's core,
+    /// and sleeps when idle.
+    fn default() -> Self {
+        Progress::Adaptive {
+            spin: DEFAULT_ADAPTIVE_SPIN,
+        }
+    }
+}
+
+impl Progress {
+    /// The mode `$STAG_PROGRESS` names, or the default when it is unset.
+    /// A value that does not parse is logged and ignored.
+    pub fn from_env() -> Progress {
+        match std::env::var(PROGRESS_ENV) {
+            Ok(v) if !v.is_empty() => v.parse().unwrap_or_else(|e| {
+                warn!(value = %v, error = %e, "ignoring {PROGRESS_ENV}");
+                Progress::default()
+            }),
+            _ => Progress::default(),
+        }
+    }
+
+    /// Whether threads waiting on a CQ sleep on its QPs' sockets (and so
+    /// drive them) rather than leaving them to the engine.
+    pub fn waiters_take_sockets(self) -> bool {
+        self == Progress::Blocking
+    }
+}
+
+/// A progress mode that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown progress mode {0:?} (expected busy, adaptive, adaptive:<µs> or blocking)")]
+pub struct ParseProgressError(String);
+
+impl FromStr for Progress {
+    type Err = ParseProgressError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || ParseProgressError(s.to_owned());
+        match s.trim().to_ascii_lowercase().as_str() {
+            "busy" | "poll" => Ok(Progress::Busy),
+            "blocking" | "block" => Ok(Progress::Blocking),
+            "adaptive" => Ok(Progress::default()),
+            other => {
+                let us = other.strip_prefix("adaptive:").ok_or_else(bad)?;
+                let us: u64 = us.trim_end_matches("us").parse().map_err(|_| bad())?;
+                Ok(Progress::Adaptive {
+                    spin: Duration::from_micros(us),
+                })
+            }
+        }
+    }
+}
+
+impl fmt::Display for Progress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Progress::Busy => f.write_str("busy"),
+            Progress::Blocking => f.write_str("blocking"),
+            Progress::Adaptive { spin } if *spin == DEFAULT_ADAPTIVE_SPIN => {
+                f.write_str("adaptive")
+            }
+            Progress::Adaptive { spin } => write!(f, "adaptive:{}", spin.as_micros()),
+        }
+    }
+}
+
+/// Who drives a QP right now: the bookkeeping its application threads and
+/// the engine share (see the module docs).
+#[derive(Debug, Default)]
+pub(crate) struct Ownership {
+    /// Bumped each time an application thread drives the QP.
+    app_polls: AtomicU64,
+    /// Application threads asleep in `poll(2)` on this QP's socket.
+    app_waiters: AtomicU32,
+    /// The application handed the QP to the engine.
+    released: AtomicBool,
+    /// Engine only: `app_polls` when the engine last looked.
+    engine_seen: AtomicU64,
+    /// Engine only: in the engine's parked list.
+    parked: AtomicBool,
+    /// The socket's epoll registration is armed. Set by the driver (under
+    /// its QP's lock, so the flags match its state); cleared by the engine
+    /// when it parks the QP.
+    pub(crate) armed: AtomicBool,
+}
+
+impl Ownership {
+    /// An application thread is driving this QP: the engine keeps off.
+    pub(crate) fn note_app(&self) {
+        self.app_polls.fetch_add(1, Ordering::Relaxed);
+        if self.released.load(Ordering::Relaxed) {
+            self.released.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// Engine only: whether an application thread drove the QP since the
+    /// engine last looked, or sleeps on its socket.
+    fn app_active(&self) -> bool {
+        let polls = self.app_polls.load(Ordering::Relaxed);
+        let seen = self.engine_seen.swap(polls, Ordering::Relaxed);
+        self.app_waiters.load(Ordering::SeqCst) > 0
+            || (polls != seen && !self.released.load(Ordering::Relaxed))
+    }
+
+    /// An application thread starts (`true`) or stops sleeping on the
+    /// socket.
+    pub(crate) fn set_waiting(&self, on: bool) {
+        if on {
+            self.app_waiters.fetch_add(1, Ordering::SeqCst);
+        } else {
+            self.app_waiters.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Hand the QP to the engine now (the application is going to sleep
+    /// on a CQ or a completion channel); wakes the engine if it had parked
+    /// the QP.
+    pub(crate) fn release(&self, engine: Option<&Engine>) {
+        self.released.store(true, Ordering::Relaxed);
+        if self.parked.load(Ordering::Relaxed) {
+            if let Some(engine) = engine {
+                engine.kick();
+            }
+        }
+    }
+}
+
+/// What the engine needs of a QP's driver.
+pub(crate) trait EngineQp: Send + Sync {
+    /// The QP's ownership bookkeeping.
+    fn ownership(&self) -> &Ownership;
+    /// The QP's socket, while it has one.
+    fn fd(&self) -> Option<BorrowedFd<'_>>;
+    /// Read, process and write what is due, from the engine thread; then
+    /// re-arm the socket with the engine if `rearm` (the QP was parked).
+    fn engine_drive(&self, rearm: bool);
+}
+
+/// The registered QPs, by epoll token.
+type QpMap = Mutex<HashMap<u64, Weak<dyn EngineQp>>>;
+
+/// The per-device progress engine.
+pub(crate) struct Engine {
+    progress: Progress,
+    epoll: Arc<Epoll>,
+    wake: Arc<EventFd>,
+    qps: Arc<QpMap>,
+    /// QPs registered (armed or parked).
+    registered: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl fmt::Debug for Engine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Engine")
+            .field("progress", &self.progress)
+            .field("registered", &self.registered.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    /// Start the engine thread of device `name`.
+    pub(crate) fn start(name: &str, progress: Progress) -> nix::Result<Engine> {
+        let epoll = Arc::new(Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?);
+        let wake = Arc::new(EventFd::from_value_and_flags(
+            0,
+            EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC,
+        )?);
+        epoll.add(
+            wake.as_fd(),
+            EpollEvent::new(EpollFlags::EPOLLIN, WAKE_TOKEN),
+        )?;
+        let qps: Arc<QpMap> = Arc::default();
+        let registered = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let run = Run {
+                epoll: epoll.clone(),
+                wake: wake.clone(),
+                qps: qps.clone(),
+                registered: registered.clone(),
+                stop: stop.clone(),
+                spinner: Spinner::new(progress),
+                parked: Vec::new(),
+                last_check: Instant::now(),
+            };
+            std::thread::Builder::new()
+                .name(format!("{name}-engine"))
+                .spawn(move || run.run())
+                .map_err(|e| {
+                    nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(libc::EAGAIN))
+                })?
+        };
+        Ok(Engine {
+            progress,
+            epoll,
+            wake,
+            qps,
+            registered,
+            stop,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// The engine's progress mode.
+    pub(crate) fn progress(&self) -> Progress {
+        self.progress
+    }
+
+    /// Start watching a connected QP's socket under `token`, armed.
+    pub(crate) fn register(
+        &self,
+        token: u64,
+        qp: Weak<dyn EngineQp>,
+        own: &Ownership,
+        sock: BorrowedFd<'_>,
+    ) -> nix::Result<()> {
+        self.qps
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(token, qp);
+        own.armed.store(true, Ordering::Relaxed);
+        self.epoll
+            .add(sock, EpollEvent::new(Self::flags(false), token))?;
+        self.registered.fetch_add(1, Ordering::Relaxed);
+        // A sleeping engine must learn that it has a QP to poll.
+        self.kick();
+        Ok(())
+    }
+
+    fn flags(write: bool) -> EpollFlags {
+        let mut flags = EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP;
+        if write {
+            flags |= EpollFlags::EPOLLOUT;
+        }
+        flags
+    }
+
+    /// (Re-)arm a QP's socket, with writability if `write`. Called with the
+    /// QP's io lock held, so the flags match its state.
+    pub(crate) fn arm(&self, token: u64, sock: BorrowedFd<'_>, write: bool) {
+        let mut ev = EpollEvent::new(Self::flags(write), token);
+        if let Err(e) = self.epoll.modify(sock, &mut ev) {
+            debug!(token, error = %e, "epoll modify failed");
+        }
+    }
+
+    /// Make the engine look at its parked QPs now.
+    pub(crate) fn kick(&self) {
+        let _ = self.wake.write(1);
+    }
+
+    /// Stop watching a QP's socket.
+    pub(crate) fn deregister(&self, token: u64, sock: BorrowedFd<'_>) {
+        let _ = self.epoll.delete(sock);
+        if self
+            .qps
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&token)
+            .is_some()
+        {
+            self.registered.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = self.wake.write(1);
+        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The adaptive poll window (and the fixed policies of the other modes).
+#[derive(Debug)]
+struct Spinner {
+    progress: Progress,
+    /// Adaptive: the current window, between zero and the mode's `spin`.
+    budget: Duration,
+    /// Adaptive: the end of the window in progress.
+    until: Option<Instant>,
+    /// Adaptive: this thread's involuntary context switches when the
+    /// window opened.
+    preempted_at_open: i64,
+    /// Reads the engine thread's involuntary context switches (replaced
+    /// in tests).
+    switches: fn() -> i64,
+}
+
+impl Spinner {
+    fn new(progress: Progress) -> Spinner {
+        let budget = match progress {
+            Progress::Adaptive { spin } => spin,
+            _ => Duration::ZERO,
+        };
+        Spinner {
+            progress,
+            budget,
+            until: None,
+            preempted_at_open: 0,
+            switches: involuntary_switches,
+        }
+    }
+
+    /// Whether to poll (rather than sleep) now, given whether the engine
+    /// drives any QP.
+    fn polling(&mut self, owns_qps: bool, now: Instant) -> bool {
+        if !owns_qps {
+            self.close(now);
+            return false;
+        }
+        match self.progress {
+            Progress::Busy => true,
+            Progress::Blocking => false,
+            Progress::Adaptive { .. } => match self.until {
+                Some(until) if now < until => true,
+                Some(_) => {
+                    self.close(now);
+                    false
+                }
+                None => false,
+            },
+        }
+    }
+
+    /// The engine handled traffic: (re)open the poll window.
+    fn traffic(&mut self, now: Instant) {
+        let Progress::Adaptive { spin } = self.progress else {
+            return;
+        };
+        if self.until.is_none() {
+            if self.budget.is_zero() {
+                // Probe again now and then: the contention may be gone.
+                self.budget = (spin / 16).max(Duration::from_micros(1));
+                return;
+            }
+            self.preempted_at_open = (self.switches)();
+        }
+        self.until = Some(now + self.budget);
+    }
+
+    /// The window ends: shrink it if the engine was preempted while
+    /// polling (its core is wanted elsewhere), grow it back otherwise.
+    fn close(&mut self, _now: Instant) {
+        let Progress::Adaptive { spin } = self.progress else {
+            return;
+        };
+        if self.until.take().is_none() {
+            return;
+        }
+        if (self.switches)() > self.preempted_at_open {
+            self.budget /= 2;
+            if self.budget < Duration::from_micros(2) {
+                self.budget = Duration::ZERO;
+            }
+        } else {
+            self.budget = (self.budget * 2).min(spin);
+        }
+    }
+}
+
+/// This thread's involuntary context switches so far.
+fn involuntary_switches() -> i64 {
+    nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_THREAD)
+        .map(|u| u.involuntary_context_switches())
+        .unwrap_or(0)
+}
+
+/// The engine thread's state.
+struct Run {
+    epoll: Arc<Epoll>,
+    wake: Arc<EventFd>,
+    qps: Arc<QpMap>,
+    registered: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+    spinner: Spinner,
+    /// QPs whose socket is disarmed because an application thread drives
+    /// them.
+    parked: Vec<Weak<dyn EngineQp>>,
+    last_check: Instant,
+}
+
+impl Run {
+    fn run(mut self) {
+        let mut events = vec![EpollEvent::empty(); 64];
+        while !self.stop.load(Ordering::Acquire) {
+            let now = Instant::now();
+            let owns = self.registered.load(Ordering::Relaxed) > self.parked.len();
+            let timeout = if self.spinner.polling(owns, now) {
+                EpollTimeout::ZERO
+            } else if self.parked.is_empty() {
+                EpollTimeout::NONE
+            } else {
+                EpollTimeout::try_from(PARK_RECHECK).unwrap_or(EpollTimeout::ZERO)
+            };
+            let n = match self.epoll.wait(&mut events, timeout) {
+                Ok(n) => n,
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => {
+                    warn!(error = %e, "epoll_wait failed; engine stops");
+                    return;
+                }
+            };
+            let mut recheck = false;
+            let mut traffic = false;
+            for ev in &events[..n] {
+                let token = ev.data();
+                if token == WAKE_TOKEN {
+                    let _ = self.wake.read();
+                    recheck = true;
+                    continue;
+                }
+                let qp = self
+                    .qps
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get(&token)
+                    .and_then(Weak::upgrade);
+                let Some(qp) = qp else { continue };
+                let own = qp.ownership();
+                if own.parked.load(Ordering::Relaxed) || own.app_active() {
+                    // Disarmed here (again, if a racing application
+                    // thread re-armed it) until the recheck.
+                    own.armed.store(false, Ordering::Relaxed);
+                    if let Some(fd) = qp.fd() {
+                        disarm(&self.epoll, token, fd);
+                    }
+                    if !own.parked.swap(true, Ordering::Relaxed) {
+                        self.parked.push(Arc::downgrade(&qp));
+                    }
+                } else {
+                    qp.engine_drive(false);
+                    traffic = true;
+                }
+            }
+            let now = if n > 0 { Instant::now() } else { now };
+            if traffic {
+                self.spinner.traffic(now);
+            }
+            if !self.parked.is_empty()
+                && (recheck || now.duration_since(self.last_check) >= PARK_RECHECK)
+            {
+                self.last_check = now;
+                self.parked.retain(|w| {
+                    let Some(qp) = w.upgrade() else {
+                        return false;
+                    };
+                    let own = qp.ownership();
+                    if own.app_active() {
+                        return true;
+                    }
+                    own.parked.store(false, Ordering::Relaxed);
+                    qp.engine_drive(true);
+                    false
+                });
+            }
+        }
+    }
+}
+
+/// Stop watching a QP's socket. One-shot with no events: an error or
+/// hang-up (always reported) wakes the engine once at most.
+fn disarm(epoll: &Epoll, token: u64, sock: BorrowedFd<'_>) {
+    let mut ev = EpollEvent::new(EpollFlags::EPOLLONESHOT, token);
+    if let Err(e) = epoll.modify(sock, &mut ev) {
+        debug!(token, error = %e, "epoll modify failed");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_parses_and_prints_every_mode() {
+        for (text, mode) in [
+            ("busy", Progress::Busy),
+            ("Blocking", Progress::Blocking),
+            ("adaptive", Progress::default()),
+            (
+                "adaptive:50",
+                Progress::Adaptive {
+                    spin: Duration::from_micros(50),
+                },
+            ),
+        ] {
+            let parsed: Progress = text.parse().unwrap();
+            assert_eq!(parsed, mode, "{text}");
+            assert_eq!(parsed.to_string().parse::<Progress>().unwrap(), mode);
+        }
+        assert!("spin".parse::<Progress>().is_err());
+        assert!("adaptive:x".parse::<Progress>().is_err());
+    }
+
+    /// An adaptive window opens on traffic, ends at its deadline, and
+    /// (uncontended) keeps its length; a busy engine polls only while it
+    /// drives a QP; a blocking one never polls.
+    #[test]
+    fn spinner_windows() {
+        let t0 = Instant::now();
+        let spin = Duration::from_micros(100);
+        let mut s = Spinner::new(Progress::Adaptive { spin });
+        assert!(!s.polling(true, t0), "no traffic yet");
+        s.traffic(t0);
+        assert!(s.polling(true, t0 + Duration::from_micros(50)));
+        assert!(
+            !s.polling(false, t0 + Duration::from_micros(60)),
+            "owns nothing"
+        );
+        s.traffic(t0 + Duration::from_micros(70));
+        assert!(
+            !s.polling(true, t0 + Duration::from_micros(200)),
+            "window over"
+        );
+        assert!(s.budget <= spin && !s.budget.is_zero());
+
+        // Preempted in every window: it halves down to none, then probes
+        // with a short window again.
+        let mut s = Spinner::new(Progress::Adaptive { spin });
+        s.switches = {
+            fn rising() -> i64 {
+                static N: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+                N.fetch_add(1, Ordering::Relaxed)
+            }
+            rising
+        };
+        let mut t = t0;
+        let mut budgets = Vec::new();
+        for _ in 0..8 {
+            s.traffic(t);
+            t += Duration::from_millis(1);
+            assert!(!s.polling(true, t));
+            budgets.push(s.budget.as_micros());
+        }
+        assert_eq!(&budgets[..7], &[50, 25, 12, 6, 3, 0, 6], "{budgets:?}");
+
+        let mut busy = Spinner::new(Progress::Busy);
+        assert!(busy.polling(true, t0));
+        assert!(!busy.polling(false, t0));
+        let mut blocking = Spinner::new(Progress::Blocking);
+        blocking.traffic(t0);
+        assert!(!blocking.polling(true, t0));
+    }
+}
