@@ -120,6 +120,22 @@ fn send_bw_with_credits_loopback() {
 }
 
 #[test]
+fn progress_mode_in_the_report() {
+    let v = stag(&[
+        "lat",
+        "send",
+        "--loopback",
+        "-n",
+        "50",
+        "--progress",
+        "blocking",
+        "--json",
+    ]);
+    assert_eq!(v["progress"], "blocking");
+    assert_eq!(v["results"][0]["iterations"], 50);
+}
+
+#[test]
 fn bad_arguments_fail_cleanly() {
     let out = Command::new(env!("CARGO_BIN_EXE_stag"))
         .args(["lat", "write", "--blocking", "--loopback"])

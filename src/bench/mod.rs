@@ -127,6 +127,10 @@ fn parse_op(s: &str) -> std::result::Result<OpKind, String> {
     }
 }
 
+fn parse_progress(s: &str) -> std::result::Result<stag::Progress, String> {
+    s.parse::<stag::Progress>().map_err(|e| e.to_string())
+}
+
 fn parse_op_kind(s: &str) -> std::result::Result<OpKind, String> {
     OpKind::from_name(s).ok_or_else(|| {
         format!(
@@ -196,6 +200,11 @@ pub struct CommonArgs {
     /// Run server and client in this process (two threads).
     #[arg(long)]
     pub loopback: bool,
+    /// Userspace provider: how QPs make progress (busy, adaptive or
+    /// blocking; default: $STAG_PROGRESS, else the provider's default).
+    /// Each side sets its own.
+    #[arg(long, value_name = "MODE", value_parser = parse_progress)]
+    pub progress: Option<stag::Progress>,
     /// libibverbs devices: post with ibv_post_send even where the provider
     /// has the extended ibv_wr_* API (to compare the two paths).
     #[arg(long)]
@@ -785,7 +794,7 @@ pub(crate) fn open_context(common: &CommonArgs) -> Result<Context> {
         force_emulation: common.emulate.clone(),
         legacy_post: common.legacy_post,
         rfc5040_only: common.rfc5040,
-        progress: None,
+        progress: common.progress,
     };
     let ctx = Context::open_with(&name, &opts)?;
     for &k in &common.emulate {
@@ -1026,6 +1035,15 @@ pub(crate) fn support_label(qp: &QueuePair, op: OpKind) -> String {
     }
 }
 
+/// The progress mode a side runs: the flag's, else $STAG_PROGRESS's or
+/// the provider's default (what `Context::open_with` picks).
+pub(crate) fn progress_label(common: &CommonArgs) -> String {
+    common
+        .progress
+        .unwrap_or_else(stag::Progress::from_env)
+        .to_string()
+}
+
 /// The run's description, printed above the table and put in the JSON.
 #[derive(Debug, Clone, Serialize)]
 pub struct RunInfo {
@@ -1048,6 +1066,9 @@ pub struct RunInfo {
     pub post_path: stag::PostPath,
     /// "busy-poll" or "blocking".
     pub completions: &'static str,
+    /// The userspace provider's progress mode: `--progress`, else
+    /// $STAG_PROGRESS, else the provider's default.
+    pub progress: String,
     /// 2 when one-way latency is half the round trip, else 1.
     pub latency_factor: u32,
     /// What the operations cost in round trips, counted (latency runs).
@@ -1113,6 +1134,7 @@ impl RunInfo {
                 .map(|k| k.name().to_owned())
                 .collect(),
             post_path: ctx.capabilities().post_path,
+            progress: progress_label(common),
             completions: if common.blocking {
                 "blocking"
             } else {
@@ -1144,6 +1166,7 @@ impl RunInfo {
         }
         s += &format!(" Posting        : {}\n", self.post_path);
         s += &format!(" Completions    : {}\n", self.completions);
+        s += &format!(" Progress       : {}\n", self.progress);
         s += &format!(" Iterations     : {iters}\n");
         if self.test == Test::Lat {
             s += &format!(
@@ -1195,6 +1218,7 @@ mod tests {
         assert_eq!(a.common.host, None);
         assert_eq!(a.common.port, DEFAULT_PORT);
         assert!(!a.common.blocking && !a.common.json && !a.common.loopback);
+        assert!(a.common.progress.is_none());
         assert!(a.common.emulate.is_empty());
         assert!(a.plot.is_none());
 
@@ -1254,6 +1278,20 @@ mod tests {
         };
         assert!(a.common.rdma_cm && a.report_gbits);
         assert_eq!(a.tx_depth, 128);
+    }
+
+    #[test]
+    fn progress_modes_parse() {
+        for mode in ["busy", "adaptive", "blocking"] {
+            let Cmd::Bw(a) = parse(&["bw", "write", "--progress", mode]).unwrap() else {
+                panic!()
+            };
+            assert_eq!(
+                a.common.progress.map(|p| p.to_string()).as_deref(),
+                Some(mode)
+            );
+        }
+        assert!(parse(&["lat", "write", "--progress", "sometimes"]).is_err());
     }
 
     #[test]
