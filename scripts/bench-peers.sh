@@ -1,267 +1,223 @@
 #!/usr/bin/env bash
-# stag next to its peers, on loopback: `stag lat/bw --loopback` against
-# UCX (ucx_perftest, UCX_TLS=tcp), libfabric (fi_pingpong, tcp provider)
-# and a raw TCP ping-pong/stream in C. Writes one markdown and one JSON
-# table with ratios (stag / peer) to $OUT (default target/bench-peers).
+# stag against its floor (raw TCP, msync) and its peers (UCX and libfabric
+# over TCP), every figure from two processes (server in the background,
+# client in the foreground; never --loopback).
 #
-# Runs are short on purpose (the machine may be shared): ITERS (default
-# 2000) messages per test. Numbers on a loaded machine are noisy; compare
-# typical (median) latencies, and run it twice.
+# ROUNDS rounds; each runs every program once in a fixed order, so every
+# figure has ROUNDS samples taken interleaved with all the others (the
+# machine may be shared: compare figures measured side by side). Writes
+# one markdown table and one JSON file, $OUT/report.{md,json}: per test
+# the median over the rounds (min, max), the floor it is held against,
+# stag/floor, issue #12's target and whether it is met, the CPU the two
+# stag processes burned per second of wall time, and the UCX/libfabric
+# figure for the same measurement with its ratio to the floor.
 #
-#   scripts/bench-peers.sh [--no-install]
+#   scripts/bench-peers.sh [--quick] [--no-install]
 #
-# Needs: cargo, gcc, python3; installs ucx-utils and libfabric-bin from
-# Debian unless --no-install (then missing peers are skipped).
+# Knobs (environment): ROUNDS (3), ITERS (20000 latency iterations; a
+# tenth for Commit and UCX's Get), BW_ITERS (2000 messages of 1 MiB),
+# QP_ITERS (4000 8-byte messages per QP of the 64-QP run), STREAM_ITERS
+# (50000 8-byte messages per floor stream), PROGRESS_MODES ("busy adaptive blocking": each stag run once
+# per mode), OUT (target/bench-peers). --quick: one round, few iterations
+# (a smoke run, not a measurement).
+#
+# Needs cargo, gcc, python3, ss; installs ucx-utils, libfabric-bin and
+# time from Debian unless --no-install (missing peers are then reported
+# n/a).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-ITERS=${ITERS:-2000}
-LAT_SIZE=${LAT_SIZE:-8}
-BW_SIZE=${BW_SIZE:-65536}
-OUT=${OUT:-target/bench-peers}
+# shellcheck source=scripts/lib.sh disable=SC1091
+source scripts/lib.sh
+
+QUICK=0
 INSTALL=1
-[[ ${1:-} == --no-install ]] && INSTALL=0
-mkdir -p "$OUT"
-RAW="$OUT/raw"
-rm -rf "$RAW"
-mkdir -p "$RAW"
+for arg in "$@"; do
+    case $arg in
+    --quick) QUICK=1 ;;
+    --no-install) INSTALL=0 ;;
+    *)
+        echo "usage: $0 [--quick] [--no-install]" >&2
+        exit 2
+        ;;
+    esac
+done
+if [[ $QUICK == 1 ]]; then
+    ROUNDS=${ROUNDS:-1}
+    ITERS=${ITERS:-300}
+    BW_ITERS=${BW_ITERS:-50}
+    QP_ITERS=${QP_ITERS:-100}
+    STREAM_ITERS=${STREAM_ITERS:-2000}
+fi
+ROUNDS=${ROUNDS:-3}
+ITERS=${ITERS:-20000}
+BW_ITERS=${BW_ITERS:-2000}
+QP_ITERS=${QP_ITERS:-4000}
+STREAM_ITERS=${STREAM_ITERS:-50000}
+PROGRESS_MODES=${PROGRESS_MODES:-busy adaptive blocking}
+OUT=${OUT:-target/bench-peers}
+# Slow round trips (a Commit's msync, UCX's software Get) get fewer.
+SLOW_ITERS=$(((ITERS / 10) > 100 ? ITERS / 10 : 100))
+SLOW_ITERS=$((SLOW_ITERS < ITERS ? SLOW_ITERS : ITERS))
+MIB=1048576
 
 log() { printf '# %s\n' "$*" >&2; }
+START=$SECONDS
 
 if [[ $INSTALL == 1 ]]; then
     need=()
     command -v ucx_perftest >/dev/null || need+=(ucx-utils)
     command -v fi_pingpong >/dev/null || need+=(libfabric-bin)
+    [[ -x /usr/bin/time ]] || need+=(time)
     if ((${#need[@]})); then
         log "installing ${need[*]}"
         export DEBIAN_FRONTEND=noninteractive
-        apt-get update -q >/dev/null
-        apt-get install -y -q "${need[@]}" >/dev/null
+        SUDO=""
+        [[ $(id -u) == 0 ]] || SUDO=sudo
+        $SUDO apt-get update -q >/dev/null
+        $SUDO apt-get install -y -q "${need[@]}" >/dev/null
     fi
 fi
+[[ -x /usr/bin/time ]] || {
+    echo "bench-peers: needs GNU time (/usr/bin/time; Debian package time)" >&2
+    exit 1
+}
 
 log "building stag (release)"
 cargo build --release -q -p stag
-STAG=target/release/stag
+TARGET_DIR=$(cargo metadata --format-version 1 --no-deps |
+    python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
+STAG=$TARGET_DIR/release/stag
 export STAG_DEVICE=stag0
 
-# Raw TCP: ping-pong latency (one-way = RTT/2) and a one-way stream.
-cat >"$RAW/tcp_pp.c" <<'EOF'
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/socket.h>
-#include <time.h>
-#include <unistd.h>
+mkdir -p "$OUT"
+RAW=$OUT/raw
+rm -rf "$RAW"
+mkdir -p "$RAW"
+gcc -O2 -Wall -o "$RAW/floor_check" scripts/floor_check.c
+CHECK=$RAW/floor_check
 
-static double now_us(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
-}
-static void full(int fd, char *b, size_t n, int rd) {
-    size_t d = 0;
-    while (d < n) {
-        ssize_t k = rd ? read(fd, b + d, n - d) : write(fd, b + d, n - d);
-        if (k <= 0) { perror("io"); exit(1); }
-        d += (size_t)k;
-    }
-}
-static int cmp(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-/* tcp_pp lat|bw server|client PORT SIZE ITERS */
-int main(int argc, char **argv) {
-    if (argc != 6) return 2;
-    int bw = !strcmp(argv[1], "bw"), server = !strcmp(argv[2], "server");
-    int port = atoi(argv[3]);
-    size_t size = (size_t)atol(argv[4]);
-    long iters = atol(argv[5]);
-    char *buf = calloc(1, size);
-    int one = 1, fd;
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (server) {
-        int l = socket(AF_INET, SOCK_STREAM, 0);
-        setsockopt(l, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-        if (bind(l, (void *)&a, sizeof a) || listen(l, 1)) { perror("listen"); return 1; }
-        fd = accept(l, 0, 0);
-    } else {
-        fd = socket(AF_INET, SOCK_STREAM, 0);
-        int tries = 0;
-        while (connect(fd, (void *)&a, sizeof a)) {
-            if (++tries > 100) { perror("connect"); return 1; }
-            usleep(20000);
-            close(fd);
-            fd = socket(AF_INET, SOCK_STREAM, 0);
-        }
-    }
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    if (bw) {
-        if (server) {
-            for (long i = 0; i < iters; i++) full(fd, buf, size, 1);
-            full(fd, buf, 1, 0);
-        } else {
-            double t0 = now_us();
-            for (long i = 0; i < iters; i++) full(fd, buf, size, 0);
-            full(fd, buf, 1, 1);
-            double s = (now_us() - t0) / 1e6;
-            printf("{\"bw_avg_mb_s\": %.3f, \"msg_rate_mpps\": %.6f}\n",
-                   size * (double)iters / s / 1048576.0, iters / s / 1e6);
-        }
-        return 0;
-    }
-    long warm = iters < 100 ? iters : 100;
-    double *t = calloc((size_t)iters, sizeof *t);
-    for (long i = 0; i < warm + iters; i++) {
-        double t0 = now_us();
-        if (server) { full(fd, buf, size, 1); full(fd, buf, size, 0); }
-        else { full(fd, buf, size, 0); full(fd, buf, size, 1); }
-        if (i >= warm) t[i - warm] = (now_us() - t0) / 2;
-    }
-    if (!server) {
-        double sum = 0;
-        for (long i = 0; i < iters; i++) sum += t[i];
-        qsort(t, (size_t)iters, sizeof *t, cmp);
-        printf("{\"t_typical_us\": %.3f, \"t_avg_us\": %.3f}\n", t[iters / 2], sum / iters);
-    }
-    return 0;
-}
-EOF
-gcc -O2 -o "$RAW/tcp_pp" "$RAW/tcp_pp.c"
+# `stag lat|bw --progress` once the provider has progress modes; the
+# environment variable says the same to a provider that reads it.
+PROGRESS_FLAG=0
+"$STAG" lat --help | grep -q -- '--progress' && PROGRESS_FLAG=1
 
-# Each peer pair: server in the background, client in the foreground.
-pair() { # name, server cmd..., --, client cmd...
-    local name=$1
-    shift
-    local srv=()
+PORT=15000
+# run_pair NAME ROUND -- SERVER... -- CLIENT...: the server in the
+# background (waited for on its port), the client in the foreground, each
+# under GNU time. The client's stdout goes to $RAW/ROUND/NAME.out, the
+# CPU figures ("wall user sys") to NAME.{client,server}.time. Servers and
+# clients get PORT appended as "-p PORT" (or through @PORT@ in their
+# arguments).
+run_pair() {
+    local name=$1 round=$2
+    shift 3
+    local srv=() cli=()
     while [[ $1 != -- ]]; do
         srv+=("$1")
         shift
     done
     shift
-    timeout 120 "${srv[@]}" >"$RAW/$name.server" 2>&1 &
-    local pid=$!
-    sleep 0.5
-    if ! timeout 120 "$@" >"$RAW/$name.out" 2>"$RAW/$name.err"; then
-        log "$name failed (see $RAW/$name.err)"
+    cli=("$@")
+    PORT=$((PORT + 1))
+    local dir=$RAW/$round
+    mkdir -p "$dir"
+    srv=("${srv[@]//@PORT@/$PORT}")
+    cli=("${cli[@]//@PORT@/$PORT}")
+    timeout 180 /usr/bin/time -f '%e %U %S' -o "$dir/$name.server.time" \
+        "${srv[@]}" >"$dir/$name.server" 2>&1 &
+    local spid=$!
+    if ! wait_port "$PORT"; then
+        log "$name: server did not listen (see $dir/$name.server)"
+        kill "$spid" 2>/dev/null || true
+        wait "$spid" 2>/dev/null || true
+        return 0
     fi
-    wait "$pid" 2>/dev/null || true
+    if ! timeout 180 /usr/bin/time -f '%e %U %S' -o "$dir/$name.client.time" \
+        "${cli[@]}" >"$dir/$name.out" 2>"$dir/$name.err"; then
+        log "$name failed (see $dir/$name.err)"
+        rm -f "$dir/$name.out"
+        kill "$spid" 2>/dev/null || true
+    fi
+    wait "$spid" 2>/dev/null || true
 }
 
-log "stag"
-$STAG lat write --loopback -n "$ITERS" -s "$LAT_SIZE" --json >"$RAW/stag-lat-write.out"
-$STAG lat send --loopback -n "$ITERS" -s "$LAT_SIZE" --json >"$RAW/stag-lat-send.out"
-$STAG lat send --loopback -n "$ITERS" -s "$LAT_SIZE" --blocking --json >"$RAW/stag-lat-send-blocking.out"
-$STAG lat read --loopback -n "$ITERS" -s "$LAT_SIZE" --json >"$RAW/stag-lat-read.out"
-$STAG bw write --loopback -n "$ITERS" -s "$BW_SIZE" --json >"$RAW/stag-bw-write.out"
-$STAG bw send --loopback -n "$ITERS" -s "$BW_SIZE" --json >"$RAW/stag-bw-send.out"
+# stag_pair NAME ROUND MODE lat|bw OP ARGS...: a stag benchmark with
+# progress mode MODE on both sides.
+stag_pair() {
+    local name=$1 round=$2 mode=$3 test=$4 op=$5
+    shift 5
+    local flag=()
+    [[ $PROGRESS_FLAG == 1 ]] && flag=(--progress "$mode")
+    STAG_PROGRESS=$mode run_pair "$name" "$round" -- \
+        "$STAG" "$test" "$op" -p @PORT@ "${flag[@]}" -- \
+        "$STAG" "$test" "$op" 127.0.0.1 -p @PORT@ "${flag[@]}" --json "$@"
+}
 
-log "raw TCP"
-pair tcp-lat "$RAW/tcp_pp" lat server 13378 "$LAT_SIZE" "$ITERS" -- \
-    "$RAW/tcp_pp" lat client 13378 "$LAT_SIZE" "$ITERS"
-pair tcp-bw "$RAW/tcp_pp" bw server 13379 "$BW_SIZE" "$ITERS" -- \
-    "$RAW/tcp_pp" bw client 13379 "$BW_SIZE" "$ITERS"
+one_round() {
+    local r=$1
+    log "round $r/$ROUNDS: floor"
+    run_pair floor-lat-busy "$r" -- "$STAG" floor lat -p @PORT@ -- \
+        "$STAG" floor lat 127.0.0.1 -p @PORT@ -s 8 -n "$ITERS" --json
+    run_pair floor-lat-blocking "$r" -- "$STAG" floor lat -p @PORT@ --mode blocking -- \
+        "$STAG" floor lat 127.0.0.1 -p @PORT@ -s 8 -n "$ITERS" --mode blocking --json
+    for m in busy blocking; do
+        run_pair "floor-bw-$m" "$r" -- "$STAG" floor bw -p @PORT@ --mode "$m" -- \
+            "$STAG" floor bw 127.0.0.1 -p @PORT@ -s "$MIB" -n "$BW_ITERS" --mode "$m" --json
+        run_pair "floor-streams8-$m" "$r" -- "$STAG" floor bw -p @PORT@ --mode "$m" -- \
+            "$STAG" floor bw 127.0.0.1 -p @PORT@ -s 8 -n "$STREAM_ITERS" --streams 8 \
+            --mode "$m" --json
+    done
+    for m in busy blocking; do
+        run_pair "c-lat-$m" "$r" -- "$CHECK" lat server @PORT@ 8 "$ITERS" "$m" -- \
+            "$CHECK" lat client @PORT@ 8 "$ITERS" "$m"
+        run_pair "c-bw-$m" "$r" -- "$CHECK" bw server @PORT@ "$MIB" "$BW_ITERS" "$m" -- \
+            "$CHECK" bw client @PORT@ "$MIB" "$BW_ITERS" "$m"
+    done
+    mkdir -p "$RAW/$r"
+    "$STAG" floor msync -s 8 -n "$SLOW_ITERS" --json >"$RAW/$r/msync.out"
 
-if command -v ucx_perftest >/dev/null; then
-    log "UCX (tcp)"
-    export UCX_TLS=tcp
-    pair ucx-tag-lat ucx_perftest -p 13380 -- \
-        ucx_perftest 127.0.0.1 -p 13380 -t tag_lat -n "$ITERS" -s "$LAT_SIZE"
-    pair ucx-tag-bw ucx_perftest -p 13381 -- \
-        ucx_perftest 127.0.0.1 -p 13381 -t tag_bw -n "$ITERS" -s "$BW_SIZE"
-    unset UCX_TLS
-fi
-if command -v fi_pingpong >/dev/null; then
-    log "libfabric (tcp provider, msg endpoints)"
-    pair fi-pingpong fi_pingpong -p tcp -e msg -B 13382 -I "$ITERS" -S "$LAT_SIZE" -- \
-        fi_pingpong -p tcp -e msg -P 13382 -I "$ITERS" -S "$LAT_SIZE" 127.0.0.1
-fi
+    for mode in $PROGRESS_MODES; do
+        log "round $r/$ROUNDS: stag, progress $mode"
+        for op in write send read fetch-add cmp-swap swap; do
+            stag_pair "stag-$mode-lat-$op" "$r" "$mode" lat "$op" -s 8 -n "$ITERS"
+        done
+        stag_pair "stag-$mode-lat-commit" "$r" "$mode" lat commit -s 8 -n "$SLOW_ITERS"
+        stag_pair "stag-$mode-lat-send-blocking" "$r" "$mode" lat send -s 8 -n "$ITERS" \
+            --blocking
+        for op in write read; do
+            stag_pair "stag-$mode-bw-$op" "$r" "$mode" bw "$op" -s "$MIB" -n "$BW_ITERS"
+        done
+        stag_pair "stag-$mode-bw-write-qps64" "$r" "$mode" bw write -s 8 -n "$QP_ITERS" \
+            --qps 64
+    done
 
-python3 - "$RAW" "$OUT" "$ITERS" "$LAT_SIZE" "$BW_SIZE" <<'EOF'
-import json, os, sys
-raw, out, iters, lat_size, bw_size = sys.argv[1:]
+    if command -v ucx_perftest >/dev/null; then
+        log "round $r/$ROUNDS: UCX (UCX_TLS=tcp)"
+        local t
+        for t in "ucp_get 8 $SLOW_ITERS" "ucp_am_lat 8 $ITERS" "ucp_fadd 8 $ITERS" \
+            "ucp_cswap 8 $ITERS" "ucp_swap 8 $ITERS" "ucp_put_bw $MIB $BW_ITERS"; do
+            read -r test size n <<<"$t"
+            UCX_TLS=tcp run_pair "ucx-$test" "$r" -- ucx_perftest -p @PORT@ -- \
+                ucx_perftest 127.0.0.1 -p @PORT@ -t "$test" -s "$size" -n "$n" -w 100 -f
+        done
+    fi
+    if command -v fi_pingpong >/dev/null; then
+        log "round $r/$ROUNDS: libfabric (tcp provider)"
+        # Send/receive ping-pong on connected (msg) endpoints; the
+        # package has no RMA, atomic or streaming test.
+        run_pair fi-pingpong-msg "$r" -- fi_pingpong -p tcp -e msg -B @PORT@ -I "$ITERS" -S 8 -- \
+            fi_pingpong -p tcp -e msg -P @PORT@ -I "$ITERS" -S 8 127.0.0.1
+    fi
+}
 
-def load(name):
-    p = os.path.join(raw, name + ".out")
-    try:
-        return open(p).read()
-    except OSError:
-        return ""
+log "stag $(git describe --always --dirty 2>/dev/null || echo '?'), $ROUNDS round(s), progress modes: $PROGRESS_MODES (flag: $PROGRESS_FLAG)"
+for r in $(seq "$ROUNDS"); do
+    one_round "$r"
+done
+ELAPSED=$((SECONDS - START))
 
-def stag(name, key):
-    try:
-        return json.loads(load(name))["results"][0][key]
-    except (ValueError, KeyError, IndexError):
-        return None
-
-def ucx_final(name):
-    # Final: iters p50 avg overall bw_avg bw_overall rate_avg rate_overall
-    for line in load(name).splitlines():
-        if line.startswith("Final:"):
-            f = line.split()
-            return {"p50": float(f[2]), "avg": float(f[3]), "bw": float(f[5])}
-    return None
-
-def fi_pp(name):
-    # bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec
-    lines = [l.split() for l in load(name).splitlines() if l[:1].isdigit()]
-    return float(lines[-1][6]) if lines else None
-
-def tcp(name, key):
-    try:
-        return json.loads(load(name))[key]
-    except (ValueError, KeyError):
-        return None
-
-u_lat, u_bw = ucx_final("ucx-tag-lat"), ucx_final("ucx-tag-bw")
-lat = [
-    ("stag lat write (busy poll)", stag("stag-lat-write", "t_typical_us"), stag("stag-lat-write", "t_avg_us")),
-    ("stag lat send (busy poll)", stag("stag-lat-send", "t_typical_us"), stag("stag-lat-send", "t_avg_us")),
-    ("stag lat send (blocking)", stag("stag-lat-send-blocking", "t_typical_us"), stag("stag-lat-send-blocking", "t_avg_us")),
-    ("stag lat read (round trip)", stag("stag-lat-read", "t_typical_us"), stag("stag-lat-read", "t_avg_us")),
-    ("raw TCP ping-pong", tcp("tcp-lat", "t_typical_us"), tcp("tcp-lat", "t_avg_us")),
-    ("ucx_perftest tag_lat (UCX_TLS=tcp)", u_lat and u_lat["p50"], u_lat and u_lat["avg"]),
-    ("fi_pingpong (tcp, msg)", None, fi_pp("fi-pingpong")),
-]
-bw = [
-    ("stag bw write", stag("stag-bw-write", "bw_avg_mb_s")),
-    ("stag bw send", stag("stag-bw-send", "bw_avg_mb_s")),
-    ("raw TCP stream", tcp("tcp-bw", "bw_avg_mb_s")),
-    ("ucx_perftest tag_bw (UCX_TLS=tcp)", u_bw and u_bw["bw"]),
-]
-ref_lat = lat[0][1] or lat[0][2]
-ref_bw = bw[0][1]
-
-def fmt(x, d=2):
-    return "n/a" if x is None else f"{x:.{d}f}"
-
-def ratio(a, b):
-    return None if not a or not b else a / b
-
-md = [f"# stag vs peers on loopback ({iters} iterations; latency {lat_size} B, bandwidth {bw_size} B)", "",
-      "One-way latency (ping-pong RTT/2; read is a full round trip). Ratio = stag lat write typical / this row (> 1: stag slower).", "",
-      "| test | typical [us] | average [us] | stag write / this |", "| --- | ---: | ---: | ---: |"]
-rows = {"latency": [], "bandwidth": []}
-for name, typ, avg in lat:
-    r = ratio(ref_lat, typ if typ is not None else avg)
-    md.append(f"| {name} | {fmt(typ)} | {fmt(avg)} | {fmt(r)} |")
-    rows["latency"].append({"test": name, "t_typical_us": typ, "t_avg_us": avg, "stag_write_over_this": r})
-md += ["", "Bandwidth (MiB/s). Ratio = stag bw write / this row (< 1: stag slower).", "",
-       "| test | average [MiB/s] | stag write / this |", "| --- | ---: | ---: |"]
-for name, v in bw:
-    r = ratio(ref_bw, v)
-    md.append(f"| {name} | {fmt(v)} | {fmt(r)} |")
-    rows["bandwidth"].append({"test": name, "bw_avg_mb_s": v, "stag_write_over_this": r})
-md.append("")
-md.append("fi_pingpong prints only an average (usec/xfer, one-way). Raw outputs: " + raw)
-open(os.path.join(out, "report.md"), "w").write("\n".join(md) + "\n")
-json.dump({"iterations": int(iters), "lat_size": int(lat_size), "bw_size": int(bw_size), **rows},
-          open(os.path.join(out, "report.json"), "w"), indent=2)
-print("\n".join(md))
-EOF
-log "wrote $OUT/report.md and $OUT/report.json"
+python3 scripts/bench-report.py "$RAW" "$OUT" "$ROUNDS" "$PROGRESS_MODES" "$ELAPSED" \
+    "ITERS=$ITERS BW_ITERS=$BW_ITERS QP_ITERS=$QP_ITERS STREAM_ITERS=$STREAM_ITERS SLOW_ITERS=$SLOW_ITERS" \
+    "$PROGRESS_FLAG"
+log "wrote $OUT/report.md and $OUT/report.json in ${ELAPSED}s"

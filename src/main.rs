@@ -33,6 +33,9 @@ enum Command {
     /// Bandwidth microbenchmark (perftest-style): server without HOST,
     /// client with it, or both with --loopback.
     Bw(bench::bw::BwArgs),
+    /// The raw-TCP (and msync) floor stag is measured against: `stag floor
+    /// lat|bw [HOST]` (server without HOST), `stag floor msync`.
+    Floor(bench::floor::FloorArgs),
     /// Run an unmodified libibverbs/librdmacm program on stag0 (no root, no
     /// setup): `stag run -- ib_write_lat -R HOST`.
     Run {
@@ -131,6 +134,7 @@ fn main() {
         Command::Devices { verbose, json } => devices(verbose, json),
         Command::Lat(args) => bench_exit(bench::run_lat(args)),
         Command::Bw(args) => bench_exit(bench::run_bw(args)),
+        Command::Floor(args) => bench_exit(bench::floor::run_floor(args)),
         Command::Run { command } => rdma_core::run(&command).unwrap_or_else(|e| {
             eprintln!("stag run: {e}");
             127

@@ -120,6 +120,22 @@ fn send_bw_with_credits_loopback() {
 }
 
 #[test]
+fn progress_mode_in_the_report() {
+    let v = stag(&[
+        "lat",
+        "send",
+        "--loopback",
+        "-n",
+        "50",
+        "--progress",
+        "blocking",
+        "--json",
+    ]);
+    assert_eq!(v["progress"], "blocking");
+    assert_eq!(v["results"][0]["iterations"], 50);
+}
+
+#[test]
 fn bad_arguments_fail_cleanly() {
     let out = Command::new(env!("CARGO_BIN_EXE_stag"))
         .args(["lat", "write", "--blocking", "--loopback"])
@@ -128,4 +144,182 @@ fn bad_arguments_fail_cleanly() {
         .expect("run stag");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("write-imm"));
+}
+
+/// A port nothing listens on right now (the server binds it next).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind an ephemeral port")
+        .port()
+}
+
+/// Run a server (`server_args`, with `-p PORT`) in its own process and the
+/// client (`client_args` + `127.0.0.1 -p PORT --json`) in another; the
+/// client's JSON. The client retries a refused connect while the server
+/// starts.
+fn two_processes(server_args: &[&str], client_args: &[&str]) -> Value {
+    let port = free_port().to_string();
+    let mut server = Command::new(env!("CARGO_BIN_EXE_stag"))
+        .args(server_args)
+        .args(["-p", &port])
+        .env("STAG_DEVICE", "stag0")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the server");
+    let mut args: Vec<&str> = client_args.to_vec();
+    args.extend(["127.0.0.1", "-p", &port, "--json"]);
+    let out = Command::new(env!("CARGO_BIN_EXE_stag"))
+        .args(&args)
+        .env("STAG_DEVICE", "stag0")
+        .output()
+        .expect("run the client");
+    if !out.status.success() {
+        let _ = server.kill();
+    }
+    let srv = server.wait_with_output().expect("server exit");
+    assert!(
+        out.status.success() && srv.status.success(),
+        "client {args:?}: {}\nserver {server_args:?}: {}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&srv.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{args:?} printed no JSON ({e}):\n{}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+#[test]
+fn floor_lat_two_processes_busy_and_blocking() {
+    for mode in ["busy", "blocking"] {
+        let v = two_processes(
+            &["floor", "lat", "--mode", mode],
+            &["floor", "lat", "--mode", mode, "-n", "300", "-s", "64"],
+        );
+        assert_eq!(v["test"], "lat");
+        assert_eq!(v["mode"], mode);
+        assert_eq!(v["latency_factor"], 2);
+        let r = &v["results"][0];
+        assert_eq!(r["bytes"], 64);
+        assert_eq!(r["iterations"], 300);
+        let (min, typ, max) = (
+            num(r, "t_min_us"),
+            num(r, "t_typical_us"),
+            num(r, "t_max_us"),
+        );
+        assert!(min > 0.0 && min <= typ && typ <= max, "{r}");
+        // The round trip is the one-way figure doubled, sample by sample.
+        assert!((num(r, "rtt_typical_us") - 2.0 * typ).abs() < 1e-9, "{r}");
+        assert!((num(r, "rtt_avg_us") - 2.0 * num(r, "t_avg_us")).abs() < 1e-6);
+        assert!(num(r, "rtt_p99_us") >= num(r, "rtt_typical_us"));
+    }
+}
+
+#[test]
+fn floor_bw_streams_two_processes() {
+    let v = two_processes(
+        &["floor", "bw"],
+        &["floor", "bw", "-s", "8", "-n", "5000", "--streams", "3"],
+    );
+    assert_eq!(v["test"], "bw");
+    assert_eq!(v["streams"], 3);
+    let r = &v["results"][0];
+    assert_eq!(r["bytes"], 8);
+    // Messages of all streams together.
+    assert_eq!(r["iterations"], 15000);
+    let (avg, rate) = (num(r, "bw_avg_mb_s"), num(r, "msg_rate_mpps"));
+    assert!(avg > 0.0 && rate > 0.0, "{r}");
+    // Same run, two units: MiB/s = messages/s × 8 B / 2^20.
+    assert!(
+        (avg - rate * 1e6 * 8.0 / 1048576.0).abs() < 1e-6 * avg,
+        "{r}"
+    );
+    assert!(num(r, "bw_peak_mb_s") >= avg);
+}
+
+#[test]
+fn floor_bw_blocking_large_messages() {
+    let v = two_processes(
+        &["floor", "bw", "--mode", "blocking"],
+        &["floor", "bw", "--mode", "blocking", "-n", "20"],
+    );
+    let r = &v["results"][0];
+    assert_eq!(r["bytes"], 1 << 20);
+    assert_eq!(r["iterations"], 20);
+    assert!(num(r, "bw_avg_mb_s") > 0.0, "{r}");
+}
+
+#[test]
+fn floor_msync_json() {
+    let v = stag(&["floor", "msync", "-s", "8", "-n", "20", "--json"]);
+    assert_eq!(v["test"], "msync");
+    let r = &v["results"][0];
+    assert_eq!(
+        (r["bytes"].as_u64(), r["iterations"].as_u64()),
+        (Some(8), Some(20))
+    );
+    assert!(num(r, "t_min_us") > 0.0 && num(r, "t_typical_us") <= num(r, "t_max_us"));
+}
+
+#[test]
+fn floor_refuses_a_mismatched_client() {
+    // A `floor bw` client against a `floor lat` server: both fail, neither
+    // hangs.
+    let port = free_port().to_string();
+    let server = Command::new(env!("CARGO_BIN_EXE_stag"))
+        .args(["floor", "lat", "-p", &port])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the server");
+    let out = Command::new(env!("CARGO_BIN_EXE_stag"))
+        .args(["floor", "bw", "127.0.0.1", "-p", &port, "-n", "10"])
+        .output()
+        .expect("run the client");
+    let srv = server.wait_with_output().expect("server exit");
+    assert!(!srv.status.success());
+    assert!(String::from_utf8_lossy(&srv.stderr).contains("the client runs bw"));
+    assert!(!out.status.success());
+}
+
+#[test]
+fn bw_multi_qp_two_processes() {
+    let v = two_processes(
+        &["bw", "write"],
+        &["bw", "write", "-s", "64", "-n", "300", "--qps", "3"],
+    );
+    assert_eq!(v["qps"], 3);
+    let r = &v["results"][0];
+    assert_eq!(r["bytes"], 64);
+    // -n is per QP; the report counts every QP's messages.
+    assert_eq!(r["iterations"], 900);
+    let (avg, peak, rate) = (
+        num(r, "bw_avg_mb_s"),
+        num(r, "bw_peak_mb_s"),
+        num(r, "msg_rate_mpps"),
+    );
+    assert!(avg > 0.0 && peak >= avg && rate > 0.0, "{r}");
+}
+
+#[test]
+fn bw_multi_qp_reads_loopback() {
+    // Reads keep their ORD-limited window on each QP.
+    let v = stag(&[
+        "bw",
+        "read",
+        "--loopback",
+        "-s",
+        "4096",
+        "-n",
+        "100",
+        "--qps",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(v["qps"], 2);
+    assert_eq!(v["tx_depth"], 16);
+    assert_eq!(v["results"][0]["iterations"], 200);
 }

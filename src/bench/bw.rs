@@ -16,13 +16,13 @@ use std::time::Instant;
 use serde::Serialize;
 use tracing::debug;
 
-use stag::{CompletionKind, Context, Listener, OpKind};
+use stag::{Completion, CompletionKind, Context, Listener, OpKind};
 
 use super::lat::{is_main_completion, post_op};
 use super::stats::BwStats;
 use super::{
-    accept_server, connect_client, consumes_recv, sizes, BenchError, CommonArgs, Ctrl, Endpoint,
-    Plan, Result, RunInfo, Test, CREDIT_BATCH, RD_ATOMIC, RX_DEPTH,
+    accept_rest, accept_server, connect_client, consumes_recv, sizes, BenchError, CommonArgs, Ctrl,
+    Endpoint, Plan, Result, RunInfo, Test, CREDIT_BATCH, RD_ATOMIC, RX_DEPTH,
 };
 
 /// `stag bw`.
@@ -33,9 +33,13 @@ pub struct BwArgs {
     /// Report bandwidth in Gb/s instead of MB/s.
     #[arg(long = "report_gbits", alias = "report-gbits")]
     pub report_gbits: bool,
-    /// Operations kept outstanding.
+    /// Operations kept outstanding (per QP).
     #[arg(short = 't', long = "tx-depth", default_value_t = 128)]
     pub tx_depth: u32,
+    /// Queue pairs (on stag0: TCP connections) the client opens and drives
+    /// from its one thread; -n is per QP, the report aggregates them all.
+    #[arg(long, default_value_t = 1)]
+    pub qps: u16,
 }
 
 /// Default iterations (perftest's).
@@ -49,6 +53,7 @@ struct Report<'a> {
     #[serde(flatten)]
     info: &'a RunInfo,
     tx_depth: u32,
+    qps: u16,
     results: &'a [BwStats],
 }
 
@@ -61,6 +66,23 @@ fn plan_of(args: &BwArgs) -> Result<Plan> {
     if !(1..=4096).contains(&args.tx_depth) {
         return Err(BenchError::Args("--tx-depth must be in 1..=4096".into()));
     }
+    if args.qps == 0 {
+        return Err(BenchError::Args("--qps must be at least 1".into()));
+    }
+    if args.qps > 1 && consumes_recv(c.op) {
+        // Their credit return is per connection; the server serves one.
+        return Err(BenchError::Args(format!(
+            "--qps > 1 runs operations that consume no receive (write, read, atomics, \
+             commit), not {}",
+            c.op
+        )));
+    }
+    if args.qps > 1 && c.blocking {
+        // cq.wait sleeps on one CQ; each QP here has its own.
+        return Err(BenchError::Args(
+            "--qps > 1 busy-polls its QPs; drop --blocking".into(),
+        ));
+    }
     Ok(Plan {
         test: Test::Bw,
         op: c.op,
@@ -68,6 +90,7 @@ fn plan_of(args: &BwArgs) -> Result<Plan> {
         iters,
         tx_depth: args.tx_depth,
         commit_to_memory: c.commit_to_memory,
+        qps: args.qps,
     })
 }
 
@@ -86,13 +109,17 @@ pub fn run_bw(args: BwArgs) -> Result<()> {
     let op = common.op;
     let blocking = common.blocking;
     let server = move |ctx: Context, listener: Listener| -> Result<()> {
-        let (mut ep, plan) = accept_server(&ctx, &listener, Test::Bw, op, blocking)?;
-        serve(&mut ep, &plan)
+        let (first, plan) = accept_server(&ctx, &listener, Test::Bw, op, blocking)?;
+        let mut eps = vec![first];
+        eps.extend(accept_rest(&ctx, &listener, &plan, blocking)?);
+        serve(&mut eps, &plan)
     };
     let client = |ctx: Context, addr: SocketAddr| -> Result<(RunInfo, Vec<BwStats>)> {
-        let mut ep = connect_client(&ctx, &plan, common.all, addr, blocking)?;
-        let results = measure(&mut ep, &plan)?;
-        Ok((RunInfo::new(&ctx, &ep.qp, &common, Test::Bw), results))
+        let mut eps = (0..plan.qps)
+            .map(|_| connect_client(&ctx, &plan, common.all, addr, blocking))
+            .collect::<Result<Vec<_>>>()?;
+        let results = measure(&mut eps, &plan)?;
+        Ok((RunInfo::new(&ctx, &eps[0].qp, &common, Test::Bw), results))
     };
     let Some((info, results)) = super::run_roles(&common, server, client)? else {
         eprintln!("# {op} bandwidth server done");
@@ -103,12 +130,16 @@ pub fn run_bw(args: BwArgs) -> Result<()> {
         let report = Report {
             info: &info,
             tx_depth: window(&plan),
+            qps: plan.qps,
             results: &results,
         };
         serde_json::to_writer_pretty(&mut out, &report)?;
         writeln!(out)?;
     } else {
-        let extra = format!(" TX depth       : {}\n", window(&plan));
+        let mut extra = format!(" TX depth       : {} per QP\n", window(&plan));
+        if plan.qps > 1 {
+            extra += &format!(" QPs            : {} (one polling thread)\n", plan.qps);
+        }
         out.write_all(info.banner(plan.iters, &extra).as_bytes())?;
         out.write_all(table_header(args.report_gbits).as_bytes())?;
         for s in &results {
@@ -144,75 +175,154 @@ pub(crate) fn table_row(s: &BwStats, gbits: bool) -> String {
     )
 }
 
-/// The client: stream every size.
-fn measure(ep: &mut Endpoint, plan: &Plan) -> Result<Vec<BwStats>> {
+/// One size's run over all QPs: what each QP has posted and completed,
+/// and when every message was posted and completed (indexed by the order
+/// of posting across QPs, which is also the wr_id, so the peak window of
+/// [`BwStats::from_times`] spans consecutive posts whichever QP took them).
+struct Run {
+    origin: Instant,
+    posted_at: Vec<u64>,
+    completed_at: Vec<u64>,
+    posted: Vec<u32>,
+    done: Vec<u32>,
+    posts: usize,
+    completions: usize,
+    /// Receive-consuming operations (one QP): messages the server can take.
+    credits: u32,
+    credit_msgs: u32,
+}
+
+impl Run {
+    fn new(qps: usize, iters: u32) -> Run {
+        let total = qps * iters as usize;
+        Run {
+            origin: Instant::now(),
+            posted_at: vec![0; total],
+            completed_at: vec![0; total],
+            posted: vec![0; qps],
+            done: vec![0; qps],
+            posts: 0,
+            completions: 0,
+            // One receive stays in reserve for the next READY.
+            credits: RX_DEPTH - 1,
+            credit_msgs: 0,
+        }
+    }
+
+    /// Fill QP `q`'s window.
+    fn post(&mut self, ep: &Endpoint, q: usize, plan: &Plan, size: u32) -> Result<()> {
+        let window = window(plan);
+        let credited = consumes_recv(plan.op);
+        while self.posted[q] < plan.iters
+            && self.posted[q] - self.done[q] < window
+            && (!credited || self.credits > 0)
+        {
+            let n = self.posted[q];
+            let slot = (n % window) as usize;
+            // Stamped before the post: a post may move much of the
+            // message itself (see stats::best_per_message_ns).
+            self.posted_at[self.posts] = self.origin.elapsed().as_nanos() as u64;
+            post_op(
+                ep,
+                plan.op,
+                size,
+                self.posts as u64,
+                slot,
+                u64::from(n / window),
+            )?;
+            self.posted[q] += 1;
+            self.posts += 1;
+            if credited {
+                self.credits -= 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Account one completion taken from QP `q`.
+    fn complete(&mut self, ep: &Endpoint, q: usize, op: OpKind, c: &Completion) -> Result<()> {
+        if let Some(n) = ep.ctrl_of(c, Ctrl::Credit)? {
+            self.credits += n;
+            self.credit_msgs += 1;
+        } else if is_main_completion(op, c.wr_id, &c.kind) {
+            let i = (c.wr_id >> 1) as usize;
+            if i < self.completed_at.len() {
+                self.completed_at[i] = self.origin.elapsed().as_nanos() as u64;
+                self.done[q] += 1;
+                self.completions += 1;
+            }
+        } else if let CompletionKind::Recv { len, .. } = c.kind {
+            return Err(BenchError::Protocol(format!(
+                "unexpected {len}-byte message during the run"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The client: stream every size over every QP from this one thread.
+fn measure(eps: &mut [Endpoint], plan: &Plan) -> Result<Vec<BwStats>> {
     let op = plan.op;
-    let window = window(plan);
-    let credited = consumes_recv(op);
-    let iters = plan.iters as usize;
+    let qps = eps.len();
     let mut out = Vec::new();
+    let mut batch: Vec<Completion> = Vec::with_capacity(64);
     for (idx, &size) in plan.sizes.iter().enumerate() {
-        ep.barrier(idx as u32)?;
-        let mut posted_at = vec![0u64; iters];
-        let mut completed_at = vec![0u64; iters];
-        let (mut posted, mut done) = (0usize, 0usize);
-        // One receive stays in reserve for the next READY.
-        let mut credits = RX_DEPTH - 1;
-        let mut credit_msgs = 0u32;
-        let origin = Instant::now();
-        while done < iters {
-            while posted < iters && posted - done < window as usize && (!credited || credits > 0) {
-                let slot = posted % window as usize;
-                let use_n = (posted / window as usize) as u64;
-                // Stamped before the post: a post may move much of the
-                // message itself (see stats::best_per_message_ns).
-                posted_at[posted] = origin.elapsed().as_nanos() as u64;
-                post_op(ep, op, size, posted as u64, slot, use_n)?;
-                posted += 1;
-                if credited {
-                    credits -= 1;
+        // The first QP carries the control messages for all.
+        eps[0].barrier(idx as u32)?;
+        let mut run = Run::new(qps, plan.iters);
+        let mut last_progress = Instant::now();
+        while run.completions < run.completed_at.len() {
+            let before = run.completions;
+            for (q, ep) in eps.iter_mut().enumerate() {
+                run.post(ep, q, plan, size)?;
+                if qps == 1 {
+                    // One QP: wait in `next` (busy or, with --blocking,
+                    // in cq.wait; it fails on a stall itself).
+                    let c = ep.next("waiting for completions")?;
+                    run.complete(ep, q, op, &c)?;
+                } else {
+                    batch.clear();
+                    ep.reap(|c| batch.push(*c))?;
+                    for c in &batch {
+                        run.complete(ep, q, op, c)?;
+                    }
                 }
             }
-            let c = ep.next("waiting for completions")?;
-            if let Some(n) = ep.ctrl_of(&c, Ctrl::Credit)? {
-                credits += n;
-                credit_msgs += 1;
-                continue;
-            }
-            if is_main_completion(op, c.wr_id, &c.kind) {
-                let i = (c.wr_id >> 1) as usize;
-                if i < iters {
-                    completed_at[i] = origin.elapsed().as_nanos() as u64;
-                    done += 1;
-                }
-            } else if let CompletionKind::Recv { len, .. } = c.kind {
-                return Err(BenchError::Protocol(format!(
-                    "unexpected {len}-byte message during the run"
-                )));
+            if run.completions != before {
+                last_progress = Instant::now();
+            } else if last_progress.elapsed() > super::STALL {
+                return Err(BenchError::Stalled(super::STALL, "waiting for completions"));
             }
         }
-        if credited {
+        if consumes_recv(op) {
             // The server credits every CREDIT_BATCH receives; take them all
-            // so none is left for the next size's handshake.
-            while credit_msgs < plan.iters / CREDIT_BATCH {
-                let c = ep.next("waiting for the server's credits")?;
-                if ep.ctrl_of(&c, Ctrl::Credit)?.is_some() {
-                    credit_msgs += 1;
+            // so none is left for the next size's handshake (one QP only).
+            while run.credit_msgs < plan.iters / CREDIT_BATCH {
+                let c = eps[0].next("waiting for the server's credits")?;
+                if eps[0].ctrl_of(&c, Ctrl::Credit)?.is_some() {
+                    run.credit_msgs += 1;
                 }
             }
         }
-        let stats =
-            BwStats::from_times(u64::from(size), &posted_at, &completed_at, window as usize);
-        debug!(?stats, "size done");
+        let stats = BwStats::from_times(
+            u64::from(size),
+            &run.posted_at,
+            &run.completed_at,
+            window(plan) as usize * qps,
+        );
+        debug!(?stats, qps, "size done");
         out.push(stats);
     }
-    ep.finish()?;
+    // Every QP's operations have completed: one DONE ends them all.
+    eps[0].finish()?;
     Ok(out)
 }
 
 /// The server: take the messages of receive-consuming operations and
-/// return credit; otherwise only keep pace.
-fn serve(ep: &mut Endpoint, plan: &Plan) -> Result<()> {
+/// return credit (one QP); otherwise only keep pace: the responder work of
+/// every QP is the provider's (or the RNIC's).
+fn serve(eps: &mut [Endpoint], plan: &Plan) -> Result<()> {
+    let ep = &mut eps[0];
     for idx in 0..plan.sizes.len() {
         ep.barrier(idx as u32)?;
         if consumes_recv(plan.op) {
@@ -260,6 +370,21 @@ mod tests {
         assert_eq!(p.sizes, vec![1024]);
         let a = C::try_parse_from(["bw", "write", "-t", "0"]).unwrap().a;
         assert!(plan_of(&a).is_err());
+        let a = C::try_parse_from(["bw", "write", "-s", "8", "--qps", "64"])
+            .unwrap()
+            .a;
+        assert_eq!(plan_of(&a).unwrap().qps, 64);
+        // Credits are per connection: receive-consuming operations and
+        // cq.wait stay single-QP.
+        for bad in [
+            &["bw", "send", "--qps", "2"][..],
+            &["bw", "write-imm", "--qps", "2"],
+            &["bw", "write", "--qps", "2", "--blocking"],
+            &["bw", "write", "--qps", "0"],
+        ] {
+            let a = C::try_parse_from(bad).unwrap().a;
+            assert!(matches!(plan_of(&a), Err(BenchError::Args(_))), "{bad:?}");
+        }
     }
 
     #[test]

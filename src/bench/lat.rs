@@ -70,6 +70,7 @@ fn plan_of(args: &LatArgs) -> Result<Plan> {
         iters,
         tx_depth: 1,
         commit_to_memory: c.commit_to_memory,
+        qps: 1,
     })
 }
 

@@ -15,6 +15,7 @@
 //! queue empty.
 
 pub mod bw;
+pub mod floor;
 pub mod lat;
 pub mod plot;
 pub mod stats;
@@ -126,6 +127,10 @@ fn parse_op(s: &str) -> std::result::Result<OpKind, String> {
     }
 }
 
+fn parse_progress(s: &str) -> std::result::Result<stag::Progress, String> {
+    s.parse::<stag::Progress>().map_err(|e| e.to_string())
+}
+
 fn parse_op_kind(s: &str) -> std::result::Result<OpKind, String> {
     OpKind::from_name(s).ok_or_else(|| {
         format!(
@@ -195,6 +200,11 @@ pub struct CommonArgs {
     /// Run server and client in this process (two threads).
     #[arg(long)]
     pub loopback: bool,
+    /// Userspace provider: how QPs make progress (busy, adaptive or
+    /// blocking; default: $STAG_PROGRESS, else the provider's default).
+    /// Each side sets its own.
+    #[arg(long, value_name = "MODE", value_parser = parse_progress)]
+    pub progress: Option<stag::Progress>,
     /// libibverbs devices: post with ibv_post_send even where the provider
     /// has the extended ibv_wr_* API (to compare the two paths).
     #[arg(long)]
@@ -302,6 +312,8 @@ pub(crate) struct Plan {
     pub tx_depth: u32,
     /// Commit: the server's target is memory, not a file.
     pub commit_to_memory: bool,
+    /// Queue pairs (connections) the client drives at once (bandwidth).
+    pub qps: u16,
 }
 
 impl Plan {
@@ -339,12 +351,15 @@ pub(crate) struct Hello {
     pub commit_to_memory: bool,
     /// The sender's target buffer.
     pub target: Remote,
+    /// Queue pairs the client opens (each connection carries the count).
+    pub qps: u16,
 }
 
 const HELLO_MAGIC: &[u8; 4] = b"STGB";
-const HELLO_VERSION: u8 = 1;
+/// 2: the QP count.
+const HELLO_VERSION: u8 = 2;
 /// Fits librdmacm's 56-byte limit for an RC connect's private data.
-pub(crate) const HELLO_LEN: usize = 32;
+pub(crate) const HELLO_LEN: usize = 36;
 
 impl Hello {
     pub fn encode(&self) -> Vec<u8> {
@@ -368,6 +383,8 @@ impl Hello {
         b.extend_from_slice(&[u8::from(self.commit_to_memory), 0]);
         b.extend_from_slice(&self.target.addr.to_be_bytes());
         b.extend_from_slice(&self.target.rkey.to_be_bytes());
+        b.extend_from_slice(&self.qps.to_be_bytes());
+        b.extend_from_slice(&[0, 0]);
         debug_assert_eq!(b.len(), HELLO_LEN);
         b
     }
@@ -401,6 +418,7 @@ impl Hello {
                 addr: u64::from_be_bytes(b[20..28].try_into().expect("8 bytes")),
                 rkey: u32_at(28),
             },
+            qps: u16::from_be_bytes([b[32], b[33]]),
         })
     }
 }
@@ -776,7 +794,7 @@ pub(crate) fn open_context(common: &CommonArgs) -> Result<Context> {
         force_emulation: common.emulate.clone(),
         legacy_post: common.legacy_post,
         rfc5040_only: common.rfc5040,
-        progress: None,
+        progress: common.progress,
     };
     let ctx = Context::open_with(&name, &opts)?;
     for &k in &common.emulate {
@@ -831,6 +849,7 @@ pub(crate) fn connect_client(
         tx_depth: plan.tx_depth as u16,
         commit_to_memory: plan.commit_to_memory,
         target: bufs.data.remote(0),
+        qps: plan.qps,
     };
     let opts = connect_options(plan, hello.encode());
     info!(%addr, op = %plan.op, "connecting");
@@ -856,14 +875,7 @@ pub(crate) fn accept_server(
     op: OpKind,
     blocking: bool,
 ) -> Result<(Endpoint, Plan)> {
-    let req = listener.get_request()?;
-    let hello = match Hello::decode(req.private_data()) {
-        Ok(h) => h,
-        Err(e) => {
-            let _ = req.reject(b"not a stag benchmark");
-            return Err(e);
-        }
-    };
+    let (req, hello) = next_request(listener)?;
     if hello.test != test || hello.op != op {
         let _ = req.reject(b"test mismatch");
         return Err(BenchError::Protocol(format!(
@@ -879,19 +891,67 @@ pub(crate) fn accept_server(
         iters: hello.iters,
         tx_depth: u32::from(hello.tx_depth).max(1),
         commit_to_memory: hello.commit_to_memory,
+        qps: hello.qps.max(1),
     };
-    let bufs = Buffers::new(ctx, &plan, Role::Server)?;
+    let ep = accept_request(ctx, req, hello, &plan, blocking)?;
+    info!(op = %op, sizes = ?plan.sizes, iters = plan.iters, qps = plan.qps, "client connected");
+    Ok((ep, plan))
+}
+
+/// The server side of a multi-QP test: accept the client's other
+/// `plan.qps - 1` connections, which must announce the same plan.
+pub(crate) fn accept_rest(
+    ctx: &Context,
+    listener: &Listener,
+    plan: &Plan,
+    blocking: bool,
+) -> Result<Vec<Endpoint>> {
+    (1..plan.qps)
+        .map(|n| {
+            let (req, hello) = next_request(listener)?;
+            let first = plan.sizes[0];
+            if (hello.test, hello.op, hello.iters, hello.qps, hello.size)
+                != (plan.test, plan.op, plan.iters, plan.qps, first)
+            {
+                let _ = req.reject(b"plan mismatch");
+                return Err(BenchError::Protocol(format!(
+                    "QP #{n} announces {hello:?}, the first announced {plan:?}"
+                )));
+            }
+            debug!(n, "further QP connected");
+            accept_request(ctx, req, hello, plan, blocking)
+        })
+        .collect()
+}
+
+/// The next connection request and its [`Hello`] (a stranger is rejected).
+fn next_request(listener: &Listener) -> Result<(stag::Incoming, Hello)> {
+    let req = listener.get_request()?;
+    match Hello::decode(req.private_data()) {
+        Ok(h) => Ok((req, h)),
+        Err(e) => {
+            let _ = req.reject(b"not a stag benchmark");
+            Err(e)
+        }
+    }
+}
+
+/// Accept `req` with fresh buffers, answering with our target.
+fn accept_request(
+    ctx: &Context,
+    req: stag::Incoming,
+    hello: Hello,
+    plan: &Plan,
+    blocking: bool,
+) -> Result<Endpoint> {
+    let bufs = Buffers::new(ctx, plan, Role::Server)?;
     let ours = Hello {
         target: bufs.data.remote(0),
         ..hello
     };
-    let opts = connect_options(&plan, ours.encode());
+    let opts = connect_options(plan, ours.encode());
     let qp = req.accept_with(&bufs.pd, &bufs.cq, &opts, bufs.pre_post())?;
-    info!(op = %op, sizes = ?plan.sizes, iters = plan.iters, "client connected");
-    Ok((
-        bufs.into_endpoint(Role::Server, qp, hello.target, blocking),
-        plan,
-    ))
+    Ok(bufs.into_endpoint(Role::Server, qp, hello.target, blocking))
 }
 
 /// Where the server listens.
@@ -975,6 +1035,15 @@ pub(crate) fn support_label(qp: &QueuePair, op: OpKind) -> String {
     }
 }
 
+/// The progress mode a side runs: the flag's, else $STAG_PROGRESS's or
+/// the provider's default (what `Context::open_with` picks).
+pub(crate) fn progress_label(common: &CommonArgs) -> String {
+    common
+        .progress
+        .unwrap_or_else(stag::Progress::from_env)
+        .to_string()
+}
+
 /// The run's description, printed above the table and put in the JSON.
 #[derive(Debug, Clone, Serialize)]
 pub struct RunInfo {
@@ -997,6 +1066,9 @@ pub struct RunInfo {
     pub post_path: stag::PostPath,
     /// "busy-poll" or "blocking".
     pub completions: &'static str,
+    /// The userspace provider's progress mode: `--progress`, else
+    /// $STAG_PROGRESS, else the provider's default.
+    pub progress: String,
     /// 2 when one-way latency is half the round trip, else 1.
     pub latency_factor: u32,
     /// What the operations cost in round trips, counted (latency runs).
@@ -1062,6 +1134,7 @@ impl RunInfo {
                 .map(|k| k.name().to_owned())
                 .collect(),
             post_path: ctx.capabilities().post_path,
+            progress: progress_label(common),
             completions: if common.blocking {
                 "blocking"
             } else {
@@ -1093,6 +1166,7 @@ impl RunInfo {
         }
         s += &format!(" Posting        : {}\n", self.post_path);
         s += &format!(" Completions    : {}\n", self.completions);
+        s += &format!(" Progress       : {}\n", self.progress);
         s += &format!(" Iterations     : {iters}\n");
         if self.test == Test::Lat {
             s += &format!(
@@ -1144,6 +1218,7 @@ mod tests {
         assert_eq!(a.common.host, None);
         assert_eq!(a.common.port, DEFAULT_PORT);
         assert!(!a.common.blocking && !a.common.json && !a.common.loopback);
+        assert!(a.common.progress.is_none());
         assert!(a.common.emulate.is_empty());
         assert!(a.plot.is_none());
 
@@ -1206,6 +1281,20 @@ mod tests {
     }
 
     #[test]
+    fn progress_modes_parse() {
+        for mode in ["busy", "adaptive", "blocking"] {
+            let Cmd::Bw(a) = parse(&["bw", "write", "--progress", mode]).unwrap() else {
+                panic!()
+            };
+            assert_eq!(
+                a.common.progress.map(|p| p.to_string()).as_deref(),
+                Some(mode)
+            );
+        }
+        assert!(parse(&["lat", "write", "--progress", "sometimes"]).is_err());
+    }
+
+    #[test]
     fn bad_ops_are_refused() {
         assert!(parse(&["lat", "frobnicate"]).is_err());
         assert!(parse(&["lat", "send-inv"]).is_err());
@@ -1250,6 +1339,7 @@ mod tests {
                 addr: 0x7f00_dead_beef_0000,
                 rkey: 0x1234_5678,
             },
+            qps: 64,
         };
         let b = h.encode();
         assert_eq!(b.len(), HELLO_LEN);
@@ -1260,6 +1350,10 @@ mod tests {
         };
         assert_eq!(Hello::decode(&file.encode()).unwrap(), file);
         assert!(Hello::decode(&b[..20]).is_err());
+        // A version-1 peer (no QP count) is told apart.
+        let mut v1 = b.clone();
+        v1[4] = 1;
+        assert!(Hello::decode(&v1).is_err());
         assert!(Hello::decode(b"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx").is_err());
     }
 }

@@ -180,6 +180,25 @@ impl BwStats {
     }
 }
 
+impl BwStats {
+    /// Statistics of `messages` of `bytes` each moved in `total_ns`, when
+    /// only the whole run is timed (a TCP stream has no per-message
+    /// completion): peak = average.
+    pub fn from_total(bytes: u64, messages: u64, total_ns: u64) -> BwStats {
+        let secs = (total_ns as f64 / 1e9).max(f64::MIN_POSITIVE);
+        let bps = bytes as f64 * messages as f64 / secs;
+        BwStats {
+            bytes,
+            iterations: messages,
+            bw_peak_mb_s: bps / MIB,
+            bw_avg_mb_s: bps / MIB,
+            bw_peak_gbit_s: bps * 8.0 / 1e9,
+            bw_avg_gbit_s: bps * 8.0 / 1e9,
+            msg_rate_mpps: messages as f64 / secs / 1e6,
+        }
+    }
+}
+
 /// perftest's MB: 2^20 bytes.
 const MIB: f64 = 1024.0 * 1024.0;
 
@@ -253,6 +272,15 @@ mod tests {
         assert!(close(s.bw_peak_mb_s, 1000.0), "{s:?}");
         assert!(close(s.msg_rate_mpps, 0.001), "{s:?}");
         assert!(close(s.bw_avg_gbit_s, 1000.0 * 1048576.0 * 8.0 / 1e9));
+    }
+
+    #[test]
+    fn bw_from_a_total() {
+        // 1000 messages of 1 MiB in one second.
+        let s = BwStats::from_total(1 << 20, 1000, 1_000_000_000);
+        assert!(close(s.bw_avg_mb_s, 1000.0), "{s:?}");
+        assert_eq!(s.bw_peak_mb_s, s.bw_avg_mb_s);
+        assert!(close(s.msg_rate_mpps, 0.001), "{s:?}");
     }
 
     #[test]

@@ -1,0 +1,342 @@
+#!/usr/bin/env python3
+"""The report of scripts/bench-peers.sh: one markdown table, one JSON file.
+
+    bench-report.py RAW OUT ROUNDS "MODES" ELAPSED_S "KNOBS" PROGRESS_FLAG
+
+RAW/<round>/<name>.out holds each client's output (stag and `stag floor`
+JSON, the C check's JSON line, ucx_perftest -f's final line, fi_pingpong's
+table), <name>.{client,server}.time GNU time's "wall user sys". Every
+figure is the median over the rounds (min and max beside it); a ratio is
+one median over another.
+"""
+
+import json
+import os
+import statistics
+import sys
+
+RAW, OUT, ROUNDS, MODES, ELAPSED, KNOBS, FLAG = sys.argv[1:8]
+ROUNDS = int(ROUNDS)
+MODES = MODES.split()
+ROUND_DIRS = [os.path.join(RAW, str(r)) for r in range(1, ROUNDS + 1)]
+
+
+def read(rdir, name, ext=".out"):
+    try:
+        with open(os.path.join(rdir, name + ext)) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def json_result(rdir, name, key):
+    """results[0][key] of a JSON report (stag, stag floor, C check)."""
+    try:
+        return float(json.loads(read(rdir, name))["results"][0][key])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+UCX_FIELDS = ["iters", "p50", "avg", "overall", "bw_avg", "bw_overall", "rate_avg", "rate_overall"]
+
+
+def ucx(rdir, name, key):
+    """A field of ucx_perftest -f's final line (latency in us: one-way
+    for *_lat tests, a round trip for get/atomics; bandwidth in MiB/s)."""
+    for line in reversed(read(rdir, name).splitlines()):
+        f = line.split()
+        if len(f) == len(UCX_FIELDS):
+            try:
+                return float(f[UCX_FIELDS.index(key)])
+            except ValueError:
+                continue
+    return None
+
+
+def fi_pingpong(rdir, name):
+    """fi_pingpong's usec/xfer: the average one-way time (no median)."""
+    for line in read(rdir, name).splitlines():
+        f = line.split()
+        if len(f) == 8 and f[0][:1].isdigit():
+            try:
+                return float(f[6])
+            except ValueError:
+                pass
+    return None
+
+
+def cores_busy(rdir, name):
+    """CPU seconds of client + server per second of the client's wall time."""
+    try:
+        cw, cu, cs = map(float, read(rdir, name, ".client.time").split()[-3:])
+        _, su, ss = map(float, read(rdir, name, ".server.time").split()[-3:])
+    except ValueError:
+        return None
+    return (cu + cs + su + ss) / cw if cw > 0 else None
+
+
+def series(fn):
+    """fn(round_dir) for every round, Nones dropped."""
+    return [v for v in (fn(d) for d in ROUND_DIRS) if v is not None]
+
+
+def agg(values):
+    if not values:
+        return None
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "samples": values,
+    }
+
+
+def med(a):
+    return a["median"] if a else None
+
+
+# ---- the floor ----------------------------------------------------------
+
+def best(*vals, higher=True):
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return None
+    return max(vals) if higher else min(vals)
+
+
+floor_raw = {
+    "tcp_oneway_busy": agg(series(lambda d: json_result(d, "floor-lat-busy", "t_typical_us"))),
+    "tcp_rtt_busy": agg(series(lambda d: json_result(d, "floor-lat-busy", "rtt_typical_us"))),
+    "tcp_oneway_blocking": agg(series(lambda d: json_result(d, "floor-lat-blocking", "t_typical_us"))),
+    "tcp_stream_busy": agg(series(lambda d: json_result(d, "floor-bw-busy", "bw_avg_mb_s"))),
+    "tcp_stream_blocking": agg(series(lambda d: json_result(d, "floor-bw-blocking", "bw_avg_mb_s"))),
+    "tcp_8streams_busy": agg(series(lambda d: json_result(d, "floor-streams8-busy", "msg_rate_mpps"))),
+    "tcp_8streams_blocking": agg(series(lambda d: json_result(d, "floor-streams8-blocking", "msg_rate_mpps"))),
+    "msync_8b": agg(series(lambda d: json_result(d, "msync", "t_typical_us"))),
+}
+c_check = {
+    "tcp_oneway_busy": agg(series(lambda d: json_result(d, "c-lat-busy", "t_typical_us"))),
+    "tcp_rtt_busy": agg(series(lambda d: json_result(d, "c-lat-busy", "rtt_typical_us"))),
+    "tcp_oneway_blocking": agg(series(lambda d: json_result(d, "c-lat-blocking", "t_typical_us"))),
+    "tcp_stream_busy": agg(series(lambda d: json_result(d, "c-bw-busy", "bw_avg_mb_s"))),
+    "tcp_stream_blocking": agg(series(lambda d: json_result(d, "c-bw-blocking", "bw_avg_mb_s"))),
+}
+
+def per_round_best(*aggs, higher=True):
+    """The best of several measurements taken in the same round, per
+    round."""
+    cols = [a["samples"] if a else [] for a in aggs]
+    n = max(len(c) for c in cols)
+    vals = [best(*(c[i] for c in cols if i < len(c)), higher=higher) for i in range(n)]
+    return agg([v for v in vals if v is not None])
+
+
+def paired_ratio(a, b):
+    """Median over the rounds of a/b, each round's pair taken side by side."""
+    if not a or not b:
+        return None
+    rs = [x / y for x, y in zip(a["samples"], b["samples"]) if y]
+    return statistics.median(rs) if rs else None
+
+
+# The Rust floor should be within 3% of the plain C program; with a few
+# noisy samples a 3% difference cannot be told from noise, so the floor is,
+# per round, the faster of the two (never slower than C), and the check
+# rows show their paired ratio.
+CHECK_TOLERANCE = 0.03
+check_rows = []
+for key, higher in [("tcp_oneway_busy", False), ("tcp_rtt_busy", False), ("tcp_oneway_blocking", False),
+                    ("tcp_stream_busy", True), ("tcp_stream_blocking", True)]:
+    r = paired_ratio(floor_raw[key], c_check[key])
+    ok = None if r is None else (r <= 1 + CHECK_TOLERANCE if not higher
+                                 else r >= 1 - CHECK_TOLERANCE)
+    check_rows.append({"floor": key, "stag_floor": floor_raw[key], "c": c_check[key],
+                       "paired_ratio": r, "within_3pct": ok})
+
+floors = {
+    "tcp_oneway_busy": per_round_best(floor_raw["tcp_oneway_busy"], c_check["tcp_oneway_busy"],
+                                      higher=False),
+    "tcp_rtt_busy": per_round_best(floor_raw["tcp_rtt_busy"], c_check["tcp_rtt_busy"],
+                                   higher=False),
+    "tcp_oneway_blocking": per_round_best(floor_raw["tcp_oneway_blocking"],
+                                          c_check["tcp_oneway_blocking"], higher=False),
+    # A stream's floor is the better mode: on a loaded 2-core machine a
+    # blocking stream can beat a spinning one.
+    "tcp_stream": per_round_best(floor_raw["tcp_stream_busy"], floor_raw["tcp_stream_blocking"],
+                                 c_check["tcp_stream_busy"], c_check["tcp_stream_blocking"]),
+    "tcp_8streams": per_round_best(floor_raw["tcp_8streams_busy"], floor_raw["tcp_8streams_blocking"]),
+}
+rtt, ms = floors["tcp_rtt_busy"], floor_raw["msync_8b"]
+if rtt and ms and len(rtt["samples"]) == len(ms["samples"]):
+    floors["tcp_rtt_plus_msync"] = agg([a + b for a, b in zip(rtt["samples"], ms["samples"])])
+else:
+    floors["tcp_rtt_plus_msync"] = None
+
+FLOOR_LABEL = {
+    "tcp_oneway_busy": "TCP ping-pong one-way (busy, best of stag floor/C)",
+    "tcp_rtt_busy": "TCP round trip (busy, best of stag floor/C)",
+    "tcp_oneway_blocking": "TCP ping-pong one-way (blocking, best of stag floor/C)",
+    "tcp_stream": "TCP stream 1 MiB (best mode, stag floor/C)",
+    "tcp_8streams": "8 TCP streams, 8 B (best mode)",
+    "tcp_rtt_plus_msync": "TCP round trip + msync(8 B)",
+}
+
+# ---- peers ---------------------------------------------------------------
+
+LF_NA = "n/a: no such test in libfabric-bin 1.17 (it ships fi_pingpong only)"
+
+
+def peer_ucx(name, key):
+    return {"what": f"ucx_perftest {name.removeprefix('ucx-')} (UCX_TLS=tcp)",
+            "value": agg(series(lambda d: ucx(d, name, key)))}
+
+
+def peer_fi(name, what):
+    return {"what": what, "value": agg(series(lambda d: fi_pingpong(d, name)))}
+
+
+# test label, stag run suffix, metric, unit, higher is better, floor key,
+# target factor, UCX peer, libfabric peer
+TESTS = [
+    ("lat write 8 B, one-way", "lat-write", "t_typical_us", "us", False, "tcp_oneway_busy", 1.1,
+     None, None),
+    ("lat send 8 B, one-way", "lat-send", "t_typical_us", "us", False, "tcp_oneway_busy", 1.1,
+     lambda: peer_ucx("ucx-ucp_am_lat", "p50"),
+     lambda: peer_fi("fi-pingpong-msg", "fi_pingpong -e msg, tcp (average)")),
+    ("lat read 8 B, round trip", "lat-read", "t_typical_us", "us", False, "tcp_rtt_busy", 1.1,
+     lambda: peer_ucx("ucx-ucp_get", "p50"), None),
+    ("lat fetch-add, round trip", "lat-fetch-add", "t_typical_us", "us", False, "tcp_rtt_busy", 1.1,
+     lambda: peer_ucx("ucx-ucp_fadd", "p50"), None),
+    ("lat cmp-swap, round trip", "lat-cmp-swap", "t_typical_us", "us", False, "tcp_rtt_busy", 1.1,
+     lambda: peer_ucx("ucx-ucp_cswap", "p50"), None),
+    ("lat swap, round trip", "lat-swap", "t_typical_us", "us", False, "tcp_rtt_busy", 1.1,
+     lambda: peer_ucx("ucx-ucp_swap", "p50"), None),
+    ("lat commit 8 B (Write + Commit to a file)", "lat-commit", "t_typical_us", "us", False,
+     "tcp_rtt_plus_msync", 1.0, None, None),
+    ("lat send --blocking 8 B, one-way", "lat-send-blocking", "t_typical_us", "us", False,
+     "tcp_oneway_blocking", 1.1, None, None),
+    ("bw write 1 MiB", "bw-write", "bw_avg_mb_s", "MiB/s", True, "tcp_stream", 0.9,
+     lambda: peer_ucx("ucx-ucp_put_bw", "bw_overall"), None),
+    ("bw read 1 MiB", "bw-read", "bw_avg_mb_s", "MiB/s", True, "tcp_stream", 0.9, None, None),
+    ("bw write 8 B, 64 QPs, message rate", "bw-write-qps64", "msg_rate_mpps", "Mpps", True,
+     "tcp_8streams", 0.9, None, None),
+]
+
+
+def fmt(x, unit=""):
+    if x is None:
+        return "n/a"
+    d = 3 if unit == "Mpps" else (1 if abs(x) >= 100 else 2)
+    return f"{x:.{d}f}"
+
+
+def fmt_agg(a, unit):
+    if not a:
+        return "n/a"
+    return f"{fmt(a['median'], unit)} ({fmt(a['min'], unit)}–{fmt(a['max'], unit)})"
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+rows = []
+for label, suffix, key, unit, higher, fkey, factor, ucx_peer, fi_peer in TESTS:
+    fl = floors.get(fkey)
+    ucx_v = ucx_peer() if ucx_peer else None
+    fi_v = fi_peer() if fi_peer else None
+    for mode in MODES:
+        name = f"stag-{mode}-{suffix}"
+        stag_v = agg(series(lambda d: json_result(d, name, key)))
+        r = ratio(med(stag_v), med(fl))
+        met = None if r is None else (r >= factor if higher else r <= factor)
+        bw_peak = None
+        if unit == "MiB/s":
+            bw_peak = agg(series(lambda d: json_result(d, name, "bw_peak_mb_s")))
+        rows.append({
+            "test": label, "progress": mode, "unit": unit,
+            "higher_is_better": higher,
+            "stag": stag_v, "bw_peak_mb_s": bw_peak,
+            "floor": fkey, "floor_label": FLOOR_LABEL[fkey], "floor_value": fl,
+            "stag_over_floor": r,
+            "target": f"{'≥' if higher else '≤'} {factor}× floor",
+            "met": met,
+            "cores_busy": agg(series(lambda d: cores_busy(d, name))),
+            "ucx": ucx_v and {**ucx_v, "over_floor": ratio(med(ucx_v["value"]), med(fl))},
+            "libfabric": fi_v and {**fi_v, "over_floor": ratio(med(fi_v["value"]), med(fl))},
+        })
+
+
+def peer_cell(p, na):
+    if not p:
+        return na
+    if not p["value"]:
+        return "n/a (did not run)"
+    return f"{fmt(med(p['value']))} ({fmt(p['over_floor'])}×)"
+
+
+md = [
+    f"# stag vs its floor and peers ({ROUNDS} round(s), two processes on 127.0.0.1)",
+    "",
+    f"Knobs: {KNOBS}; progress modes: {' '.join(MODES)} "
+    f"({'--progress flag' if FLAG == '1' else 'STAG_PROGRESS only: this stag has no --progress flag'}). "
+    f"Script time: {ELAPSED} s.",
+    "",
+    "Each figure: median of the rounds (min–max). Latency: typical (median) of the run, lower is "
+    "better; bandwidth: MiB/s average, message rate: Mpps, higher is better. ratio = stag / floor. "
+    "cores = CPU seconds (user + sys, client + server, connection setup included) per second of "
+    "the client's wall time. UCX/libfabric: their figure (their / floor).",
+    "",
+    "| test | progress | stag | floor | floor value | stag/floor | target | met | cores | UCX (tcp) | libfabric (tcp) |",
+    "| --- | --- | ---: | --- | ---: | ---: | --- | --- | ---: | ---: | ---: |",
+]
+for row in rows:
+    unit = row["unit"]
+    met = {True: "met", False: "**missed**", None: "n/a"}[row["met"]]
+    ucx_na = "n/a" if row["ucx"] is None else None
+    md.append(
+        f"| {row['test']} [{unit}] | {row['progress']} | {fmt_agg(row['stag'], unit)} | "
+        f"{row['floor_label']} | {fmt_agg(row['floor_value'], unit)} | "
+        f"{fmt(row['stag_over_floor'])} | {row['target']} | {met} | "
+        f"{fmt(med(row['cores_busy']))} | {peer_cell(row['ucx'], 'n/a')} | "
+        f"{peer_cell(row['libfabric'], 'n/a¹')} |"
+    )
+# The floor itself, and its check against plain C, in the same table.
+for key, label, unit in [
+    ("tcp_oneway_busy", "floor: TCP ping-pong one-way, busy", "us"),
+    ("tcp_rtt_busy", "floor: TCP round trip, busy", "us"),
+    ("tcp_oneway_blocking", "floor: TCP ping-pong one-way, blocking", "us"),
+    ("tcp_stream_busy", "floor: TCP stream 1 MiB, busy", "MiB/s"),
+    ("tcp_stream_blocking", "floor: TCP stream 1 MiB, blocking", "MiB/s"),
+]:
+    c = c_check[key]
+    check = next(x for x in check_rows if x["floor"] == key)
+    met = {True: "met", False: "**missed**", None: "n/a"}[check["within_3pct"]]
+    md.append(
+        f"| {label} [{unit}] | — | {fmt_agg(floor_raw[key], unit)} (stag floor) | plain C "
+        f"(scripts/floor_check.c) | {fmt_agg(c, unit)} | {fmt(check['paired_ratio'])} (paired) | "
+        f"within 3% of C | {met} | — | — | — |"
+    )
+for key, label, unit in [
+    ("tcp_8streams_busy", "floor: 8 TCP streams of 8 B, busy", "Mpps"),
+    ("tcp_8streams_blocking", "floor: 8 TCP streams of 8 B, blocking", "Mpps"),
+    ("msync_8b", "floor: msync of 8 dirty bytes (file in $TMPDIR)", "us"),
+]:
+    md.append(f"| {label} [{unit}] | — | {fmt_agg(floor_raw[key], unit)} | — | — | — | — | — | — | — | — |")
+md += [
+    "",
+    f"¹ {LF_NA}: Read, atomics and streaming bandwidth have no libfabric figure; fi_pingpong "
+    "reports an average one-way time, not a median. UCX's ucp_get/ucp_fadd/ucp_cswap/ucp_swap "
+    "are round trips, ucp_am_lat one-way; ucp_put_bw is MiB/s. Raw outputs: " + RAW,
+]
+text = "\n".join(md) + "\n"
+with open(os.path.join(OUT, "report.md"), "w") as f:
+    f.write(text)
+with open(os.path.join(OUT, "report.json"), "w") as f:
+    json.dump({
+        "rounds": ROUNDS, "progress_modes": MODES, "progress_flag": FLAG == "1",
+        "knobs": KNOBS, "elapsed_s": int(ELAPSED),
+        "floors": floors, "floor_raw": floor_raw, "c_check": check_rows,
+        "rows": rows, "libfabric_missing": LF_NA,
+    }, f, indent=2)
+print(text)
