@@ -168,7 +168,8 @@ pub struct RecvWr {
     pub sg_list: Vec<Sge>,
 }
 
-/// Completion status (`enum ibv_wc_status`, same discriminants).
+/// Completion status: every `enum ibv_wc_status`, with its discriminant,
+/// so that `status as u32` is the C value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u32)]
 pub enum WcStatus {
@@ -178,36 +179,115 @@ pub enum WcStatus {
     LocLenErr = 1,
     /// `IBV_WC_LOC_QP_OP_ERR`.
     LocQpOpErr = 2,
+    /// `IBV_WC_LOC_EEC_OP_ERR`.
+    LocEecOpErr = 3,
     /// `IBV_WC_LOC_PROT_ERR`: an SGE failed its lkey/PD/bounds check.
     LocProtErr = 4,
     /// `IBV_WC_WR_FLUSH_ERR`: the QP went to Error before this WR finished.
     WrFlushErr = 5,
+    /// `IBV_WC_MW_BIND_ERR`.
+    MwBindErr = 6,
+    /// `IBV_WC_BAD_RESP_ERR`.
+    BadRespErr = 7,
+    /// `IBV_WC_LOC_ACCESS_ERR`.
+    LocAccessErr = 8,
     /// `IBV_WC_REM_INV_REQ_ERR`: the peer found the request invalid.
     RemInvReqErr = 9,
     /// `IBV_WC_REM_ACCESS_ERR`: the peer refused the STag/bounds/rights.
     RemAccessErr = 10,
     /// `IBV_WC_REM_OP_ERR`: the peer failed the operation (also a failed Commit).
     RemOpErr = 11,
+    /// `IBV_WC_RETRY_EXC_ERR`: on RoCE/IB, how a vanished peer shows.
+    RetryExcErr = 12,
+    /// `IBV_WC_RNR_RETRY_EXC_ERR`.
+    RnrRetryExcErr = 13,
+    /// `IBV_WC_LOC_RDD_VIOL_ERR`.
+    LocRddViolErr = 14,
+    /// `IBV_WC_REM_INV_RD_REQ_ERR`.
+    RemInvRdReqErr = 15,
+    /// `IBV_WC_REM_ABORT_ERR`.
+    RemAbortErr = 16,
+    /// `IBV_WC_INV_EECN_ERR`.
+    InvEecnErr = 17,
+    /// `IBV_WC_INV_EEC_STATE_ERR`.
+    InvEecStateErr = 18,
     /// `IBV_WC_FATAL_ERR`.
-    FatalErr = 14,
+    FatalErr = 19,
+    /// `IBV_WC_RESP_TIMEOUT_ERR`.
+    RespTimeoutErr = 20,
     /// `IBV_WC_GENERAL_ERR`.
     GeneralErr = 21,
+    /// `IBV_WC_TM_ERR`.
+    TmErr = 22,
+    /// `IBV_WC_TM_RNDV_INCOMPLETE`.
+    TmRndvIncomplete = 23,
 }
 
 impl WcStatus {
+    /// Every status, indexed by its discriminant.
+    pub const ALL: [WcStatus; 24] = [
+        WcStatus::Success,
+        WcStatus::LocLenErr,
+        WcStatus::LocQpOpErr,
+        WcStatus::LocEecOpErr,
+        WcStatus::LocProtErr,
+        WcStatus::WrFlushErr,
+        WcStatus::MwBindErr,
+        WcStatus::BadRespErr,
+        WcStatus::LocAccessErr,
+        WcStatus::RemInvReqErr,
+        WcStatus::RemAccessErr,
+        WcStatus::RemOpErr,
+        WcStatus::RetryExcErr,
+        WcStatus::RnrRetryExcErr,
+        WcStatus::LocRddViolErr,
+        WcStatus::RemInvRdReqErr,
+        WcStatus::RemAbortErr,
+        WcStatus::InvEecnErr,
+        WcStatus::InvEecStateErr,
+        WcStatus::FatalErr,
+        WcStatus::RespTimeoutErr,
+        WcStatus::GeneralErr,
+        WcStatus::TmErr,
+        WcStatus::TmRndvIncomplete,
+    ];
+
+    /// The status of a raw `ibv_wc_status`; values beyond rdma-core's
+    /// (a newer library) are `GeneralErr`.
+    pub fn from_raw(raw: u32) -> WcStatus {
+        Self::ALL
+            .get(raw as usize)
+            .copied()
+            .unwrap_or(WcStatus::GeneralErr)
+    }
+
     /// rdma-core's `ibv_wc_status_str` wording.
     pub fn as_str(self) -> &'static str {
         match self {
             WcStatus::Success => "success",
             WcStatus::LocLenErr => "local length error",
             WcStatus::LocQpOpErr => "local QP operation error",
+            WcStatus::LocEecOpErr => "local EE context operation error",
             WcStatus::LocProtErr => "local protection error",
             WcStatus::WrFlushErr => "Work Request Flushed Error",
+            WcStatus::MwBindErr => "memory management operation error",
+            WcStatus::BadRespErr => "bad response error",
+            WcStatus::LocAccessErr => "local access error",
             WcStatus::RemInvReqErr => "remote invalid request error",
             WcStatus::RemAccessErr => "remote access error",
             WcStatus::RemOpErr => "remote operation error",
+            WcStatus::RetryExcErr => "transport retry counter exceeded",
+            WcStatus::RnrRetryExcErr => "RNR retry counter exceeded",
+            WcStatus::LocRddViolErr => "local RDD violation error",
+            WcStatus::RemInvRdReqErr => "remote invalid RD request",
+            WcStatus::RemAbortErr => "aborted error",
+            WcStatus::InvEecnErr => "invalid EE context number",
+            WcStatus::InvEecStateErr => "invalid EE context state",
             WcStatus::FatalErr => "fatal error",
+            WcStatus::RespTimeoutErr => "response timeout error",
             WcStatus::GeneralErr => "general error",
+            WcStatus::TmErr => "TM error",
+            WcStatus::TmRndvIncomplete => "TM software rendezvous",
         }
     }
 }

@@ -114,18 +114,7 @@ impl From<&provider::wr::WorkCompletion> for RawCompletion {
 
 /// libibverbs status codes (same values as `enum ibv_wc_status`).
 fn status_from_ibv(raw: u32) -> WcStatus {
-    match raw {
-        0 => WcStatus::Success,
-        1 => WcStatus::LocLenErr,
-        2 => WcStatus::LocQpOpErr,
-        4 => WcStatus::LocProtErr,
-        5 => WcStatus::WrFlushErr,
-        9 => WcStatus::RemInvReqErr,
-        10 => WcStatus::RemAccessErr,
-        11 => WcStatus::RemOpErr,
-        14 => WcStatus::FatalErr,
-        _ => WcStatus::GeneralErr,
-    }
+    WcStatus::from_raw(raw)
 }
 
 impl From<&ibv::WorkCompletion> for RawCompletion {

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use provider::cq::CompletionQueue;
-use provider::wr::{WcOpcode, WcStatus, WorkCompletion};
+use provider::wr::{WcOpcode, WorkCompletion};
 
 use crate::context::limits;
 use crate::errno::{self, guard};
@@ -258,18 +258,8 @@ const WC_ATOMIC_WRITE: u32 = 9;
 /// A provider completion as `struct ibv_wc`. 32-bit verbs immediate data
 /// is the low half of the 8-byte iWARP Immediate Data, in network order.
 pub(crate) fn to_ibv_wc(c: &WorkCompletion) -> ibv_wc {
-    let status = match c.status {
-        WcStatus::Success => IBV_WC_SUCCESS,
-        WcStatus::LocLenErr => IBV_WC_LOC_LEN_ERR,
-        WcStatus::LocQpOpErr => IBV_WC_LOC_QP_OP_ERR,
-        WcStatus::LocProtErr => IBV_WC_LOC_PROT_ERR,
-        WcStatus::WrFlushErr => IBV_WC_WR_FLUSH_ERR,
-        WcStatus::RemInvReqErr => IBV_WC_REM_INV_REQ_ERR,
-        WcStatus::RemAccessErr => IBV_WC_REM_ACCESS_ERR,
-        WcStatus::RemOpErr => IBV_WC_REM_OP_ERR,
-        WcStatus::FatalErr => IBV_WC_FATAL_ERR,
-        WcStatus::GeneralErr => IBV_WC_GENERAL_ERR,
-    };
+    // Same discriminants (checked against the header in the tests).
+    let status = c.status as u32;
     let opcode = match c.opcode {
         WcOpcode::Send | WcOpcode::Imm => IBV_WC_SEND,
         WcOpcode::RdmaWrite => IBV_WC_RDMA_WRITE,
@@ -298,4 +288,50 @@ pub(crate) fn to_ibv_wc(c: &WorkCompletion) -> ibv_wc {
         wc.__bindgen_anon_1.invalidated_rkey = rkey;
     }
     wc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use provider::wr::WcStatus;
+
+    /// Every provider status reaches C as the header's value (a fatal
+    /// error as `IBV_WC_FATAL_ERR`, 19, not 14).
+    #[test]
+    fn statuses_reach_c_as_the_header_values() {
+        let header = [
+            IBV_WC_SUCCESS,
+            IBV_WC_LOC_LEN_ERR,
+            IBV_WC_LOC_QP_OP_ERR,
+            IBV_WC_LOC_EEC_OP_ERR,
+            IBV_WC_LOC_PROT_ERR,
+            IBV_WC_WR_FLUSH_ERR,
+            IBV_WC_MW_BIND_ERR,
+            IBV_WC_BAD_RESP_ERR,
+            IBV_WC_LOC_ACCESS_ERR,
+            IBV_WC_REM_INV_REQ_ERR,
+            IBV_WC_REM_ACCESS_ERR,
+            IBV_WC_REM_OP_ERR,
+            IBV_WC_RETRY_EXC_ERR,
+            IBV_WC_RNR_RETRY_EXC_ERR,
+            IBV_WC_LOC_RDD_VIOL_ERR,
+            IBV_WC_REM_INV_RD_REQ_ERR,
+            IBV_WC_REM_ABORT_ERR,
+            IBV_WC_INV_EECN_ERR,
+            IBV_WC_INV_EEC_STATE_ERR,
+            IBV_WC_FATAL_ERR,
+            IBV_WC_RESP_TIMEOUT_ERR,
+            IBV_WC_GENERAL_ERR,
+            IBV_WC_TM_ERR,
+            IBV_WC_TM_RNDV_INCOMPLETE,
+        ];
+        assert_eq!(header.len(), WcStatus::ALL.len());
+        for (status, want) in WcStatus::ALL.into_iter().zip(header) {
+            let wc = to_ibv_wc(&WorkCompletion {
+                status,
+                ..WorkCompletion::BLANK
+            });
+            assert_eq!(wc.status, want, "{status:?}");
+        }
+    }
 }

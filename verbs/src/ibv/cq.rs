@@ -479,6 +479,28 @@ mod tests {
             .contains("flush"));
     }
 
+    /// The status type applications see (the provider's, shared by every
+    /// backend) has libibverbs' discriminants and wording for every value:
+    /// a fatal error is 19, a retry-exceeded 12, as the header says.
+    #[test]
+    fn public_statuses_are_libibverbs_statuses() {
+        use provider::wr::WcStatus as Public;
+        for (i, s) in Public::ALL.iter().enumerate() {
+            assert_eq!(*s as u32, i as u32);
+            assert_eq!(Public::from_raw(i as u32), *s);
+            assert_eq!(WcStatus::from_raw(i as u32) as u32, *s as u32);
+            assert_eq!(s.as_str(), WcStatus::from_raw(i as u32).as_str(), "{s:?}");
+        }
+        assert_eq!(Public::FatalErr as u32, ffi::IBV_WC_FATAL_ERR);
+        assert_eq!(Public::RetryExcErr as u32, ffi::IBV_WC_RETRY_EXC_ERR);
+        assert_eq!(Public::RnrRetryExcErr as u32, ffi::IBV_WC_RNR_RETRY_EXC_ERR);
+        assert_eq!(
+            Public::TmRndvIncomplete as u32,
+            ffi::IBV_WC_TM_RNDV_INCOMPLETE
+        );
+        assert_eq!(Public::from_raw(999), Public::GeneralErr);
+    }
+
     #[test]
     fn opcode_discriminants_match_c() {
         assert_eq!(WcOpcode::RdmaRead as u32, ffi::IBV_WC_RDMA_READ);
