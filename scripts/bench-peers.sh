@@ -187,6 +187,9 @@ one_round() {
             --blocking
         for op in write read; do
             stag_pair "stag-$mode-bw-$op" "$r" "$mode" bw "$op" -s "$MIB" -n "$BW_ITERS"
+            # What the MPA CRC costs (kernel siw asks for none by default).
+            stag_pair "stag-$mode-bw-$op-nocrc" "$r" "$mode" bw "$op" -s "$MIB" \
+                -n "$BW_ITERS" --no-crc
         done
         stag_pair "stag-$mode-bw-write-qps64" "$r" "$mode" bw write -s 8 -n "$QP_ITERS" \
             --qps 64

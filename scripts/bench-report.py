@@ -218,6 +218,10 @@ TESTS = [
     ("bw write 1 MiB", "bw-write", "bw_avg_mb_s", "MiB/s", True, "tcp_stream", 0.9,
      lambda: peer_ucx("ucx-ucp_put_bw", "bw_overall"), None),
     ("bw read 1 MiB", "bw-read", "bw_avg_mb_s", "MiB/s", True, "tcp_stream", 0.9, None, None),
+    ("bw write 1 MiB, no MPA CRC", "bw-write-nocrc", "bw_avg_mb_s", "MiB/s", True, "tcp_stream",
+     0.9, None, None),
+    ("bw read 1 MiB, no MPA CRC", "bw-read-nocrc", "bw_avg_mb_s", "MiB/s", True, "tcp_stream",
+     0.9, None, None),
     ("bw write 8 B, 64 QPs, message rate", "bw-write-qps64", "msg_rate_mpps", "Mpps", True,
      "tcp_8streams", 0.9, None, None),
 ]

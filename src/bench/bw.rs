@@ -91,6 +91,7 @@ fn plan_of(args: &BwArgs) -> Result<Plan> {
         tx_depth: args.tx_depth,
         commit_to_memory: c.commit_to_memory,
         qps: args.qps,
+        mpa_crc: !c.no_crc,
     })
 }
 

@@ -218,6 +218,11 @@ pub struct CommonArgs {
     /// server's msync). The client's choice; the server follows it.
     #[arg(long)]
     pub commit_to_memory: bool,
+    /// Userspace provider (MPA): do not ask for CRC32c on the wire (the
+    /// server follows the client). Kernel siw asks for none by default;
+    /// stag does, and on loopback the CRC is most of its per-byte cost.
+    #[arg(long)]
+    pub no_crc: bool,
     /// Address the server listens on (default 0.0.0.0; 127.0.0.1 with
     /// --loopback). libibverbs devices need the device's own address.
     #[arg(long)]
@@ -314,6 +319,9 @@ pub(crate) struct Plan {
     pub commit_to_memory: bool,
     /// Queue pairs (connections) the client drives at once (bandwidth).
     pub qps: u16,
+    /// Ask for MPA CRC (client side; the server follows the client's
+    /// request, as MPA lets a responder without its own wish do).
+    pub mpa_crc: bool,
 }
 
 impl Plan {
@@ -562,6 +570,7 @@ fn connect_options(plan: &Plan, private_data: Vec<u8>) -> ConnectOptions {
         private_data,
         responder_resources: RD_ATOMIC,
         initiator_depth: RD_ATOMIC,
+        crc: plan.mpa_crc,
         ..ConnectOptions::default()
     }
 }
@@ -892,6 +901,7 @@ pub(crate) fn accept_server(
         tx_depth: u32::from(hello.tx_depth).max(1),
         commit_to_memory: hello.commit_to_memory,
         qps: hello.qps.max(1),
+        mpa_crc: false,
     };
     let ep = accept_request(ctx, req, hello, &plan, blocking)?;
     info!(op = %op, sizes = ?plan.sizes, iters = plan.iters, qps = plan.qps, "client connected");
