@@ -714,7 +714,7 @@ mod tests {
         let mut s = Spinner::new(Progress::default());
         s.contended = || {
             static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-            N.fetch_add(1, Ordering::Relaxed) % 4 == 0
+            N.fetch_add(1, Ordering::Relaxed).is_multiple_of(4)
         };
         s.traffic(t0);
         assert!((0..CONTENTION_EVERY * 64).all(|_| s.polling(true, t0)));
