@@ -228,6 +228,24 @@ impl QueuePair {
     /// thread (which does not read the socket: input is for whoever polls,
     /// the device's engine when nobody does).
     pub fn post_send(&self, wr: SendWr) -> Result<(), DeviceError> {
+        self.post(wr, true)
+    }
+
+    /// One WR of a post list: queued and framed like
+    /// [`post_send`](Self::post_send), but written to the socket only at
+    /// the list's [`ring_doorbell`](Self::ring_doorbell) (or by whoever
+    /// drives the QP first), so that a list leaves in one write.
+    pub fn post_send_unrung(&self, wr: SendWr) -> Result<(), DeviceError> {
+        self.post(wr, false)
+    }
+
+    /// Write what [`post_send_unrung`](Self::post_send_unrung) queued.
+    pub fn ring_doorbell(&self) {
+        let mut io = self.shared.lock();
+        self.shared.drive_with(&mut io, false);
+    }
+
+    fn post(&self, wr: SendWr, ring: bool) -> Result<(), DeviceError> {
         let env = self.shared.env();
         let mut io = self.shared.lock();
         if io.conn.is_none() && io.errored_early {
@@ -245,7 +263,9 @@ impl QueuePair {
             return Err(DeviceError::InvalidState);
         };
         conn.post_send(wr, &env)?;
-        self.shared.drive_with(&mut io, false);
+        if ring {
+            self.shared.drive_with(&mut io, false);
+        }
         Ok(())
     }
 

@@ -214,6 +214,23 @@ impl Run {
     fn post(&mut self, ep: &Endpoint, q: usize, plan: &Plan, size: u32) -> Result<()> {
         let window = window(plan);
         let credited = consumes_recv(plan.op);
+        // The window's posts go as one list: one write to the socket on
+        // stag0, as an RNIC takes a list with one doorbell.
+        ep.open_list();
+        let filled = self.fill(ep, q, plan, size, window, credited);
+        let posted = ep.post_list();
+        filled.and(posted)
+    }
+
+    fn fill(
+        &mut self,
+        ep: &Endpoint,
+        q: usize,
+        plan: &Plan,
+        size: u32,
+        window: u32,
+        credited: bool,
+    ) -> Result<()> {
         while self.posted[q] < plan.iters
             && self.posted[q] - self.done[q] < window
             && (!credited || self.credits > 0)
@@ -281,6 +298,13 @@ fn measure(eps: &mut [Endpoint], plan: &Plan) -> Result<Vec<BwStats>> {
                     // in cq.wait; it fails on a stall itself).
                     let c = ep.next("waiting for completions")?;
                     run.complete(ep, q, op, &c)?;
+                    // And whatever else is there, so that the next refill
+                    // is a list rather than one WR.
+                    batch.clear();
+                    ep.reap(|c| batch.push(*c))?;
+                    for c in &batch {
+                        run.complete(ep, q, op, c)?;
+                    }
                 } else {
                     batch.clear();
                     ep.reap(|c| batch.push(*c))?;

@@ -20,6 +20,7 @@ pub mod lat;
 pub mod plot;
 pub mod stats;
 
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
@@ -484,6 +485,9 @@ pub(crate) struct Endpoint {
     stash: VecDeque<Completion>,
     batch: Vec<Completion>,
     durable: Option<PathBuf>,
+    /// While a post list is open ([`Endpoint::open_list`]), the WRs
+    /// [`Endpoint::post`] collects for it.
+    list: RefCell<Option<Vec<WorkRequest>>>,
     // Held so the PD outlives the QP and regions.
     _pd: ProtectionDomain,
 }
@@ -555,6 +559,7 @@ impl Buffers {
             stash: VecDeque::new(),
             batch: Vec::with_capacity(32),
             durable: self.durable,
+            list: RefCell::new(None),
             _pd: self.pd,
         }
     }
@@ -791,7 +796,32 @@ impl Endpoint {
             Some((off, len)) => vec![self.local.slice(off, len)?],
             None => Vec::new(),
         };
-        self.qp.post_send(WorkRequest::new(wr_id, op, slices))?;
+        let wr = WorkRequest::new(wr_id, op, slices);
+        if let Some(list) = self.list.borrow_mut().as_mut() {
+            list.push(wr);
+            return Ok(());
+        }
+        self.qp.post_send(wr)?;
+        Ok(())
+    }
+
+    /// Collect what [`post`](Self::post) is given until
+    /// [`post_list`](Self::post_list) posts it as one list (one doorbell),
+    /// as perftest's `-l` does.
+    pub fn open_list(&self) {
+        *self.list.borrow_mut() = Some(Vec::new());
+    }
+
+    /// Post the list [`open_list`](Self::open_list) started.
+    pub fn post_list(&self) -> Result<()> {
+        let Some(list) = self.list.borrow_mut().take() else {
+            return Ok(());
+        };
+        if !list.is_empty() {
+            self.qp
+                .post_send_list(list)
+                .map_err(|e| BenchError::from(e.source))?;
+        }
         Ok(())
     }
 }

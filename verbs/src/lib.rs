@@ -34,5 +34,7 @@ pub use device::{
 pub use error::{Error, Result};
 pub use mr::{Access, MemoryRegion, Slice};
 pub use provider::wr::{Remote, SendOp};
-pub use qp::{op_kind, EmulationCounters, PeerAtomics, QpCaps, QueuePair, WorkRequest};
+pub use qp::{
+    op_kind, EmulationCounters, PeerAtomics, PostListError, QpCaps, QueuePair, WorkRequest,
+};
 pub use srq::SharedReceiveQueue;

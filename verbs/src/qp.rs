@@ -8,7 +8,7 @@
 //! still touch.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -110,6 +110,17 @@ pub struct QueuePair {
     pub(crate) inner: Arc<QpInner>,
 }
 
+/// A post list stopped at a work request that failed.
+#[derive(Debug, thiserror::Error)]
+#[error("work request {posted} of the list failed: {source}")]
+pub struct PostListError {
+    /// Work requests of the list that were posted (they complete as usual).
+    pub posted: usize,
+    /// Why the next one failed.
+    #[source]
+    pub source: Error,
+}
+
 pub(crate) struct QpInner {
     ctx: Context,
     send_cq: CompletionQueue,
@@ -135,6 +146,9 @@ pub(crate) struct QpInner {
     cas_steps: AtomicU64,
     /// Posted WRs that wait for the responder (EmulationCounters).
     device_round_trips: AtomicU64,
+    /// Post lists in progress: while non-zero, native posts on the
+    /// userspace provider are framed but written at the list's end.
+    lists: AtomicUsize,
 }
 
 impl std::fmt::Debug for QpInner {
@@ -263,6 +277,7 @@ impl QpInner {
             flush_targets: Mutex::new(HashSet::new()),
             cas_steps: AtomicU64::new(0),
             device_round_trips: AtomicU64::new(0),
+            lists: AtomicUsize::new(0),
         })
     }
     fn token(&self) -> u64 {
@@ -300,7 +315,7 @@ impl QpInner {
     fn post_raw_to_device(&self, token: u64, op: SendOp, sges: &[Sge], fence: bool) -> Result<()> {
         match &self.backend {
             QpBackend::User(qp) => {
-                qp.post_send(provider::wr::SendWr {
+                let wr = provider::wr::SendWr {
                     wr_id: token,
                     op,
                     sg_list: sges.to_vec(),
@@ -308,7 +323,12 @@ impl QpInner {
                     // memory it keeps alive) is released by the completion.
                     signaled: true,
                     fence,
-                })?;
+                };
+                if self.lists.load(Ordering::Acquire) > 0 {
+                    qp.post_send_unrung(wr)?;
+                } else {
+                    qp.post_send(wr)?;
+                }
             }
             QpBackend::Ibv { qp, .. } => {
                 let mut flags = ibv::SendFlags::SIGNALED;
@@ -1181,6 +1201,37 @@ impl QueuePair {
     /// fails here with [`Error::Unsupported`].
     pub fn post_send(&self, wr: WorkRequest) -> Result<()> {
         self.inner.post_send(wr)
+    }
+
+    /// `ibv_post_send` with a list: posts `wrs` in order with one doorbell.
+    /// On the userspace provider the list's requests leave in one write to
+    /// the socket (posts by other threads meanwhile wait for it too); on a
+    /// libibverbs device each is posted as it comes. Stops at the first WR
+    /// that fails: those before it are posted and complete as usual, it and
+    /// the rest are not ([`PostListError::posted`] says how many were).
+    pub fn post_send_list(
+        &self,
+        wrs: impl IntoIterator<Item = WorkRequest>,
+    ) -> std::result::Result<(), PostListError> {
+        let inner = &self.inner;
+        inner.lists.fetch_add(1, Ordering::AcqRel);
+        let mut posted = 0;
+        let mut failed = None;
+        for wr in wrs {
+            if let Err(source) = inner.post_send(wr) {
+                failed = Some(source);
+                break;
+            }
+            posted += 1;
+        }
+        inner.lists.fetch_sub(1, Ordering::AcqRel);
+        if let QpBackend::User(qp) = &inner.backend {
+            qp.ring_doorbell();
+        }
+        match failed {
+            None => Ok(()),
+            Some(source) => Err(PostListError { posted, source }),
+        }
     }
 
     /// `ibv_post_recv`.

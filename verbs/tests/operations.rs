@@ -4,7 +4,9 @@
 mod common;
 
 use common::*;
-use verbs::{CompletionKind, OpKind, PostPath, SendOp, Support, WcStatus};
+use std::time::Duration;
+
+use verbs::{CompletionKind, OpKind, PostPath, SendOp, Support, WcStatus, WorkRequest};
 
 #[test]
 fn send_and_receive() {
@@ -768,4 +770,80 @@ fn atomic_write_takes_the_path_the_matrix_says() {
         Some(verbs::Emulation::CasLoop) => assert_eq!(delta, (0, 0, 10, 10), "{support}"),
         Some(_) => assert_eq!(delta, (5, 5, 0, 0), "{support}"),
     }
+}
+
+/// A post list leaves as the WRs would one by one: in order, each
+/// completing, the data in place; a WR that fails stops the list there,
+/// after the ones before it were posted.
+#[test]
+fn post_lists_post_in_order_and_stop_at_a_bad_work_request() {
+    let (c, s) = pair();
+    for i in 0..64u8 {
+        c.mr.write_at(usize::from(i) * 16, &[i; 16]).unwrap();
+    }
+    let writes = (0..64u64).map(|i| {
+        WorkRequest::new(
+            i,
+            SendOp::Write {
+                remote: s.mr.remote(8192 + i as usize * 16),
+            },
+            vec![c.mr.slice(i as usize * 16, 16).unwrap()],
+        )
+    });
+    c.qp.post_send_list(writes).unwrap();
+    for i in 0..64u64 {
+        let done = c.wait();
+        assert_eq!((done.wr_id, done.status), (i, WcStatus::Success));
+    }
+    // A Write's completion says it left; a Read behind it returns once the
+    // Writes before it are placed (RDMAP ordering).
+    c.post(
+        99,
+        SendOp::Read {
+            remote: s.mr.remote(8192),
+        },
+        &[(65536, 8)],
+    );
+    assert_eq!(c.wait().wr_id, 99);
+    for i in 0..64u8 {
+        assert_eq!(
+            s.mr.to_vec(8192 + usize::from(i) * 16, 16).unwrap(),
+            [i; 16]
+        );
+    }
+
+    // The second WR is an atomic with a 4-byte result buffer: refused at
+    // post; the first was posted, the third not.
+    let list = vec![
+        WorkRequest::new(
+            100,
+            SendOp::Write {
+                remote: s.mr.remote(0),
+            },
+            vec![c.mr.slice(0, 8).unwrap()],
+        ),
+        WorkRequest::new(
+            101,
+            SendOp::FetchAdd {
+                remote: s.mr.remote(64),
+                add: 1,
+                mask: 0,
+            },
+            vec![c.mr.slice(4096, 4).unwrap()],
+        ),
+        WorkRequest::new(
+            102,
+            SendOp::Write {
+                remote: s.mr.remote(0),
+            },
+            vec![c.mr.slice(0, 8).unwrap()],
+        ),
+    ];
+    let err = c.qp.post_send_list(list).unwrap_err();
+    assert_eq!(err.posted, 1, "{err}");
+    assert_eq!(c.wait().wr_id, 100);
+    assert!(
+        c.cq.poll_one(Duration::from_millis(200)).unwrap().is_none(),
+        "only the first WR was posted"
+    );
 }
