@@ -599,8 +599,10 @@ fn inline_advance(sh: &QpShared, used: usize) {
     }
 }
 
-/// Post one request to the RNIC, taking care of inline data.
-fn post_one(sh: &QpShared, p: PendingWr) -> Result<(), c_int> {
+/// Post one request to the RNIC, taking care of inline data. Unless
+/// `ring`, it is framed but written at the caller's
+/// `ring_doorbell` (one write for a chain or an `ibv_wr_*` batch).
+fn post_one(sh: &QpShared, p: PendingWr, ring: bool) -> Result<(), c_int> {
     let signaled = sh.sq_sig_all || p.flags & IBV_SEND_SIGNALED != 0;
     let fence = p.flags & IBV_SEND_FENCE != 0;
     let (sg_list, slot) = match (&p.inline, p.flags & IBV_SEND_INLINE != 0) {
@@ -631,7 +633,12 @@ fn post_one(sh: &QpShared, p: PendingWr) -> Result<(), c_int> {
         signaled,
         fence,
     };
-    match sh.prov.post_send(wr) {
+    let posted = if ring {
+        sh.prov.post_send(wr)
+    } else {
+        sh.prov.post_send_unrung(wr)
+    };
+    match posted {
         Ok(()) => {
             if let Some(n) = slot {
                 inline_advance(sh, n);
@@ -762,14 +769,22 @@ pub(crate) unsafe extern "C" fn post_send(
         let Some(sh) = (unsafe { shared(qp) }) else {
             return libc::EINVAL;
         };
+        // A lone WR leaves as it is posted; a chain's (those before a
+        // failing one) leave together at the end.
+        // SAFETY: a non-null `wr` is the caller's valid chain head.
+        let lone = wr.is_null() || unsafe { (*wr).next.is_null() };
         // SAFETY: the caller's chain and out pointer.
-        unsafe {
+        let rc = unsafe {
             post_chain(wr, bad, |w| {
                 posting_allowed(sh)
                     .and_then(|()| translate(w))
-                    .and_then(|p| post_one(sh, p))
+                    .and_then(|p| post_one(sh, p, lone))
             })
+        };
+        if !lone {
+            sh.prov.ring_doorbell();
         }
+        rc
     })
 }
 
@@ -867,12 +882,15 @@ impl QpShared {
         if let Err(e) = posting_allowed(self) {
             return e;
         }
+        let mut rc = 0;
         for w in wrs {
-            if let Err(e) = post_one(self, w) {
-                return e;
+            if let Err(e) = post_one(self, w, false) {
+                rc = e;
+                break;
             }
         }
-        0
+        self.prov.ring_doorbell();
+        rc
     }
 
     /// `wr_abort`: drop the batch.
@@ -896,6 +914,7 @@ impl QpShared {
                 sges,
                 inline: None,
             },
+            true,
         ) {
             Ok(()) => 0,
             Err(e) => e,
