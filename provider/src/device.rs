@@ -7,7 +7,7 @@
 //! [`Progress`] mode.
 
 use std::io::{ErrorKind, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use crate::cq::CompletionQueue;
 use crate::driver::QpShared;
 use crate::engine::{Engine, Progress};
+pub use crate::listener::Listener;
 use crate::mem::{Access, MrTable, PdId, RegisterError};
 use crate::qp::{Connection, Event, PostError, QpCaps, QpState};
 use crate::setup::{Answer, Initiator, MpaParams, Negotiated, Request};
@@ -49,6 +50,9 @@ pub enum DeviceError {
     /// epoll/eventfd failed.
     #[error("system: {0}")]
     Sys(#[from] nix::Error),
+    /// The listener was shut down.
+    #[error("listener shut down")]
+    ListenerClosed,
 }
 
 /// How long connection setup may take before it fails.
@@ -426,43 +430,6 @@ fn read_until<T>(
     }
 }
 
-/// A passive endpoint: accepts TCP connections and reads their MPA
-/// Requests.
-#[derive(Debug)]
-pub struct Listener {
-    tcp: TcpListener,
-}
-
-impl Listener {
-    /// Listen on `addr` (port 0 picks one).
-    pub fn bind(addr: impl ToSocketAddrs) -> Result<Listener, DeviceError> {
-        Ok(Listener {
-            tcp: TcpListener::bind(addr)?,
-        })
-    }
-
-    /// The bound address.
-    pub fn local_addr(&self) -> Result<SocketAddr, DeviceError> {
-        Ok(self.tcp.local_addr()?)
-    }
-
-    /// Wait for a connection and its MPA Request.
-    pub fn accept(&self) -> Result<ConnRequest, DeviceError> {
-        let (mut sock, peer) = self.tcp.accept()?;
-        sock.set_nodelay(true)?;
-        let mut reader = Request::reader();
-        let (request, leftover) = read_until(&mut sock, |input| {
-            Ok(reader.read(input)?.map(|r| Request::from_repr(&r)))
-        })?;
-        Ok(ConnRequest {
-            sock,
-            peer,
-            request,
-            leftover,
-        })
-    }
-}
-
 /// A connection request waiting for the application's decision.
 #[derive(Debug)]
 pub struct ConnRequest {
@@ -473,6 +440,22 @@ pub struct ConnRequest {
 }
 
 impl ConnRequest {
+    /// A request read whole from `sock` (blocking), with the stream bytes
+    /// that followed it.
+    pub(crate) fn new(
+        sock: TcpStream,
+        peer: SocketAddr,
+        request: Request,
+        leftover: Vec<u8>,
+    ) -> ConnRequest {
+        ConnRequest {
+            sock,
+            peer,
+            request,
+            leftover,
+        }
+    }
+
     /// The initiator's address.
     pub fn peer_addr(&self) -> SocketAddr {
         self.peer

@@ -38,6 +38,7 @@ pub(crate) fn of_device(e: &DeviceError) -> i32 {
         DeviceError::Post(p) => of_post(p),
         DeviceError::Register(_) => libc::EINVAL,
         DeviceError::Sys(errno) => *errno as i32,
+        DeviceError::ListenerClosed => libc::EINVAL,
     }
 }
 

@@ -42,6 +42,7 @@ pub(crate) fn errno_of(e: &DeviceError) -> i32 {
         DeviceError::InvalidState => libc::EINVAL,
         DeviceError::Post(_) | DeviceError::Register(_) => libc::EINVAL,
         DeviceError::Sys(e) => *e as i32,
+        DeviceError::ListenerClosed => libc::EINVAL,
     }
 }
 

@@ -1,14 +1,15 @@
-//! Listening ids: a thread per id accepts TCP connections, reads their MPA
-//! Requests and queues CONNECT_REQUEST events carrying them; the child id
-//! is made when the application takes the event.
+//! Listening ids: a thread per id takes the connections whose MPA Request
+//! the provider's listener has read whole and queues CONNECT_REQUEST events
+//! carrying them; the child id is made when the application takes the
+//! event.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use provider::device::{DeviceError, Listener};
+use provider::device::Listener;
 use provider::wire::mpa::IRD_ORD_NO_NEGOTIATION;
 use tracing::debug;
 
@@ -19,37 +20,21 @@ use super::id::{Id, Op, Phase};
 use super::CmResult;
 use crate::ffi;
 
-/// Threads accepting on one listening id. `Listener::accept` reads the
-/// MPA Request before it returns, so one peer slow to send it would hold
-/// up every connection behind it on a single thread.
-const ACCEPTORS: usize = 4;
-
-/// A running listener; dropping it stops the threads and closes the port.
+/// A running listener; dropping it stops its thread and closes the port.
 #[derive(Debug)]
 pub(crate) struct ListenHandle {
     stop: Arc<AtomicBool>,
-    wake: SocketAddr,
-    threads: usize,
+    listener: Arc<Listener>,
     done: mpsc::Receiver<()>,
 }
 
 impl Drop for ListenHandle {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // The threads sit in accept(2): a connection that closes at once
-        // wakes one.
-        for _ in 0..self.threads {
-            let _ = TcpStream::connect_timeout(&self.wake, Duration::from_millis(500));
-        }
-        let deadline = std::time::Instant::now() + Duration::from_secs(2);
-        for _ in 0..self.threads {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            if self.done.recv_timeout(left).is_err() {
-                // One is still reading a slow peer's MPA Request; it stops
-                // (and the port closes) when that ends.
-                debug!(addr = %self.wake, "rdma_cm: a listener thread is still reading a peer");
-                break;
-            }
+        // The port closes and the thread's accept returns.
+        self.listener.shutdown();
+        if self.done.recv_timeout(Duration::from_secs(2)).is_err() {
+            debug!("rdma_cm: the listener thread did not stop within 2 s");
         }
     }
 }
@@ -72,44 +57,31 @@ pub(crate) fn listen(id: &Arc<Id>) -> CmResult<()> {
     };
     let listener = Listener::bind(addr).map_err(|e| errno_of(&e))?;
     let local = listener.local_addr().map_err(|e| errno_of(&e))?;
-    let wake = SocketAddr::new(
-        match local.ip() {
-            IpAddr::V4(a) if a.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
-            IpAddr::V6(a) if a.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
-            ip => ip,
-        },
-        local.port(),
-    );
     let stop = Arc::new(AtomicBool::new(false));
     let (done_tx, done) = mpsc::channel();
     let listener = Arc::new(listener);
-    let mut handle = ListenHandle {
-        stop: stop.clone(),
-        wake,
-        threads: 0,
-        done,
-    };
-    for i in 0..ACCEPTORS {
-        let (listener, weak, stop, done_tx) = (
-            listener.clone(),
-            Arc::downgrade(id),
-            stop.clone(),
-            done_tx.clone(),
-        );
-        let spawned = std::thread::Builder::new()
-            .name(format!("stag-cm-listen-{}-{i}", local.port()))
+    // One thread suffices: the listener reads MPA Requests in the
+    // background and hands over only whole ones, so no peer holds up
+    // another.
+    let spawned = {
+        let (listener, weak, stop) = (listener.clone(), Arc::downgrade(id), stop.clone());
+        std::thread::Builder::new()
+            .name(format!("stag-cm-listen-{}", local.port()))
             .spawn(move || {
                 run(&listener, local, &weak, &stop);
                 drop(listener);
                 let _ = done_tx.send(());
-            });
-        match spawned {
-            Ok(_) => handle.threads += 1,
-            Err(_) if handle.threads > 0 => break,
-            Err(_) => return Err(libc::EAGAIN),
-        }
+            })
+    };
+    if spawned.is_err() {
+        return Err(libc::EAGAIN);
     }
-    debug!(%local, threads = handle.threads, "rdma_cm: listening");
+    let handle = ListenHandle {
+        stop,
+        listener,
+        done,
+    };
+    debug!(%local, "rdma_cm: listening");
     st.listener = Some(handle);
     st.src = Some(local);
     st.phase = Phase::Listening;
@@ -136,16 +108,11 @@ fn run(listener: &Listener, local: SocketAddr, id: &Weak<Id>, stop: &AtomicBool)
         }
         let req = match r {
             Ok(req) => req,
-            Err(DeviceError::Io(e)) if is_transient(&e) => {
-                debug!(error = %e, "rdma_cm: accept failed; retrying");
-                std::thread::sleep(Duration::from_millis(20));
-                continue;
-            }
             Err(e) => {
-                // A peer that closed, timed out or spoke no MPA: its
-                // business, not the listener's.
-                debug!(error = %e, "rdma_cm: incoming connection dropped before its MPA Request");
-                continue;
+                // Peers that close, time out or speak no MPA never reach
+                // here; this is the listener's own end.
+                debug!(error = %e, "rdma_cm: listener ended");
+                return;
             }
         };
         let Some(id) = id.upgrade() else { return };
@@ -176,11 +143,4 @@ fn run(listener: &Listener, local: SocketAddr, id: &Weak<Id>, stop: &AtomicBool)
             return;
         }
     }
-}
-
-fn is_transient(e: &std::io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM | libc::EINTR)
-    )
 }
