@@ -112,16 +112,11 @@ impl From<&provider::wr::WorkCompletion> for RawCompletion {
     }
 }
 
-/// libibverbs status codes (same values as `enum ibv_wc_status`).
-fn status_from_ibv(raw: u32) -> WcStatus {
-    WcStatus::from_raw(raw)
-}
-
 impl From<&ibv::WorkCompletion> for RawCompletion {
     fn from(wc: &ibv::WorkCompletion) -> Self {
         RawCompletion {
             token: wc.wr_id,
-            status: status_from_ibv(wc.raw_status),
+            status: wc.status,
             byte_len: wc.byte_len,
             imm: wc.imm.map(u64::from),
             qp_num: wc.qp_num,
