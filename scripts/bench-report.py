@@ -294,10 +294,10 @@ md = [
     "| test | progress | stag | floor | floor value | stag/floor | target | met | cores | UCX (tcp) | libfabric (tcp) |",
     "| --- | --- | ---: | --- | ---: | ---: | --- | --- | ---: | ---: | ---: |",
 ]
+MET = {True: "met", False: "**missed**", None: "n/a"}
 for row in rows:
     unit = row["unit"]
-    met = {True: "met", False: "**missed**", None: "n/a"}[row["met"]]
-    ucx_na = "n/a" if row["ucx"] is None else None
+    met = MET[row["met"]]
     md.append(
         f"| {row['test']} [{unit}] | {row['progress']} | {fmt_agg(row['stag'], unit)} | "
         f"{row['floor_label']} | {fmt_agg(row['floor_value'], unit)} | "
@@ -315,7 +315,7 @@ for key, label, unit in [
 ]:
     c = c_check[key]
     check = next(x for x in check_rows if x["floor"] == key)
-    met = {True: "met", False: "**missed**", None: "n/a"}[check["within_3pct"]]
+    met = MET[check["within_3pct"]]
     md.append(
         f"| {label} [{unit}] | — | {fmt_agg(floor_raw[key], unit)} (stag floor) | plain C "
         f"(scripts/floor_check.c) | {fmt_agg(c, unit)} | {fmt(check['paired_ratio'])} (paired) | "
