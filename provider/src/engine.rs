@@ -423,7 +423,7 @@ impl Spinner {
     /// drives any QP.
     fn polling(&mut self, owns_qps: bool, now: Instant) -> bool {
         if !owns_qps {
-            self.close(now);
+            self.close();
             return false;
         }
         match self.progress {
@@ -443,7 +443,7 @@ impl Spinner {
                     true
                 }
                 Some(_) => {
-                    self.close(now);
+                    self.close();
                     false
                 }
                 None => false,
@@ -483,7 +483,7 @@ impl Spinner {
 
     /// The window ends: shrink it if the engine was preempted while
     /// polling (its core is wanted elsewhere), grow it back otherwise.
-    fn close(&mut self, _now: Instant) {
+    fn close(&mut self) {
         let Progress::Adaptive { spin } = self.progress else {
             return;
         };

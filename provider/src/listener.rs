@@ -167,8 +167,8 @@ struct Handshakes {
 enum Step {
     /// More octets are needed.
     Waiting,
-    /// The Request is whole: hand it over.
-    Done(ConnRequest),
+    /// The Request is whole, with the stream octets that followed it.
+    Done(Request, Vec<u8>),
     /// Drop the connection, for this reason.
     Drop(String),
 }
@@ -220,7 +220,19 @@ impl Handshakes {
                 i += 1;
                 match step {
                     Step::Waiting => kept.push_back(h),
-                    Step::Done(req) => self.hand_over(req),
+                    Step::Done(request, leftover) => {
+                        // The reply is written and the stream started with
+                        // blocking calls, as on a connection the
+                        // application made itself.
+                        match h.sock.set_nonblocking(false) {
+                            Ok(()) => {
+                                self.hand_over(ConnRequest::new(h.sock, h.peer, request, leftover))
+                            }
+                            Err(e) => {
+                                debug!(peer = %h.peer, error = %e, "dropping a connection after its MPA Request");
+                            }
+                        }
+                    }
                     Step::Drop(why) => {
                         debug!(peer = %h.peer, local = %self.local, "dropping a connection before its MPA Request: {why}");
                     }
@@ -285,17 +297,7 @@ impl Handshakes {
                 Ok(None) => continue,
                 Err(e) => return Step::Drop(format!("not an MPA Request: {e}")),
             };
-            let leftover = input.to_vec();
-            let sock = match h.sock.try_clone() {
-                Ok(s) => s,
-                Err(e) => return Step::Drop(e.to_string()),
-            };
-            // The reply is written and the stream started with blocking
-            // calls, as on a connection the application made itself.
-            if let Err(e) = sock.set_nonblocking(false) {
-                return Step::Drop(e.to_string());
-            }
-            return Step::Done(ConnRequest::new(sock, h.peer, request, leftover));
+            return Step::Done(request, input.to_vec());
         }
     }
 
