@@ -1,5 +1,8 @@
-//! Owned memory for registration: anonymous page-aligned mappings, or
-//! file-backed shared mappings whose bytes a Commit makes durable.
+//! Owned memory for registration: anonymous page-aligned mappings,
+//! file-backed shared mappings whose bytes a Commit makes durable, or
+//! memory the application already had (a `Box<[u8]>`/`Vec<u8>`, or a
+//! `memmap2::MmapMut` such as a huge-page mapping), given back whole by
+//! [`Region::into_owned`].
 //!
 //! A registered region is shared with the device, which writes it whenever
 //! a peer's message lands, so safe code never gets a `&mut [u8]` to it:
@@ -13,11 +16,49 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use memmap2::{MmapMut, MmapOptions};
 
-/// An owned mapping.
+/// Owned memory for registration.
 #[derive(Debug)]
 pub struct Region {
-    map: MmapMut,
+    memory: Memory,
     file: Option<File>,
+}
+
+#[derive(Debug)]
+enum Memory {
+    Map(MmapMut),
+    /// An application's heap buffer, held as a raw pointer from
+    /// `Box::into_raw` so that no `Box` asserts unique access while the
+    /// device writes it; rebuilt into the `Box` on the way out.
+    Heap {
+        ptr: NonNull<u8>,
+        len: usize,
+    },
+}
+
+// SAFETY: `Heap` owns its allocation exactly as the `Box` it came from
+// did, and every access through a shared `Region` is a raw copy or an
+// atomic, as for the mapping.
+unsafe impl Send for Memory {}
+// SAFETY: as above.
+unsafe impl Sync for Memory {}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        if let Memory::Heap { ptr, len } = *self {
+            // SAFETY: ptr/len came from `Box::<[u8]>::into_raw` in
+            // `Region::from_boxed` and are dropped once, here.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr.as_ptr(), len)) });
+        }
+    }
+}
+
+/// Memory given back by [`Region::into_owned`], as it was registered.
+#[derive(Debug)]
+pub enum Owned {
+    /// A mapping (anonymous, file-backed or the application's).
+    Mmap(MmapMut),
+    /// A heap buffer.
+    Boxed(Box<[u8]>),
 }
 
 /// Out-of-range or misaligned access to a [`Region`].
@@ -42,7 +83,52 @@ impl Region {
     /// `len` zeroed bytes, page-aligned.
     pub fn anonymous(len: usize) -> std::io::Result<Region> {
         let map = MmapOptions::new().len(len.max(1)).map_anon()?;
-        Ok(Region { map, file: None })
+        Ok(Region {
+            memory: Memory::Map(map),
+            file: None,
+        })
+    }
+
+    /// An application's mapping (e.g. huge pages), registered as it is.
+    pub fn from_mmap(map: MmapMut) -> Region {
+        Region {
+            memory: Memory::Map(map),
+            file: None,
+        }
+    }
+
+    /// An application's heap buffer (`Vec<u8>` via `into_boxed_slice`).
+    /// Its bytes are kept; an empty buffer is refused.
+    pub fn from_boxed(buf: Box<[u8]>) -> Result<Region, Box<[u8]>> {
+        if buf.is_empty() {
+            return Err(buf);
+        }
+        let len = buf.len();
+        let raw = Box::into_raw(buf).cast::<u8>();
+        // A non-empty boxed slice's pointer is never null.
+        let ptr = NonNull::new(raw).unwrap_or(NonNull::dangling());
+        Ok(Region {
+            memory: Memory::Heap { ptr, len },
+            file: None,
+        })
+    }
+
+    /// The memory back, as it was registered (bytes as the device left
+    /// them).
+    pub fn into_owned(self) -> Owned {
+        let Region { memory, file } = self;
+        drop(file);
+        let memory = std::mem::ManuallyDrop::new(memory);
+        match &*memory {
+            // SAFETY: the map is moved out of a ManuallyDrop that is never
+            // used again, so it is dropped once, by the caller.
+            Memory::Map(map) => Owned::Mmap(unsafe { std::ptr::read(map) }),
+            // SAFETY: ptr/len came from `Box::into_raw`; `memory` is never
+            // dropped, so the allocation has this one owner again.
+            Memory::Heap { ptr, len } => Owned::Boxed(unsafe {
+                Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr.as_ptr(), *len))
+            }),
+        }
     }
 
     /// A shared mapping of `len` bytes of the file at `path` (created and
@@ -62,7 +148,7 @@ impl Region {
         // and every access here goes through raw copies, never references.
         let map = unsafe { MmapOptions::new().len(len.max(1)).map_mut(&file)? };
         Ok(Region {
-            map,
+            memory: Memory::Map(map),
             file: Some(file),
         })
     }
@@ -74,18 +160,24 @@ impl Region {
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.map.len()
+        match &self.memory {
+            Memory::Map(m) => m.len(),
+            Memory::Heap { len, .. } => *len,
+        }
     }
 
     /// Whether it is empty (never: mappings have at least one byte).
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.len() == 0
     }
 
     /// The first byte, for registration.
     pub fn as_ptr(&self) -> NonNull<u8> {
-        // A mapping's pointer is never null.
-        NonNull::new(self.map.as_ptr() as *mut u8).unwrap_or(NonNull::dangling())
+        match &self.memory {
+            // A mapping's pointer is never null.
+            Memory::Map(m) => NonNull::new(m.as_ptr() as *mut u8).unwrap_or(NonNull::dangling()),
+            Memory::Heap { ptr, .. } => *ptr,
+        }
     }
 
     /// The address SGEs and peers use for byte `offset`.
@@ -142,11 +234,13 @@ impl Region {
 
     fn word(&self, offset: usize) -> Result<&AtomicU64, RegionError> {
         self.check(offset, 8)?;
-        if !offset.is_multiple_of(8) {
+        // The address, not the offset: a heap buffer need not start on an
+        // 8-byte boundary.
+        if !self.addr(offset).is_multiple_of(8) {
             return Err(RegionError::Misaligned(offset));
         }
-        // SAFETY: in bounds, 8-byte aligned (mappings are page-aligned), and
-        // the device accesses such words only atomically.
+        // SAFETY: in bounds, 8-byte aligned, and the device accesses such
+        // words only atomically.
         Ok(unsafe { AtomicU64::from_ptr(self.as_ptr().as_ptr().add(offset).cast::<u64>()) })
     }
 
@@ -191,12 +285,34 @@ impl Region {
         len: usize,
     ) -> Result<std::io::Result<()>, RegionError> {
         self.check(offset, len)?;
-        Ok(self.map.flush_range(offset, len))
+        Ok(match &self.memory {
+            Memory::Map(m) => m.flush_range(offset, len),
+            Memory::Heap { .. } => Ok(()),
+        })
     }
 
     /// msync the whole region (durable regions) to its file.
     pub fn sync(&self) -> std::io::Result<()> {
-        self.map.flush()
+        match &self.memory {
+            Memory::Map(m) => m.flush(),
+            Memory::Heap { .. } => Ok(()),
+        }
+    }
+
+    /// The bytes as atomics: a zero-copy view that stays sound while the
+    /// device (or a peer's RDMA) writes them. Plain `&[u8]` would not be:
+    /// the compiler may assume a shared slice does not change.
+    pub fn as_atomic_bytes(&self) -> &[std::sync::atomic::AtomicU8] {
+        // SAFETY: `len` bytes from `as_ptr` are owned by self for its
+        // lifetime; AtomicU8 has the size and alignment of u8, and every
+        // other access to them (copies, the device) tolerates concurrent
+        // atomic byte access.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.as_ptr().as_ptr().cast::<std::sync::atomic::AtomicU8>(),
+                self.len(),
+            )
+        }
     }
 }
 
@@ -221,6 +337,41 @@ mod tests {
         r.store_u64(8, 42).unwrap();
         assert_eq!(r.load_u64(8), Ok(42));
         assert_eq!(r.load_u64(4), Err(RegionError::Misaligned(4)));
+    }
+
+    #[test]
+    fn application_memory_is_used_in_place_and_given_back() {
+        let mut v = vec![0u8; 100];
+        v[3] = 7;
+        let addr = v.as_ptr() as u64;
+        let r = Region::from_boxed(v.into_boxed_slice()).unwrap();
+        assert_eq!(r.addr(0), addr, "registered where it lives, not copied");
+        assert_eq!(r.to_vec(3, 1).unwrap(), [7]);
+        r.write_at(10, b"xy").unwrap();
+        let atoms = r.as_atomic_bytes();
+        assert_eq!(atoms[11].load(Ordering::Relaxed), b'y');
+        // Word access follows the address's alignment, not the offset's.
+        let aligned = (0..8).find(|o| (addr + o).is_multiple_of(8)).unwrap() as usize;
+        r.store_u64(aligned, 5).unwrap();
+        if aligned != 0 {
+            assert_eq!(r.load_u64(0), Err(RegionError::Misaligned(0)));
+        }
+        match r.into_owned() {
+            Owned::Boxed(b) => {
+                assert_eq!(b.len(), 100);
+                assert_eq!(&b[10..12], b"xy");
+                assert_eq!(b.as_ptr() as u64, addr);
+            }
+            other => panic!("got {other:?}"),
+        }
+        assert!(Region::from_boxed(Box::new([])).is_err());
+        let map = MmapOptions::new().len(4096).map_anon().unwrap();
+        let r = Region::from_mmap(map);
+        r.write_at(0, b"m").unwrap();
+        match r.into_owned() {
+            Owned::Mmap(m) => assert_eq!(m[0], b'm'),
+            other => panic!("got {other:?}"),
+        }
     }
 
     #[test]

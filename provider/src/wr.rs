@@ -112,6 +112,109 @@ pub enum SendOp {
     },
 }
 
+/// One constructor per operation, so that a plain atomic and its masked
+/// form cannot be confused (a plain FetchAdd has a zero Add Mask, a plain
+/// CmpSwap all-ones masks).
+impl SendOp {
+    /// Send.
+    pub const fn send() -> SendOp {
+        SendOp::Send {
+            solicited: false,
+            invalidate: None,
+        }
+    }
+    /// Send with Solicited Event.
+    pub const fn send_solicited() -> SendOp {
+        SendOp::Send {
+            solicited: true,
+            invalidate: None,
+        }
+    }
+    /// Send with Invalidate of the peer's `rkey`.
+    pub const fn send_invalidate(rkey: u32) -> SendOp {
+        SendOp::Send {
+            solicited: false,
+            invalidate: Some(rkey),
+        }
+    }
+    /// RDMA Write.
+    pub const fn write(remote: Remote) -> SendOp {
+        SendOp::Write { remote }
+    }
+    /// RDMA Write with 8-byte Immediate Data.
+    pub const fn write_imm(remote: Remote, imm: u64) -> SendOp {
+        SendOp::WriteImm { remote, imm }
+    }
+    /// RDMA Read.
+    pub const fn read(remote: Remote) -> SendOp {
+        SendOp::Read { remote }
+    }
+    /// 8-byte Immediate Data.
+    pub const fn imm(imm: u64) -> SendOp {
+        SendOp::Imm {
+            imm,
+            solicited: false,
+        }
+    }
+    /// 8-byte Immediate Data with Solicited Event.
+    pub const fn imm_solicited(imm: u64) -> SendOp {
+        SendOp::Imm {
+            imm,
+            solicited: true,
+        }
+    }
+    /// 64-bit FetchAdd.
+    pub const fn fetch_add(remote: Remote, add: u64) -> SendOp {
+        SendOp::FetchAdd {
+            remote,
+            add,
+            mask: 0,
+        }
+    }
+    /// RFC 7306 masked FetchAdd.
+    pub const fn masked_fetch_add(remote: Remote, add: u64, mask: u64) -> SendOp {
+        SendOp::FetchAdd { remote, add, mask }
+    }
+    /// 64-bit CmpSwap.
+    pub const fn cmp_swap(remote: Remote, compare: u64, swap: u64) -> SendOp {
+        SendOp::CmpSwap {
+            remote,
+            compare,
+            compare_mask: u64::MAX,
+            swap,
+            swap_mask: u64::MAX,
+        }
+    }
+    /// RFC 7306 masked CmpSwap.
+    pub const fn masked_cmp_swap(
+        remote: Remote,
+        compare: u64,
+        compare_mask: u64,
+        swap: u64,
+        swap_mask: u64,
+    ) -> SendOp {
+        SendOp::CmpSwap {
+            remote,
+            compare,
+            compare_mask,
+            swap,
+            swap_mask,
+        }
+    }
+    /// Swap.
+    pub const fn swap(remote: Remote, swap: u64) -> SendOp {
+        SendOp::Swap { remote, swap }
+    }
+    /// RDMA Commit of `len` bytes at `remote`.
+    pub const fn commit(remote: Remote, len: u32) -> SendOp {
+        SendOp::Commit { remote, len }
+    }
+    /// 64-bit Atomic Write.
+    pub const fn atomic_write(remote: Remote, value: u64) -> SendOp {
+        SendOp::AtomicWrite { remote, value }
+    }
+}
+
 impl SendOp {
     /// Whether the operation consumes ORD credit (it waits for a response).
     pub fn needs_response(&self) -> bool {

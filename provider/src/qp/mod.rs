@@ -200,6 +200,9 @@ struct InFlight {
     vendor_err: u32,
     /// Responses only: which request this is.
     req_id: u32,
+    /// Its last octet is the `tx_mark`-th ever queued: it completes once
+    /// that much was written (its buffer may be reused after that only).
+    tx_mark: u64,
 }
 
 /// The send queue's progress on the WR at its head.
@@ -552,8 +555,13 @@ impl Connection {
     /// Move finished WRs from the head of `in_flight` to the completion
     /// queue, in posting order.
     fn deliver_completions(&mut self) {
+        let written = self.tx.written_total();
         while let Some(head) = self.in_flight.front() {
             let Some(status) = head.status else { break };
+            if head.tx_mark > written {
+                // Still to be read from its buffer by `writev`.
+                break;
+            }
             let Some(head) = self.in_flight.pop_front() else {
                 break;
             };

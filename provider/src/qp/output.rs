@@ -71,6 +71,13 @@ pub(super) struct TxQueue {
     front_done: usize,
     /// Octets queued and not yet written.
     queued: usize,
+    /// Octets ever queued, and ever written (or dropped by `clear`): a
+    /// send WR completes once `written_total` passes its last octet, so
+    /// its buffer is not reused while `writev` may still read it.
+    queued_total: u64,
+    written_total: u64,
+    /// Queued pieces read from registered memory at write time.
+    gathered: usize,
 }
 
 impl TxQueue {
@@ -95,6 +102,25 @@ impl TxQueue {
         self.pieces.clear();
         self.front_done = 0;
         self.queued = 0;
+        self.written_total = self.queued_total;
+        self.gathered = 0;
+    }
+
+    /// Octets ever queued (the mark a WR's completion waits for).
+    pub(super) fn queued_total(&self) -> u64 {
+        self.queued_total
+    }
+
+    /// Octets ever written.
+    pub(super) fn written_total(&self) -> u64 {
+        self.written_total
+    }
+
+    /// Whether a queued payload is still to be read from registered
+    /// memory (then nothing may change that memory first: its CRC was
+    /// computed over what is there now).
+    pub(super) fn has_gathered(&self) -> bool {
+        self.gathered > 0
     }
 
     /// The octets appended to `bytes` since `start` are output.
@@ -104,6 +130,7 @@ impl TxQueue {
             return;
         }
         self.queued += end - start;
+        self.queued_total += (end - start) as u64;
         // Contiguous with the previous run (a trailer and the next
         // header): one iovec.
         if let Some(Piece::Bytes { end: last, .. }) = self.pieces.back_mut() {
@@ -122,6 +149,10 @@ impl TxQueue {
             return;
         }
         self.queued += n;
+        self.queued_total += n as u64;
+        if matches!(piece, Piece::Local { .. } | Piece::Remote { .. }) {
+            self.gathered += 1;
+        }
         self.pieces.push_back(piece);
     }
 
@@ -169,6 +200,7 @@ impl TxQueue {
 
     /// `n` octets from the front were written.
     fn consume(&mut self, mut n: usize) {
+        self.written_total += n.min(self.queued) as u64;
         self.queued -= n.min(self.queued);
         while n > 0 {
             let Some(front) = self.pieces.front() else {
@@ -181,11 +213,14 @@ impl TxQueue {
             }
             n -= left;
             self.front_done = 0;
-            self.pieces.pop_front();
+            if let Some(Piece::Local { .. } | Piece::Remote { .. }) = self.pieces.pop_front() {
+                self.gathered -= 1;
+            }
         }
         if self.pieces.is_empty() {
             self.bytes.clear();
             self.queued = 0;
+            self.gathered = 0;
         }
     }
 }

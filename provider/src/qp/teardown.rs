@@ -70,6 +70,7 @@ impl Connection {
                 byte_len: 0,
                 vendor_err: pack_cause(cause),
                 req_id: 0,
+                tx_mark: 0,
             });
         }
         self.fail_stream();
@@ -79,10 +80,14 @@ impl Connection {
     /// rest with `IBV_WC_WR_FLUSH_ERR`, each exactly once. Owed responses
     /// and commits not yet performed are dropped.
     pub(super) fn flush(&mut self) {
+        let written = self.tx.written_total();
         for f in self.in_flight.iter_mut() {
-            if f.status.is_none() {
+            // A Send or Write whose octets did not all reach the socket did
+            // not happen as far as anyone can tell: flushed too.
+            if f.status.is_none() || f.tx_mark > written {
                 f.status = Some(WcStatus::WrFlushErr);
             }
+            f.tx_mark = 0;
         }
         self.deliver_completions();
         while let Some(wr) = self.sq.pop_front() {

@@ -383,3 +383,154 @@ fn gathered_output_survives_partial_writes_byte_for_byte() {
         ]
     ));
 }
+
+/// Drain `c`'s output through `write_transmit` in `chunk`-octet writes,
+/// checking after each that no send completed before its octets left.
+fn write_out(c: &mut Connection, mem: &MrTable, chunk: usize, out: &mut Vec<u8>) {
+    let env = Env { mem, srq: None };
+    while c.has_queued_tx() || c.prepare_transmit(&env, 1 << 20) {
+        c.write_transmit(&env, |iov| {
+            let mut n = 0;
+            for s in iov {
+                let take = s.len().min(chunk - n);
+                out.extend_from_slice(&s[..take]);
+                n += take;
+                if n == chunk {
+                    break;
+                }
+            }
+            Ok(n)
+        })
+        .expect("write");
+    }
+}
+
+/// A Write's buffer is read by `writev`, after framing: its completion
+/// (which lets the application reuse the buffer) waits until the socket
+/// took the last octet.
+#[test]
+fn a_write_completes_only_after_its_octets_were_written() {
+    let mem = MrTable::new();
+    let (src, va) = region(&mem, 100_000, Access::LOCAL_WRITE);
+    let (mut a, _) = pair(None);
+    let env = Env {
+        mem: &mem,
+        srq: None,
+    };
+    a.post_send(
+        SendWr {
+            wr_id: 5,
+            op: SendOp::Write {
+                remote: Remote {
+                    addr: 0x1000,
+                    rkey: 0x42,
+                },
+            },
+            sg_list: vec![Sge {
+                addr: va,
+                length: 100_000,
+                lkey: src,
+            }],
+            signaled: true,
+            fence: false,
+        },
+        &env,
+    )
+    .expect("post");
+    assert!(a.prepare_transmit(&env, 1 << 20));
+    assert!(completions(&mut a).is_empty(), "framed is not sent");
+    let mut taken = 0;
+    while a.has_queued_tx() {
+        taken += a
+            .write_transmit(&env, |iov| Ok(iov[0].len().min(1000)))
+            .expect("write");
+        if a.has_queued_tx() {
+            assert!(completions(&mut a).is_empty(), "{taken} octets out");
+        }
+    }
+    assert_eq!(
+        completions(&mut a)
+            .iter()
+            .map(|(_, wc)| (wc.wr_id, wc.status))
+            .collect::<Vec<_>>(),
+        [(5, WcStatus::Success)]
+    );
+}
+
+/// RC order at the responder: a Read Response gathered from memory at
+/// write time goes out before a later atomic on the same words changes
+/// them, so it carries the value from before the atomic, under a CRC that
+/// matches.
+#[test]
+fn an_atomic_waits_for_a_gathered_read_response_over_its_target() {
+    let mem = MrTable::new();
+    let (mut a, mut b) = pair(None);
+    let env = Env {
+        mem: &mem,
+        srq: None,
+    };
+    let len = 65_536u32;
+    let (target, tva) = region(
+        &mem,
+        len as usize,
+        Access::REMOTE_READ | Access::REMOTE_ATOMIC,
+    );
+    // SAFETY: the region is leaked and 8-byte aligned at its start.
+    unsafe { (tva as *mut u64).write(7) };
+    let (sink, sva) = region(&mem, len as usize + 8, Access::LOCAL_WRITE);
+    let remote = Remote {
+        addr: tva,
+        rkey: target,
+    };
+    for (wr_id, op, sge) in [
+        (1, SendOp::Read { remote }, (sva, len)),
+        (2, SendOp::fetch_add(remote, 1), (sva + u64::from(len), 8)),
+    ] {
+        a.post_send(
+            SendWr {
+                wr_id,
+                op,
+                sg_list: vec![Sge {
+                    addr: sge.0,
+                    length: sge.1,
+                    lkey: sink,
+                }],
+                signaled: true,
+                fence: false,
+            },
+            &env,
+        )
+        .expect("post");
+    }
+    deliver(&transmit(&mut a, &mem), &mut b, &mem);
+    assert!(b.prepare_transmit(&env, 1 << 20));
+    // SAFETY: as above.
+    assert_eq!(unsafe { (tva as *const u64).read() }, 7, "the atomic waits");
+    let mut out = Vec::new();
+    write_out(&mut b, &mem, 3000, &mut out);
+    // SAFETY: as above.
+    assert_eq!(unsafe { (tva as *const u64).read() }, 8, "then runs");
+    // The CRCs check (frames() deframes with CRC on).
+    let f = frames(&out);
+    assert!(
+        matches!(
+            f.last(),
+            Some(RdmapRepr::AtomicResponse { original: 7, .. })
+        ),
+        "{f:?}"
+    );
+    deliver(&out, &mut a, &mem);
+    let c = completions(&mut a);
+    assert_eq!(
+        c.iter()
+            .map(|(_, wc)| (wc.wr_id, wc.status))
+            .collect::<Vec<_>>(),
+        [(1, WcStatus::Success), (2, WcStatus::Success)]
+    );
+    // SAFETY: the sink is leaked; the Read placed 7 at its start.
+    assert_eq!(
+        unsafe { (sva as *const u64).read() },
+        7,
+        "read before the add"
+    );
+}

@@ -64,6 +64,7 @@ impl Connection {
         let start = out.len();
         self.prepare_transmit(env, max);
         self.tx.drain_into(env.mem, self.pd, out);
+        self.deliver_completions();
         out.len() > start
     }
 
@@ -90,7 +91,10 @@ impl Connection {
         env: &Env,
         write: impl FnOnce(&[std::io::IoSlice<'_>]) -> std::io::Result<usize>,
     ) -> std::io::Result<usize> {
-        self.tx.write_with(env.mem, self.pd, write)
+        let n = self.tx.write_with(env.mem, self.pd, write)?;
+        // Sends whose octets all left complete now.
+        self.deliver_completions();
+        Ok(n)
     }
 
     /// The next Commit for the driver to perform. Its response, and every
@@ -179,12 +183,19 @@ impl Connection {
     /// Frame one ULPDU whose payload is `self.pieces` (read in place from
     /// registered memory, never copied, unless markers are in use).
     fn frame_pieces(&mut self, env: &Env, repr: &RdmapRepr) {
+        /// Payloads up to this size are copied into the output rather than
+        /// gathered from registered memory at write time.
+        const SNAPSHOT_MAX: usize = 4096;
         let hlen = repr.header_len();
         let mut header = [0u8; MAX_HEADER_LEN];
         repr.emit(&mut header[..hlen]);
-        if self.framer.config().markers {
+        let payload_len: usize = self.pieces.iter().map(|p| p.len()).sum();
+        if self.framer.config().markers || payload_len <= SNAPSHOT_MAX {
             // Markers fall inside payloads every 512 octets: copy (rare;
-            // siw does not ask for them by default).
+            // siw does not ask for them by default). A small payload is
+            // copied too: as cheap as an iovec, and the octets sent are
+            // those the CRC covers even if the memory changes before the
+            // socket takes them.
             let mut payload = std::mem::take(&mut self.scratch);
             payload.clear();
             self.tx_drain_pieces_into(env, &mut payload);
@@ -192,7 +203,6 @@ impl Connection {
             self.scratch = payload;
             return;
         }
-        let payload_len: usize = self.pieces.iter().map(|p| p.len()).sum();
         let start = self.tx.bytes.len();
         let (pd, pieces, tx, framer) = (self.pd, &mut self.pieces, &mut self.tx, &mut self.framer);
         let framed = env.mem.read_scope(|scope| {
@@ -361,6 +371,14 @@ impl Connection {
                 to,
                 op,
             } => {
+                if self.tx.has_gathered() {
+                    // A queued Read Response (or Send) is still to be read
+                    // from memory this atomic may change: its CRC covers
+                    // what is there now, and RC order says it reads the
+                    // value before the atomic. The atomic runs once the
+                    // output is written.
+                    return false;
+                }
                 let (req_id, stag, to, op) = (*req_id, *stag, *to, *op);
                 self.inbound.pop_front();
                 match env.mem.atomic(stag, pd, to, op) {
@@ -657,6 +675,7 @@ impl Connection {
             byte_len,
             vendor_err: 0,
             req_id,
+            tx_mark: 0,
         });
     }
 
@@ -673,6 +692,7 @@ impl Connection {
                 byte_len: total.min(u32::MAX as u64) as u32,
                 vendor_err: 0,
                 req_id: 0,
+                tx_mark: self.tx.queued_total(),
             });
         }
     }
