@@ -30,7 +30,7 @@ fn main() -> Res<()> {
                             add: 1,
                             mask: 0,
                         };
-                        qp.post_send(WorkRequest::new(i, op, vec![c.mr.slice(0, 8)?]))?;
+                        qp.post_send(WorkRequest::new(i, op, &[c.mr.slice(0, 8)?]))?;
                         match wait(&c.cq)?.kind {
                             CompletionKind::FetchAdd { original } => mine.push(original),
                             other => return Err(format!("unexpected {other:?}").into()),

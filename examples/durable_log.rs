@@ -35,7 +35,7 @@ fn main() -> Res<()> {
         qp.post_send(WorkRequest::new(
             id,
             SendOp::Write { remote: at },
-            vec![c.mr.slice(0, bytes.len())?],
+            &[c.mr.slice(0, bytes.len())?],
         ))?;
         qp.post_send(WorkRequest::new(
             id + 1,
@@ -43,7 +43,7 @@ fn main() -> Res<()> {
                 remote: at,
                 len: bytes.len() as u32,
             },
-            vec![],
+            &[],
         ))?;
         wait(&c.cq)?;
         wait(&c.cq)?;
@@ -53,7 +53,7 @@ fn main() -> Res<()> {
             add: bytes.len() as u64,
             mask: 0,
         };
-        qp.post_send(WorkRequest::new(id + 2, op, vec![c.mr.slice(1024, 8)?]))?;
+        qp.post_send(WorkRequest::new(id + 2, op, &[c.mr.slice(1024, 8)?]))?;
         let CompletionKind::FetchAdd { original } = wait(&c.cq)?.kind else {
             return Err("expected a FetchAdd completion".into());
         };
@@ -64,7 +64,7 @@ fn main() -> Res<()> {
                 remote: log.remote(0),
                 len: 8,
             },
-            vec![],
+            &[],
         ))?;
         wait(&c.cq)?;
         println!("appended {rec:?} at {original}, tail now {tail}");

@@ -37,7 +37,7 @@ fn main() -> Res<()> {
                                 swap: me,
                                 swap_mask: u64::MAX,
                             };
-                            qp.post_send(WorkRequest::new(round, op, vec![c.mr.slice(0, 8)?]))?;
+                            qp.post_send(WorkRequest::new(round, op, &[c.mr.slice(0, 8)?]))?;
                             if let CompletionKind::CmpSwap { swapped: true, .. } = wait(&c.cq)?.kind
                             {
                                 break;
@@ -48,7 +48,7 @@ fn main() -> Res<()> {
                         qp.post_send(WorkRequest::new(
                             round,
                             SendOp::Read { remote: total },
-                            vec![c.mr.slice(8, 8)?],
+                            &[c.mr.slice(8, 8)?],
                         ))?;
                         wait(&c.cq)?;
                         let v = c.mr.load_u64(8)?;
@@ -56,7 +56,7 @@ fn main() -> Res<()> {
                         qp.post_send(WorkRequest::new(
                             round,
                             SendOp::Write { remote: total },
-                            vec![c.mr.slice(16, 8)?],
+                            &[c.mr.slice(16, 8)?],
                         ))?;
                         wait(&c.cq)?;
                         let release = SendOp::CmpSwap {
@@ -66,7 +66,7 @@ fn main() -> Res<()> {
                             swap: 0,
                             swap_mask: u64::MAX,
                         };
-                        qp.post_send(WorkRequest::new(round, release, vec![c.mr.slice(24, 8)?]))?;
+                        qp.post_send(WorkRequest::new(round, release, &[c.mr.slice(24, 8)?]))?;
                         match wait(&c.cq)?.kind {
                             CompletionKind::CmpSwap { swapped: true, .. } => {}
                             other => return Err(format!("lock stolen: {other:?}").into()),

@@ -70,7 +70,7 @@ fn main() -> Res<()> {
             listener.get_request().and_then(|req| {
                 req.accept_with(&spd, &scq, &opts, |qp| {
                     for i in 0..4 {
-                        qp.post_recv(i as u64, vec![recv_slot(&smr, i)?])?;
+                        qp.post_recv(i as u64, &[recv_slot(&smr, i)?])?;
                     }
                     Ok(())
                 })
@@ -95,7 +95,7 @@ fn main() -> Res<()> {
     let post =
         |wr_id: u64, op: SendOp, local: Vec<verbs::Slice>| -> Res<Option<verbs::Completion>> {
             let kind = verbs::op_kind(&op);
-            match cqp.post_send(WorkRequest::new(wr_id, op, local)) {
+            match cqp.post_send(WorkRequest::new(wr_id, op, &local)) {
                 Ok(()) => Ok(Some(wait(&ccq)?)),
                 Err(verbs::Error::Unsupported { why, .. }) => {
                     println!("{:<17} unsupported here: {why}", kind.name());

@@ -28,7 +28,7 @@ fn main() -> Res<()> {
     // Each Immediate Data consumes a receive; keep CREDITS of them posted.
     let (sqps, pqps) = connect_clients(&consumer, std::slice::from_ref(&producer), |qp| {
         for i in 0..CREDITS {
-            qp.post_recv(i, vec![])?;
+            qp.post_recv(i, &[])?;
         }
         Ok(())
     })?;
@@ -43,11 +43,7 @@ fn main() -> Res<()> {
                     remote: consumer.mr.remote(slot),
                     imm,
                 };
-                pqp.post_send(WorkRequest::new(
-                    n,
-                    op,
-                    vec![producer.mr.slice(slot, CHUNK)?],
-                ))?;
+                pqp.post_send(WorkRequest::new(n, op, &[producer.mr.slice(slot, CHUNK)?]))?;
                 wait(&producer.cq)?;
                 // Flow control: never more chunks in flight than the ring
                 // and the consumer's receives allow.
@@ -72,16 +68,15 @@ fn main() -> Res<()> {
             bytes += len;
             // Re-post the receive and tell the producer how far we got
             // (an RDMA Write of our progress into its region).
-            cqp.post_recv(n + CREDITS, vec![])?;
+            cqp.post_recv(n + CREDITS, &[])?;
             consumer.mr.store_u64(PROGRESS, n + 1)?;
             let op = SendOp::Write {
                 remote: producer.mr.remote(PROGRESS),
             };
             // Unsignaled: this CQ also carries the receive completions the
             // loop waits for.
-            let mut wr = WorkRequest::new(n, op, vec![consumer.mr.slice(PROGRESS, 8)?]);
-            wr.signaled = false;
-            cqp.post_send(wr)?;
+            let progress = [consumer.mr.slice(PROGRESS, 8)?];
+            cqp.post_send(WorkRequest::new(n, op, &progress).unsignaled())?;
         }
         producer_thread.join().map_err(|_| "producer panicked")??;
         println!(

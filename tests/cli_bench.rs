@@ -155,10 +155,10 @@ fn free_port() -> u16 {
 }
 
 /// Run a server (`server_args`, with `-p PORT`) in its own process and the
-/// client (`client_args` + `127.0.0.1 -p PORT --json`) in another; the
-/// client's JSON. The client retries a refused connect while the server
-/// starts.
+/// client (`client_args` + `127.0.0.1 -p PORT --json`) in another, once
+/// the server says it is listening; the client's JSON.
 fn two_processes(server_args: &[&str], client_args: &[&str]) -> Value {
+    use std::io::{BufRead, BufReader, Read};
     let port = free_port().to_string();
     let mut server = Command::new(env!("CARGO_BIN_EXE_stag"))
         .args(server_args)
@@ -168,6 +168,25 @@ fn two_processes(server_args: &[&str], client_args: &[&str]) -> Value {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("start the server");
+    // Wait for the server's "listening" line (or its exit), keeping what
+    // it printed for a failure report.
+    let mut err = BufReader::new(server.stderr.take().expect("piped stderr"));
+    let mut srv_err = String::new();
+    loop {
+        let mut line = String::new();
+        if err.read_line(&mut line).expect("server stderr") == 0 {
+            break;
+        }
+        srv_err.push_str(&line);
+        if line.contains("waiting") || line.contains("listening") {
+            break;
+        }
+    }
+    let drain = std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = err.read_to_string(&mut rest);
+        rest
+    });
     let mut args: Vec<&str> = client_args.to_vec();
     args.extend(["127.0.0.1", "-p", &port, "--json"]);
     let out = Command::new(env!("CARGO_BIN_EXE_stag"))
@@ -178,12 +197,12 @@ fn two_processes(server_args: &[&str], client_args: &[&str]) -> Value {
     if !out.status.success() {
         let _ = server.kill();
     }
-    let srv = server.wait_with_output().expect("server exit");
+    let status = server.wait().expect("server exit");
+    srv_err.push_str(&drain.join().unwrap_or_default());
     assert!(
-        out.status.success() && srv.status.success(),
-        "client {args:?}: {}\nserver {server_args:?}: {}",
+        out.status.success() && status.success(),
+        "client {args:?}: {}\nserver {server_args:?}: {srv_err}",
         String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&srv.stderr)
     );
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(

@@ -487,10 +487,13 @@ pub(crate) struct Endpoint {
     durable: Option<PathBuf>,
     /// While a post list is open ([`Endpoint::open_list`]), the WRs
     /// [`Endpoint::post`] collects for it.
-    list: RefCell<Option<Vec<WorkRequest>>>,
+    list: RefCell<Option<Vec<Listed>>>,
     // Held so the PD outlives the QP and regions.
     _pd: ProtectionDomain,
 }
+
+/// A WR collected for a post list: id, operation, local bytes.
+type Listed = (u64, SendOp, Option<stag::Slice>);
 
 /// Buffers made before the connection exists.
 struct Buffers {
@@ -539,7 +542,7 @@ impl Buffers {
         let rx = self.rx.clone();
         move |qp: &QueuePair| {
             for _ in 0..RX_DEPTH {
-                qp.post_recv(RECV_WR, vec![rx.slice(0, rx.len())?])?;
+                qp.post_recv(RECV_WR, &[rx.slice(0, rx.len())?])?;
             }
             Ok(())
         }
@@ -654,7 +657,7 @@ impl Endpoint {
             }
             if let CompletionKind::Recv { .. } = c.kind {
                 self.qp
-                    .post_recv(RECV_WR, vec![self.rx.slice(0, self.rx.len())?])?;
+                    .post_recv(RECV_WR, &[self.rx.slice(0, self.rx.len())?])?;
             }
             if c.wr_id & CTRL_WR != 0 {
                 continue;
@@ -687,7 +690,7 @@ impl Endpoint {
                 solicited: false,
                 invalidate: None,
             },
-            vec![self.ctl.slice(0, CTRL_LEN)?],
+            &[self.ctl.slice(0, CTRL_LEN)?],
         ))?;
         Ok(())
     }
@@ -792,16 +795,16 @@ impl Endpoint {
 
     /// Post a signaled WR on `local` bytes.
     pub fn post(&self, wr_id: u64, op: SendOp, local: Option<(usize, usize)>) -> Result<()> {
-        let slices = match local {
-            Some((off, len)) => vec![self.local.slice(off, len)?],
-            None => Vec::new(),
+        let slice = match local {
+            Some((off, len)) => Some(self.local.slice(off, len)?),
+            None => None,
         };
-        let wr = WorkRequest::new(wr_id, op, slices);
         if let Some(list) = self.list.borrow_mut().as_mut() {
-            list.push(wr);
+            list.push((wr_id, op, slice));
             return Ok(());
         }
-        self.qp.post_send(wr)?;
+        let local = slice.as_slice();
+        self.qp.post_send(WorkRequest::new(wr_id, op, local))?;
         Ok(())
     }
 
@@ -818,8 +821,12 @@ impl Endpoint {
             return Ok(());
         };
         if !list.is_empty() {
+            let wrs: Vec<WorkRequest<'_>> = list
+                .iter()
+                .map(|(wr_id, op, slice)| WorkRequest::new(*wr_id, *op, slice.as_slice()))
+                .collect();
             self.qp
-                .post_send_list(list)
+                .post_send_list(&wrs)
                 .map_err(|e| BenchError::from(e.source))?;
         }
         Ok(())

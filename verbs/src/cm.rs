@@ -8,17 +8,18 @@ use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
-use crate::agent::{new_token, AgentSetup, Hello};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::backend::{Connecting, IncomingOps, ListenerOps, QpRequest};
 use crate::caps::gap_needs_agent;
-
-use crate::cq::{CompletionQueue, CqBackend};
-use crate::device::{ContextBackend, PdBackend, ProtectionDomain};
+use crate::cq::CompletionQueue;
+use crate::device::Context;
+use crate::emulation::agent::AgentSetup;
+use crate::emulation::QpCore;
 use crate::error::{Error, Result};
-use crate::ibv;
-use crate::qp::{QpBackend, QpCaps, QueuePair};
-
-/// How long address and route resolution may take.
-const RESOLVE_MS: i32 = 5000;
+use crate::pd::ProtectionDomain;
+use crate::qp::{QpCaps, QueuePair};
+use crate::wire::hello::Repr as Hello;
 
 /// What a connection asks for.
 #[derive(Debug, Clone)]
@@ -37,6 +38,8 @@ pub struct ConnectOptions {
     pub peer_to_peer: Option<provider::setup::RtrModes>,
     /// Take receives from this shared receive queue (same PD as the QP).
     pub srq: Option<crate::srq::SharedReceiveQueue>,
+    /// Receive completions go here instead of the send CQ (same device).
+    pub recv_cq: Option<CompletionQueue>,
     /// Put stag's header in front of the private data (default). Without
     /// it the connection is a plain RDMA one, for peers that would take
     /// the header for their own data: the peer's device is unknown, only
@@ -55,54 +58,33 @@ impl Default for ConnectOptions {
             crc: true,
             peer_to_peer: None,
             srq: None,
+            recv_cq: None,
             stag_header: true,
         }
     }
 }
 
 impl ConnectOptions {
-    fn mpa(&self) -> provider::setup::MpaParams {
-        provider::setup::MpaParams {
-            ird: self.responder_resources as u16,
-            ord: self.initiator_depth as u16,
-            crc: self.crc,
-            p2p: self.peer_to_peer,
-            private_data: self.private_data.clone(),
-            ..provider::setup::MpaParams::default()
-        }
-    }
-
-    /// The QP's creation parameters; `send_ops` picks the extended
-    /// `ibv_wr_*` post path (`None`: `ibv_post_send`).
-    fn ibv_caps(&self, send_ops: Option<ibv::SendOps>) -> ibv::QpCaps {
-        ibv::QpCaps {
+    /// What the backend creates and connects the QP with.
+    fn qp_request<'a>(
+        &'a self,
+        send_cq: &'a CompletionQueue,
+        private_data: Vec<u8>,
+    ) -> QpRequest<'a> {
+        let recv_cq = self.recv_cq.as_ref().unwrap_or(send_cq);
+        QpRequest {
+            send_cq: &send_cq.inner.ops,
+            recv_cq: &recv_cq.inner.ops,
+            srq: self.srq.as_ref().map(|s| &s.core.ops),
             max_send_wr: self.caps.max_send_wr,
             max_recv_wr: self.caps.max_recv_wr,
-            max_send_sge: self.caps.max_sge,
-            max_recv_sge: self.caps.max_sge,
-            send_ops,
-            ..ibv::QpCaps::default()
-        }
-    }
-
-    fn conn_param(&self) -> ibv::ConnParam {
-        ibv::ConnParam {
-            private_data: self.private_data.clone(),
+            max_sge: self.caps.max_sge,
             responder_resources: self.responder_resources,
             initiator_depth: self.initiator_depth,
-            ..ibv::ConnParam::default()
+            crc: self.crc,
+            peer_to_peer: self.peer_to_peer,
+            private_data,
         }
-    }
-}
-
-fn user_qp_caps(c: &QpCaps, rdmap_extensions: bool) -> provider::qp::QpCaps {
-    provider::qp::QpCaps {
-        rdmap_extensions,
-        max_send_wr: c.max_send_wr,
-        max_recv_wr: c.max_recv_wr,
-        max_send_sge: c.max_sge,
-        max_recv_sge: c.max_sge,
-        ..provider::qp::QpCaps::default()
     }
 }
 
@@ -116,11 +98,45 @@ fn check_same_device(
             return Err(Error::Mismatch);
         }
     }
-    if pd.context().same(cq.context()) {
+    let same = |c: &Context| pd.context().same(c);
+    if same(cq.context()) && opts.recv_cq.as_ref().is_none_or(|r| same(r.context())) {
         Ok(())
     } else {
         Err(Error::Mismatch)
     }
+}
+
+/// A fresh connection token.
+fn new_token() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    t ^ (std::process::id() as u64) << 32 ^ COUNTER.fetch_add(1, Ordering::Relaxed).rotate_left(17)
+}
+
+/// The QP of a connection being made: its emulation core over the
+/// backend's QP, handed to `pre_post` before the connection completes.
+fn build_qp(
+    pd: &ProtectionDomain,
+    cq: &CompletionQueue,
+    opts: &ConnectOptions,
+    connecting: Box<dyn Connecting>,
+    pre_post: impl FnOnce(&QueuePair) -> Result<()>,
+) -> Result<(QueuePair, Vec<u8>)> {
+    let core = QpCore::new(
+        pd,
+        connecting.qp().clone(),
+        cq,
+        opts.recv_cq.as_ref().unwrap_or(cq),
+        opts.srq.as_ref().map(|s| s.core.clone()),
+        opts.caps.max_send_wr,
+    )?;
+    let qp = QueuePair { core };
+    pre_post(&qp)?;
+    let (_, private) = connecting.finish()?;
+    Ok((qp, private))
 }
 
 /// Connect to a listener at `addr`; returns the QP and the peer's private
@@ -149,8 +165,8 @@ pub fn connect_with(
 ) -> Result<(QueuePair, Vec<u8>)> {
     let ctx = pd.context();
     if !opts.stag_header {
-        let (qp, reply) = connect_raw(pd, cq, addr, opts, pre_post)?;
-        qp.inner.set_connection(ctx.connection_caps(None), None);
+        let (qp, reply) = connect_raw(pd, cq, addr, opts, opts.private_data.clone(), pre_post)?;
+        qp.core.set_connection(ctx.connection_caps(None), None);
         return Ok((qp, reply));
     }
     let wants_agent = ctx.capabilities().needs_agent();
@@ -163,22 +179,31 @@ pub fn connect_with(
         mailbox: None,
         native,
     };
-    let mut main_opts = opts.clone();
-    main_opts.private_data = hello.encode(&opts.private_data);
-    let (qp, reply) = connect_raw(pd, cq, addr, &main_opts, pre_post)?;
-    let (peer, app) = Hello::decode(&reply);
+    let (qp, reply) = connect_raw(
+        pd,
+        cq,
+        addr,
+        opts,
+        hello.encode(&opts.private_data),
+        pre_post,
+    )?;
+    let (peer, app) = Hello::split(&reply);
     let app = app.to_vec();
     let peer_native = peer.map(|p| p.native);
-    qp.inner
+    qp.core
         .set_connection(ctx.connection_caps(peer_native), peer_native);
     if let Some(peer) = peer {
         let gap = gap_needs_agent(native, peer.native);
         if wants_agent || gap || peer.wants_agent {
             let setup = AgentSetup::new(pd)?;
-            let agent_opts = agent_options(&setup, token);
-            let (aqp, areply) =
-                connect_raw(pd, &setup.cq, addr, &agent_opts, |q| setup.pre_post(q))?;
-            let mailbox = match Hello::decode(&areply).0 {
+            let agent_opts = agent_options();
+            let connecting = pd.ops().connector(
+                agent_opts.qp_request_agent(&setup, setup.hello(token).encode(&[])),
+                addr,
+            )?;
+            setup.pre_post(connecting.qp())?;
+            let (aqp, areply) = connecting.finish()?;
+            let mailbox = match Hello::split(&areply).0 {
                 Some(Hello {
                     is_agent: true,
                     mailbox: Some(m),
@@ -190,130 +215,64 @@ pub fn connect_with(
                     ))
                 }
             };
-            let agent = setup.start(pd, aqp, mailbox);
-            let _ = qp.inner.agent.set(agent);
+            qp.core.set_agent(setup.start(pd, aqp, mailbox));
         }
     }
     Ok((qp, app))
 }
 
 /// The options of an agent channel connection.
-fn agent_options(setup: &AgentSetup, token: u64) -> ConnectOptions {
+fn agent_options() -> ConnectOptions {
     ConnectOptions {
         caps: QpCaps {
             max_send_wr: 512,
             max_recv_wr: 256,
             max_sge: 1,
         },
-        private_data: setup.hello(token).encode(&[]),
         // The agent has receives of its own, never the application's SRQ.
         srq: None,
+        recv_cq: None,
         ..ConnectOptions::default()
     }
 }
 
-/// One connection, no stag header.
+impl ConnectOptions {
+    /// An agent channel's QP: on the agent's own CQ.
+    fn qp_request_agent<'a>(
+        &'a self,
+        setup: &'a AgentSetup,
+        private_data: Vec<u8>,
+    ) -> QpRequest<'a> {
+        QpRequest {
+            send_cq: &setup.cq,
+            recv_cq: &setup.cq,
+            srq: None,
+            max_send_wr: self.caps.max_send_wr,
+            max_recv_wr: self.caps.max_recv_wr,
+            max_sge: self.caps.max_sge,
+            responder_resources: self.responder_resources,
+            initiator_depth: self.initiator_depth,
+            crc: self.crc,
+            peer_to_peer: None,
+            private_data,
+        }
+    }
+}
+
+/// One connection with `private_data` as it goes on the wire.
 fn connect_raw(
     pd: &ProtectionDomain,
     cq: &CompletionQueue,
     addr: SocketAddr,
     opts: &ConnectOptions,
+    private_data: Vec<u8>,
     pre_post: impl FnOnce(&QueuePair) -> Result<()>,
 ) -> Result<(QueuePair, Vec<u8>)> {
     check_same_device(pd, cq, opts)?;
-    match (pd.backend(), &cq.inner.backend) {
-        (PdBackend::User(upd), CqBackend::User(ucq)) => {
-            let qp = user_qp(pd, upd, cq, ucq, opts)?;
-            pre_post(&qp)?;
-            let QpBackend::User(uqp) = qp.inner_backend() else {
-                unreachable!("built as a userspace QP")
-            };
-            let private = uqp.connect(addr, &opts.mpa()).map_err(|e| match e {
-                provider::device::DeviceError::Rejected(pd) => Error::Rejected(pd),
-                other => other.into(),
-            })?;
-            Ok((qp, private))
-        }
-        (PdBackend::Ibv(ipd), CqBackend::Ibv(icq)) => {
-            let channel = ibv::EventChannel::new()?;
-            let id = ibv::CmId::new(&channel)?;
-            id.resolve_addr(None, addr, RESOLVE_MS)?;
-            channel.expect(ibv::CmEventType::AddrResolved)?;
-            id.resolve_route(RESOLVE_MS)?;
-            channel.expect(ibv::CmEventType::RouteResolved)?;
-            let qp = ibv_qp(pd, ipd, cq, icq, id, opts)?;
-            pre_post(&qp)?;
-            let id = qp.cm_id().expect("built as an ibv QP");
-            id.connect(&opts.conn_param())?;
-            let ev = channel.get_event()?;
-            match ev.kind {
-                ibv::CmEventType::Established => Ok((qp, ev.private_data)),
-                ibv::CmEventType::Rejected => Err(Error::Rejected(ev.private_data)),
-                other => Err(Error::Connect(format!(
-                    "rdma_cm event {other:?} instead of ESTABLISHED"
-                ))),
-            }
-        }
-        _ => Err(Error::Mismatch),
-    }
-}
-
-/// A userspace-provider QP for a connection.
-fn user_qp(
-    pd: &ProtectionDomain,
-    upd: &provider::device::ProtectionDomain,
-    cq: &CompletionQueue,
-    ucq: &Arc<provider::cq::CompletionQueue>,
-    opts: &ConnectOptions,
-) -> Result<QueuePair> {
-    let srq = match opts.srq.as_ref().map(|s| &s.inner.backend) {
-        None => None,
-        Some(crate::srq::SrqBackend::User(s)) => Some(s.clone()),
-        Some(crate::srq::SrqBackend::Ibv { .. }) => return Err(Error::Mismatch),
-    };
-    let uqp = upd.create_qp(
-        user_qp_caps(&opts.caps, pd.context().rdmap_extensions()),
-        ucq,
-        ucq,
-        srq.as_ref(),
-    );
-    let qp_num = uqp.qp_num();
-    QueuePair::from_backend(
-        pd.context(),
-        pd,
-        cq,
-        cq,
-        opts.srq.clone(),
-        QpBackend::User(uqp),
-        qp_num,
-    )
-}
-
-/// A libibverbs QP on an rdma_cm id.
-fn ibv_qp(
-    pd: &ProtectionDomain,
-    ipd: &Arc<ibv::ProtectionDomain>,
-    cq: &CompletionQueue,
-    icq: &Arc<ibv::CompletionQueue>,
-    id: ibv::CmId,
-    opts: &ConnectOptions,
-) -> Result<QueuePair> {
-    let srq = match opts.srq.as_ref().map(|s| &s.inner.backend) {
-        None => None,
-        Some(crate::srq::SrqBackend::Ibv { srq, .. }) => Some(srq),
-        Some(crate::srq::SrqBackend::User(_)) => return Err(Error::Mismatch),
-    };
-    let iqp = id.create_qp_with_srq(ipd, icq, icq, &opts.ibv_caps(pd.context().wr_ops()), srq)?;
-    let qp_num = iqp.qp_num();
-    QueuePair::from_backend(
-        pd.context(),
-        pd,
-        cq,
-        cq,
-        opts.srq.clone(),
-        QpBackend::Ibv { qp: iqp, id },
-        qp_num,
-    )
+    let connecting = pd
+        .ops()
+        .connector(opts.qp_request(cq, private_data), addr)?;
+    build_qp(pd, cq, opts, connecting, pre_post)
 }
 
 /// A passive endpoint.
@@ -324,7 +283,7 @@ pub struct Listener {
 
 #[derive(Debug)]
 struct ListenerShared {
-    backend: ListenerBackend,
+    ops: Box<dyn ListenerOps>,
     /// Requests that arrived while someone waited for another kind (an
     /// agent channel, or the next application connection).
     stash: Mutex<VecDeque<Raw>>,
@@ -332,19 +291,10 @@ struct ListenerShared {
     accepting: Mutex<()>,
 }
 
-#[derive(Debug)]
-enum ListenerBackend {
-    User(provider::device::Listener),
-    Ibv {
-        channel: Arc<ibv::EventChannel>,
-        id: ibv::CmId,
-    },
-}
-
 /// A request as it arrived, its stag header split off.
 #[derive(Debug)]
 struct Raw {
-    backend: IncomingBackend,
+    incoming: Box<dyn IncomingOps>,
     hello: Option<Hello>,
     app: Vec<u8>,
 }
@@ -356,35 +306,17 @@ pub struct Incoming {
     listener: Arc<ListenerShared>,
 }
 
-#[derive(Debug)]
-enum IncomingBackend {
-    User(provider::device::ConnRequest),
-    Ibv { id: ibv::CmId },
-}
-
 impl ListenerShared {
     /// Wait for the next request on the backend.
     fn next_raw(&self) -> Result<Raw> {
         let _one = self.accepting.lock().unwrap_or_else(|p| p.into_inner());
-        let (backend, data) = match &self.backend {
-            ListenerBackend::User(l) => {
-                let req = l.accept()?;
-                let data = req.request().private_data.clone();
-                (IncomingBackend::User(req), data)
-            }
-            ListenerBackend::Ibv { channel, .. } => {
-                let ev = channel.expect(ibv::CmEventType::ConnectRequest)?;
-                let id = ev
-                    .new_id
-                    .ok_or_else(|| Error::Connect("connect request without an id".into()))?;
-                (IncomingBackend::Ibv { id }, ev.private_data)
-            }
-        };
-        let (hello, app) = Hello::decode(&data);
+        let incoming = self.ops.next()?;
+        let (hello, app) = Hello::split(incoming.private_data());
+        let app = app.to_vec();
         Ok(Raw {
-            backend,
+            incoming,
             hello,
-            app: app.to_vec(),
+            app,
         })
     }
 
@@ -416,22 +348,10 @@ fn is_agent(raw: &Raw) -> bool {
 impl Listener {
     /// Listen on `addr` for the device of `ctx` (port 0 picks one on the
     /// userspace provider).
-    pub fn bind(ctx: &crate::device::Context, addr: SocketAddr) -> Result<Listener> {
-        let backend = match ctx.backend() {
-            ContextBackend::User(_) => {
-                ListenerBackend::User(provider::device::Listener::bind(addr)?)
-            }
-            ContextBackend::Ibv(_) => {
-                let channel = ibv::EventChannel::new()?;
-                let id = ibv::CmId::new(&channel)?;
-                id.bind_addr(addr)?;
-                id.listen(16)?;
-                ListenerBackend::Ibv { channel, id }
-            }
-        };
+    pub fn bind(ctx: &Context, addr: SocketAddr) -> Result<Listener> {
         Ok(Listener {
             shared: Arc::new(ListenerShared {
-                backend,
+                ops: ctx.ops().listen(addr)?,
                 stash: Mutex::new(VecDeque::new()),
                 accepting: Mutex::new(()),
             }),
@@ -440,12 +360,7 @@ impl Listener {
 
     /// The bound address.
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        match &self.shared.backend {
-            ListenerBackend::User(l) => Ok(l.local_addr()?),
-            ListenerBackend::Ibv { id, .. } => id
-                .local_addr()
-                .ok_or_else(|| Error::Connect("listener has no local address".into())),
-        }
+        self.shared.ops.local_addr()
     }
 
     /// Wait for the next connection request of the application (agent
@@ -504,21 +419,21 @@ impl Incoming {
         let peer_native = peer.map(|p| p.native);
         let caps = ctx.connection_caps(peer_native);
         let wants_agent = caps.needs_agent();
-        let mut reply_opts = opts.clone();
-        if let Some(peer) = peer {
+        let reply = match peer {
             // Only a stag initiator gets a header back: another peer would
             // take it for application data.
-            reply_opts.private_data = Hello {
+            Some(peer) => Hello {
                 wants_agent,
                 is_agent: false,
                 token: peer.token,
                 mailbox: None,
                 native: ctx.native_ops(),
             }
-            .encode(&opts.private_data);
-        }
-        let qp = accept_raw(raw.backend, pd, cq, &reply_opts, pre_post)?;
-        qp.inner.set_connection(caps, peer_native);
+            .encode(&opts.private_data),
+            None => opts.private_data.clone(),
+        };
+        let qp = accept_raw(raw.incoming, pd, cq, opts, reply, pre_post)?;
+        qp.core.set_connection(caps, peer_native);
         if let Some(peer) = peer {
             // The initiator opens the channel when either end's matrix
             // needs it; the same test on the same two headers.
@@ -531,12 +446,14 @@ impl Incoming {
                     Error::Connect("agent channel request without a mailbox".into())
                 })?;
                 let setup = AgentSetup::new(pd)?;
-                let agent_opts = agent_options(&setup, token);
-                let aqp = accept_raw(agent_raw.backend, pd, &setup.cq, &agent_opts, |q| {
-                    setup.pre_post(q)
-                })?;
-                let agent = setup.start(pd, aqp, mailbox);
-                let _ = qp.inner.agent.set(agent);
+                let agent_opts = agent_options();
+                let connecting = agent_raw.incoming.acceptor(
+                    pd.ops().as_ref(),
+                    agent_opts.qp_request_agent(&setup, setup.hello(token).encode(&[])),
+                )?;
+                setup.pre_post(connecting.qp())?;
+                let (aqp, _) = connecting.finish()?;
+                qp.core.set_agent(setup.start(pd, aqp, mailbox));
             }
         }
         Ok(qp)
@@ -544,44 +461,20 @@ impl Incoming {
 
     /// Reject with private data.
     pub fn reject(self, private_data: &[u8]) -> Result<()> {
-        match self.raw.backend {
-            IncomingBackend::User(req) => Ok(req.reject(private_data)?),
-            IncomingBackend::Ibv { id, .. } => Ok(id.reject(private_data)?),
-        }
+        self.raw.incoming.reject(private_data)
     }
 }
 
-/// Accept one request onto a new QP, no stag header.
+/// Accept one request onto a new QP, replying `private_data`.
 fn accept_raw(
-    backend: IncomingBackend,
+    incoming: Box<dyn IncomingOps>,
     pd: &ProtectionDomain,
     cq: &CompletionQueue,
     opts: &ConnectOptions,
+    private_data: Vec<u8>,
     pre_post: impl FnOnce(&QueuePair) -> Result<()>,
 ) -> Result<QueuePair> {
     check_same_device(pd, cq, opts)?;
-    match (backend, pd.backend(), &cq.inner.backend) {
-        (IncomingBackend::User(req), PdBackend::User(upd), CqBackend::User(ucq)) => {
-            let qp = user_qp(pd, upd, cq, ucq, opts)?;
-            pre_post(&qp)?;
-            let QpBackend::User(uqp) = qp.inner_backend() else {
-                unreachable!("built as a userspace QP")
-            };
-            req.accept(uqp, &opts.mpa())?;
-            Ok(qp)
-        }
-        (IncomingBackend::Ibv { id }, PdBackend::Ibv(ipd), CqBackend::Ibv(icq)) => {
-            // Its own channel, so that its ESTABLISHED is not mixed up with
-            // other requests arriving on the listener's.
-            let channel = ibv::EventChannel::new()?;
-            let id = id.migrate(&channel)?;
-            let qp = ibv_qp(pd, ipd, cq, icq, id, opts)?;
-            pre_post(&qp)?;
-            let id = qp.cm_id().expect("built as an ibv QP");
-            id.accept(&opts.conn_param())?;
-            channel.expect(ibv::CmEventType::Established)?;
-            Ok(qp)
-        }
-        _ => Err(Error::Mismatch),
-    }
+    let connecting = incoming.acceptor(pd.ops().as_ref(), opts.qp_request(cq, private_data))?;
+    Ok(build_qp(pd, cq, opts, connecting, pre_post)?.0)
 }

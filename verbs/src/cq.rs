@@ -9,10 +9,9 @@ use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use tracing::warn;
 
-use crate::device::{Context, ContextBackend};
+use crate::backend::{CqOps, RawCompletion};
+use crate::device::Context;
 use crate::error::Result;
-use crate::ibv;
-use crate::qp::QpInner;
 
 pub use provider::wr::WcStatus;
 
@@ -84,48 +83,11 @@ impl Completion {
     }
 }
 
-/// A completion as a backend reports it, before the QP gives it meaning.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RawCompletion {
-    pub token: u64,
-    pub status: WcStatus,
-    pub byte_len: u32,
-    pub imm: Option<u64>,
-    pub qp_num: u32,
-    pub vendor_err: u32,
-    pub solicited: bool,
-    pub invalidated: Option<u32>,
-}
-
-impl From<&provider::wr::WorkCompletion> for RawCompletion {
-    fn from(wc: &provider::wr::WorkCompletion) -> Self {
-        RawCompletion {
-            token: wc.wr_id,
-            status: wc.status,
-            byte_len: wc.byte_len,
-            imm: wc.imm,
-            qp_num: wc.qp_num,
-            vendor_err: wc.vendor_err,
-            solicited: wc.solicited,
-            invalidated: wc.invalidated_rkey,
-        }
-    }
-}
-
-impl From<&ibv::WorkCompletion> for RawCompletion {
-    fn from(wc: &ibv::WorkCompletion) -> Self {
-        RawCompletion {
-            token: wc.wr_id,
-            status: wc.status,
-            byte_len: wc.byte_len,
-            imm: wc.imm.map(u64::from),
-            qp_num: wc.qp_num,
-            vendor_err: wc.vendor_err,
-            // libibverbs does not report the Solicited Event bit.
-            solicited: false,
-            invalidated: wc.invalidated_rkey,
-        }
-    }
+/// What a completion queue hands raw completions to: the QP (its
+/// emulation core) that gives them their meaning. Completions a raw one
+/// releases (several, when it unblocks a send queue's order) go to `out`.
+pub(crate) trait CompletionSink: Send + Sync {
+    fn complete(&self, rc: RawCompletion, out: &mut Vec<Completion>);
 }
 
 /// A completion queue, shared by any number of QPs of one device.
@@ -134,19 +96,19 @@ pub struct CompletionQueue {
     pub(crate) inner: Arc<CqInner>,
 }
 
-#[derive(Debug)]
 pub(crate) struct CqInner {
     ctx: Context,
-    pub(crate) backend: CqBackend,
-    qps: Mutex<HashMap<u32, Weak<QpInner>>>,
+    pub(crate) ops: Arc<dyn CqOps>,
+    sinks: Mutex<HashMap<u32, Weak<dyn CompletionSink>>>,
     /// Completions given meaning but not yet handed out (a raw batch can
     /// hold more than the caller asked for).
     ready: Mutex<VecDeque<Completion>>,
     /// Held while completions are taken from the device and given their
     /// meaning, so that concurrent pollers keep the device's order (the
-    /// mailbox numbers a QP's zero-length receives in that order).
-    taking: Mutex<()>,
-    /// Readable after an emulation thread queued a completion (the device
+    /// mailbox numbers a QP's zero-length receives in that order); holds
+    /// the buffers that round uses, so a poll allocates nothing.
+    taking: Mutex<Scratch>,
+    /// Readable after a completion was queued outside a poll (the device
     /// knows nothing of those).
     ready_fd: EventFd,
     /// Readable when `ready_fd` or the device's notification fd is: what
@@ -154,26 +116,33 @@ pub(crate) struct CqInner {
     epoll: Epoll,
 }
 
-#[derive(Debug)]
-pub(crate) enum CqBackend {
-    User(Arc<provider::cq::CompletionQueue>),
-    Ibv(Arc<ibv::CompletionQueue>),
+impl std::fmt::Debug for CqInner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CqInner")
+            .field("ops", &self.ops)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Default)]
+struct Scratch {
+    raw: Vec<RawCompletion>,
+    done: Vec<Completion>,
 }
 
 /// Raw completions taken from the backend per round.
 const BATCH: usize = 32;
 
+impl Context {
+    /// `ibv_create_cq` with room for `depth` completions.
+    pub fn create_cq(&self, depth: u32) -> Result<CompletionQueue> {
+        CompletionQueue::new(self, depth)
+    }
+}
+
 impl CompletionQueue {
-    pub(crate) fn new(ctx: &Context, depth: u32) -> Result<CompletionQueue> {
-        let backend = match ctx.backend() {
-            ContextBackend::User(_) => {
-                CqBackend::User(provider::cq::CompletionQueue::new(depth as usize)?)
-            }
-            ContextBackend::Ibv(ictx) => {
-                let channel = ictx.create_comp_channel()?;
-                CqBackend::Ibv(ictx.create_cq(depth, Some(&channel), 0)?)
-            }
-        };
+    fn new(ctx: &Context, depth: u32) -> Result<CompletionQueue> {
+        let ops = ctx.ops().create_cq(depth)?;
         let ready_fd =
             EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
                 .map_err(std::io::Error::from)?;
@@ -184,24 +153,19 @@ impl CompletionQueue {
                 .map_err(std::io::Error::from)
         };
         watch(ready_fd.as_fd())?;
-        match &backend {
-            CqBackend::User(cq) => watch(cq.as_fd())?,
-            CqBackend::Ibv(cq) => {
-                if let Some(ch) = cq.channel() {
-                    // Events are taken only when there are some (readable),
-                    // and `req_notify` drains them without blocking.
-                    ch.set_nonblocking(true)?;
-                    watch(ch.as_fd())?;
-                }
-            }
+        if let Some(fd) = ops.notify_fd() {
+            watch(fd)?;
         }
         Ok(CompletionQueue {
             inner: Arc::new(CqInner {
                 ctx: ctx.clone(),
-                backend,
-                qps: Mutex::new(HashMap::new()),
+                ops,
+                sinks: Mutex::new(HashMap::new()),
                 ready: Mutex::new(VecDeque::new()),
-                taking: Mutex::new(()),
+                taking: Mutex::new(Scratch {
+                    raw: Vec::with_capacity(BATCH),
+                    done: Vec::with_capacity(BATCH),
+                }),
                 ready_fd,
                 epoll,
             }),
@@ -225,29 +189,12 @@ impl CompletionQueue {
     /// answers) make the fd readable too.
     pub fn req_notify(&self) -> Result<bool> {
         let _ = self.inner.ready_fd.read();
-        match &self.inner.backend {
-            CqBackend::User(cq) => {
-                cq.ack_events();
-                cq.req_notify(false);
-                if !cq.is_empty() {
-                    return Ok(true);
-                }
-            }
-            CqBackend::Ibv(cq) => {
-                if let Some(ch) = cq.channel() {
-                    while ch.get_event().is_ok() {}
-                }
-                cq.req_notify(false)?;
-                // A completion that arrived before arming raised no event.
-                self.drive()?;
-            }
+        if self.inner.ops.req_notify()? {
+            return Ok(true);
         }
-        Ok(!self
-            .inner
-            .ready
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_empty())
+        // A completion that arrived before arming raised no event.
+        self.drive()?;
+        Ok(!self.lock_ready().is_empty())
     }
 
     /// The device context.
@@ -255,92 +202,88 @@ impl CompletionQueue {
         &self.inner.ctx
     }
 
-    pub(crate) fn attach(&self, qp_num: u32, qp: Weak<QpInner>) {
-        let mut qps = self.inner.qps.lock().unwrap_or_else(|p| p.into_inner());
-        qps.retain(|_, w| w.strong_count() > 0);
-        qps.insert(qp_num, qp);
+    pub(crate) fn attach(&self, qp_num: u32, sink: Weak<dyn CompletionSink>) {
+        let mut sinks = self.inner.sinks.lock().unwrap_or_else(|p| p.into_inner());
+        sinks.retain(|_, w| w.strong_count() > 0);
+        sinks.insert(qp_num, sink);
     }
 
-    /// Take raw completions from the backend (driving the userspace
-    /// provider's QPs from this thread when none is waiting).
-    fn poll_raw(&self, out: &mut Vec<RawCompletion>) -> Result<()> {
-        match &self.inner.backend {
-            CqBackend::User(cq) => {
-                let mut buf = [provider::wr::WorkCompletion::BLANK; BATCH];
-                let n = cq.poll(&mut buf);
-                out.extend(buf[..n].iter().map(RawCompletion::from));
-            }
-            CqBackend::Ibv(cq) => {
-                while out.len() < BATCH {
-                    match cq.poll_one()? {
-                        Some(wc) => out.push(RawCompletion::from(&wc)),
-                        None => break,
+    fn lock_ready(&self) -> std::sync::MutexGuard<'_, VecDeque<Completion>> {
+        self.inner.ready.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Give raw completions their meaning, running emulation steps on the
+    /// way (they may post follow-up work and yield nothing), onto the
+    /// ready queue.
+    fn process(&self, scratch: &mut Scratch) {
+        let Scratch { raw, done } = scratch;
+        let mut last: Option<(u32, Arc<dyn CompletionSink>)> = None;
+        for rc in raw.drain(..) {
+            let sink = match &last {
+                Some((qpn, s)) if *qpn == rc.qp_num => Some(s.clone()),
+                _ => {
+                    let sinks = self.inner.sinks.lock().unwrap_or_else(|p| p.into_inner());
+                    let s = sinks.get(&rc.qp_num).and_then(Weak::upgrade);
+                    if let Some(s) = &s {
+                        last = Some((rc.qp_num, s.clone()));
                     }
+                    s
                 }
-            }
-        }
-        Ok(())
-    }
-
-    /// Turn raw completions into the application's, running emulation
-    /// steps on the way (they may post follow-up work and yield nothing),
-    /// onto the ready queue.
-    fn process(&self, raw: Vec<RawCompletion>) {
-        for rc in raw {
-            let qp = {
-                let qps = self.inner.qps.lock().unwrap_or_else(|p| p.into_inner());
-                qps.get(&rc.qp_num).and_then(Weak::upgrade)
             };
-            match qp {
-                Some(qp) => {
-                    if let Some(c) = qp.complete(rc) {
-                        self.inner
-                            .ready
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .push_back(c);
-                    }
-                }
+            match sink {
+                Some(s) => s.complete(rc, done),
                 None => warn!(qp = rc.qp_num, "completion for an unknown QP dropped"),
             }
+        }
+        if !done.is_empty() {
+            self.lock_ready().extend(done.drain(..));
         }
     }
 
     /// One round of taking raw completions and giving them their meaning;
     /// the application's stay queued for its next poll.
     pub(crate) fn drive(&self) -> Result<()> {
-        let _taking = self.inner.taking.lock().unwrap_or_else(|p| p.into_inner());
-        self.take_raw()?;
+        let mut scratch = self.inner.taking.lock().unwrap_or_else(|p| p.into_inner());
+        self.take_raw(&mut scratch)?;
         Ok(())
     }
 
     /// Take a batch from the device and give it meaning (onto the ready
     /// queue); whether there was any. Only under `taking`.
-    fn take_raw(&self) -> Result<bool> {
-        let mut raw = Vec::new();
-        self.poll_raw(&mut raw)?;
-        let any = !raw.is_empty();
-        self.process(raw);
+    fn take_raw(&self, scratch: &mut Scratch) -> Result<bool> {
+        self.inner.ops.poll(&mut scratch.raw, BATCH)?;
+        let any = !scratch.raw.is_empty();
+        self.process(scratch);
         Ok(any)
     }
 
     /// Queue a completion produced outside a poll (by the agent thread).
-    pub(crate) fn push_ready(&self, c: Completion) {
-        self.inner
-            .ready
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push_back(c);
+    pub(crate) fn push_ready(&self, c: impl IntoIterator<Item = Completion>) {
+        let mut ready = self.lock_ready();
+        let before = ready.len();
+        ready.extend(c);
+        if ready.len() == before {
+            return;
+        }
+        drop(ready);
         let _ = self.inner.ready_fd.write(1);
-        // A thread blocked in `wait` on the provider must look at it.
-        if let CqBackend::User(cq) = &self.inner.backend {
-            cq.interrupt_wait();
+        // A thread blocked in `wait` must look at it.
+        self.inner.ops.interrupt();
+    }
+
+    /// Queue completions a QP's send order released, in that order (its
+    /// caller holds the order's lock). `wake`: released outside a poll.
+    pub(crate) fn push_released(&self, c: impl IntoIterator<Item = Completion>, wake: bool) {
+        if wake {
+            self.push_ready(c);
+        } else {
+            self.lock_ready().extend(c);
         }
     }
 
     /// Move up to `max` ready completions to `out`.
     fn take_ready(&self, out: &mut Vec<Completion>, max: usize) -> usize {
-        let mut ready = self.inner.ready.lock().unwrap_or_else(|p| p.into_inner());
+        let mut ready = self.lock_ready();
         let n = max.min(ready.len());
         out.extend(ready.drain(..n));
         n
@@ -360,12 +303,13 @@ impl CompletionQueue {
             }
             // Another poller is taking a batch: what it finds lands on the
             // ready queue, in order; never wait for it here.
-            let Ok(_taking) = self.inner.taking.try_lock() else {
+            let Ok(mut scratch) = self.inner.taking.try_lock() else {
                 break;
             };
-            if !self.take_raw()? {
+            if !self.take_raw(&mut scratch)? {
                 break;
             }
+            drop(scratch);
             n += self.take_ready(out, max - n);
         }
         Ok(n)
@@ -399,22 +343,15 @@ impl CompletionQueue {
             if left.is_zero() {
                 return Ok(0);
             }
-            match &self.inner.backend {
-                // The provider's wait also returns when the emulation layer
-                // queues a completion (`push_ready` interrupts it).
-                CqBackend::User(cq) => {
-                    // Sleep until the provider has some; `poll` takes them
-                    // (under `taking`, in order).
-                    cq.wait_ready(left);
-                }
-                // The completion channel and the emulation layer's eventfd
-                // together, through the epoll fd.
-                CqBackend::Ibv(_) => {
-                    if !self.req_notify()? {
-                        wait_readable(self.as_fd(), left)?;
-                    }
-                }
+            // Arm, then look once more: a completion that arrived before
+            // arming raised no event. Never sleep holding `taking`: busy
+            // pollers of this CQ keep going meanwhile.
+            if self.req_notify()? {
+                continue;
             }
+            // The provider's wait also returns when the emulation layer
+            // queues a completion (`push_ready` interrupts it).
+            self.inner.ops.wait(left)?;
         }
     }
 }
@@ -426,17 +363,5 @@ impl AsFd for CompletionQueue {
     /// an async runtime's fd readiness.
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.inner.epoll.0.as_fd()
-    }
-}
-
-/// poll(2) one fd for readability.
-fn wait_readable(fd: std::os::fd::BorrowedFd<'_>, timeout: Duration) -> Result<bool> {
-    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
-    let ms = PollTimeout::try_from(timeout).unwrap_or(PollTimeout::MAX);
-    match poll(&mut fds, ms) {
-        Ok(n) => Ok(n > 0),
-        Err(nix::errno::Errno::EINTR) => Ok(false),
-        Err(e) => Err(std::io::Error::from(e).into()),
     }
 }

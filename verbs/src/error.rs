@@ -4,6 +4,7 @@ use crate::caps::OpKind;
 
 /// Everything a verbs call can fail with.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// No device of that name.
     #[error("no RDMA device named {0:?}")]
@@ -21,6 +22,10 @@ pub enum Error {
     /// stag does not offer this on this kind of device yet.
     #[error("not implemented: {0}")]
     NotImplemented(&'static str),
+    /// The send queue (or an emulation resource it needs) is full: the
+    /// same error on every backend (`ENOMEM` from libibverbs).
+    #[error("send queue full")]
+    QueueFull,
     /// The work request is malformed (wrong SGE count or size, …).
     #[error("invalid work request: {0}")]
     InvalidRequest(&'static str),

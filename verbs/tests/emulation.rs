@@ -414,7 +414,7 @@ fn agent_commit_reaches_the_file() {
 fn mailbox_immediate_data_is_told_apart_from_empty_sends() {
     let (c, s) = pair_with(&emulating(&AGENT), 0);
     for i in 0..4 {
-        s.qp.post_recv(i, vec![]).unwrap();
+        s.qp.post_recv(i, &[]).unwrap();
     }
     c.post(
         1,
@@ -493,6 +493,7 @@ fn agent_emulation_against_a_peer_without_stag_is_refused() {
         h.join().unwrap();
         qp
     });
+    let local = [mr.slice(0, 8).unwrap()];
     let wr = verbs::WorkRequest::new(
         1,
         SendOp::FetchAdd {
@@ -500,7 +501,7 @@ fn agent_emulation_against_a_peer_without_stag_is_refused() {
             add: 1,
             mask: 0,
         },
-        vec![mr.slice(0, 8).unwrap()],
+        &local,
     );
     match qp.post_send(wr) {
         Err(verbs::Error::Unsupported {
@@ -530,7 +531,7 @@ fn mailbox_round(c: &End, s: &End, ids: std::ops::Range<u64>) {
     use std::time::{Duration, Instant};
     let expect = |i: u64| i.is_multiple_of(2).then_some(1000 + i);
     for i in ids.clone() {
-        s.qp.post_recv(i, vec![]).unwrap();
+        s.qp.post_recv(i, &[]).unwrap();
     }
     let n = ids.clone().count();
     let got = std::sync::Mutex::new(Vec::new());
@@ -560,7 +561,7 @@ fn mailbox_round(c: &End, s: &End, ids: std::ops::Range<u64>) {
             };
             c.qp.post_send(verbs::WorkRequest {
                 signaled: false,
-                ..verbs::WorkRequest::new(i, op, vec![])
+                ..verbs::WorkRequest::new(i, op, &[])
             })
             .unwrap();
             // Keep the send queue (and the mailbox) from overflowing.
@@ -580,4 +581,74 @@ fn mailbox_round(c: &End, s: &End, ids: std::ops::Range<u64>) {
             other => panic!("{other:?}"),
         }
     }
+}
+
+/// RC's ordering rule across paths: native Writes, Swaps run by the
+/// CmpSwap loop (two or more round trips), FetchAdds run by the peer's
+/// agent (another connection) and Immediate Data through the mailbox (three
+/// device WRs), posted interleaved on one QP, complete in posting order —
+/// and each took effect.
+#[test]
+fn completions_leave_in_posting_order_whatever_path_each_took() {
+    let (c, s) = pair_with(
+        &emulating(&[OpKind::Swap, OpKind::FetchAdd, OpKind::Imm]),
+        16,
+    );
+    assert!(matches!(
+        c.qp.capabilities().get(OpKind::FetchAdd),
+        Support::Emulated {
+            method: verbs::Emulation::Agent,
+            ..
+        }
+    ));
+    const N: u64 = 40;
+    let mut imms = 0;
+    let mut adds = 0;
+    for i in 0..N {
+        let local = 1024 + i as usize * 8;
+        match i % 4 {
+            0 => {
+                c.mr.store_u64(local, i).unwrap();
+                c.post(
+                    i,
+                    SendOp::write(s.mr.remote(2048 + i as usize * 8)),
+                    &[(local, 8)],
+                );
+            }
+            1 => {
+                adds += 1;
+                c.post(i, SendOp::fetch_add(s.mr.remote(0), 1), &[(local, 8)]);
+            }
+            2 => c.post(i, SendOp::swap(s.mr.remote(8), i), &[(local, 8)]),
+            _ => {
+                imms += 1;
+                c.post(i, SendOp::imm(i), &[]);
+            }
+        }
+    }
+    let order: Vec<(u64, verbs::WcStatus)> = (0..N)
+        .map(|_| {
+            let done = c.wait();
+            (done.wr_id, done.status)
+        })
+        .collect();
+    let expected: Vec<(u64, verbs::WcStatus)> =
+        (0..N).map(|i| (i, verbs::WcStatus::Success)).collect();
+    assert_eq!(order, expected, "completions in posting order");
+    assert_eq!(s.mr.load_u64(0).unwrap(), adds);
+    assert_eq!(s.mr.load_u64(8).unwrap(), N - 2, "the last Swap's value");
+    for i in (0..N).step_by(4) {
+        assert_eq!(s.mr.load_u64(2048 + i as usize * 8).unwrap(), i);
+    }
+    let arrived: Vec<Option<u64>> = (0..imms)
+        .map(|_| match s.wait().kind {
+            CompletionKind::Recv { imm, .. } => imm,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    let sent: Vec<Option<u64>> = (0..N).filter(|i| i % 4 == 3).map(Some).collect();
+    assert_eq!(arrived, sent);
+    let counters = c.qp.emulation_counters();
+    assert_eq!(counters.agent_requests, adds);
+    assert!(counters.cas_steps >= 2 * (N / 4), "{counters:?}");
 }

@@ -239,7 +239,7 @@ fn atomics_native_or_emulated() {
                 remote: r,
                 value: 1,
             },
-            vec![c.mr.slice(48, 8).unwrap()],
+            &[c.mr.slice(48, 8).unwrap()],
         ))
         .unwrap_err();
     assert!(matches!(err, verbs::Error::InvalidRequest(_)), "{err}");
@@ -384,12 +384,13 @@ fn send_with_invalidate_where_native() {
 #[test]
 fn unsignaled_success_is_silent_but_errors_are_not() {
     let (c, s) = pair();
+    let local = [c.mr.slice(0, 8).unwrap()];
     let mut wr = verbs::WorkRequest::new(
         1,
         SendOp::Write {
             remote: s.mr.remote(0),
         },
-        vec![c.mr.slice(0, 8).unwrap()],
+        &local,
     );
     wr.signaled = false;
     // The receives posted at setup are outstanding too.
@@ -422,7 +423,7 @@ fn buffers_outlive_their_handles_while_posted() {
     // Post a receive on a region and drop every handle to it: the posted
     // WR keeps the memory mapped and registered until it completes.
     let mr = s.pd.alloc_mr(4096, ALL).unwrap();
-    s.qp.post_recv(7, vec![mr.slice(0, 64).unwrap()]).unwrap();
+    s.qp.post_recv(7, &[mr.slice(0, 64).unwrap()]).unwrap();
     drop(mr);
     // The first four receives were posted at setup; use them up first.
     for i in 0..4 {
@@ -781,16 +782,21 @@ fn post_lists_post_in_order_and_stop_at_a_bad_work_request() {
     for i in 0..64u8 {
         c.mr.write_at(usize::from(i) * 16, &[i; 16]).unwrap();
     }
-    let writes = (0..64u64).map(|i| {
-        WorkRequest::new(
-            i,
-            SendOp::Write {
-                remote: s.mr.remote(8192 + i as usize * 16),
-            },
-            vec![c.mr.slice(i as usize * 16, 16).unwrap()],
-        )
-    });
-    c.qp.post_send_list(writes).unwrap();
+    let slices: Vec<_> = (0..64usize)
+        .map(|i| c.mr.slice(i * 16, 16).unwrap())
+        .collect();
+    let writes: Vec<_> = (0..64u64)
+        .map(|i| {
+            WorkRequest::new(
+                i,
+                SendOp::Write {
+                    remote: s.mr.remote(8192 + i as usize * 16),
+                },
+                std::slice::from_ref(&slices[i as usize]),
+            )
+        })
+        .collect();
+    c.qp.post_send_list(&writes).unwrap();
     for i in 0..64u64 {
         let done = c.wait();
         assert_eq!((done.wr_id, done.status), (i, WcStatus::Success));
@@ -814,32 +820,26 @@ fn post_lists_post_in_order_and_stop_at_a_bad_work_request() {
 
     // The second WR is an atomic with a 4-byte result buffer: refused at
     // post; the first was posted, the third not.
-    let list = vec![
+    let eight = [c.mr.slice(0, 8).unwrap()];
+    let four = [c.mr.slice(4096, 4).unwrap()];
+    let list = [
         WorkRequest::new(
             100,
             SendOp::Write {
                 remote: s.mr.remote(0),
             },
-            vec![c.mr.slice(0, 8).unwrap()],
+            &eight,
         ),
-        WorkRequest::new(
-            101,
-            SendOp::FetchAdd {
-                remote: s.mr.remote(64),
-                add: 1,
-                mask: 0,
-            },
-            vec![c.mr.slice(4096, 4).unwrap()],
-        ),
+        WorkRequest::new(101, SendOp::fetch_add(s.mr.remote(64), 1), &four),
         WorkRequest::new(
             102,
             SendOp::Write {
                 remote: s.mr.remote(0),
             },
-            vec![c.mr.slice(0, 8).unwrap()],
+            &eight,
         ),
     ];
-    let err = c.qp.post_send_list(list).unwrap_err();
+    let err = c.qp.post_send_list(&list).unwrap_err();
     assert_eq!(err.posted, 1, "{err}");
     assert_eq!(c.wait().wr_id, 100);
     assert!(

@@ -165,7 +165,7 @@ fn probing_a_peer_that_runs_no_stag() {
             vqp.post_send(verbs::WorkRequest::new(
                 10,
                 SendOp::Read { remote: target },
-                vec![mr.slice(0, 8).unwrap()],
+                &[mr.slice(0, 8).unwrap()],
             ))
             .unwrap();
             let c = wait_one(&vcq);
@@ -227,7 +227,7 @@ fn without_extensions_or_a_stag_peer_the_error_says_why() {
         ),
     ] {
         let err = vqp
-            .post_send(verbs::WorkRequest::new(9, op, local))
+            .post_send(verbs::WorkRequest::new(9, op, &local))
             .unwrap_err();
         assert!(
             matches!(&err, verbs::Error::Unsupported { why, .. } if why.contains("stag")),

@@ -16,7 +16,7 @@ fn one_pool_of_receives_serves_several_connections() {
     let cq = ctx.create_cq(256).unwrap();
     let pool = pd.alloc_mr(64 * 64, ALL).unwrap();
     for i in 0..6 {
-        srq.post_recv(100 + i, vec![pool.slice(64 * i as usize, 64).unwrap()])
+        srq.post_recv(100 + i, &[pool.slice(64 * i as usize, 64).unwrap()])
             .unwrap();
     }
     let listener = Listener::bind(&ctx, listen_addr()).unwrap();
@@ -40,7 +40,7 @@ fn one_pool_of_receives_serves_several_connections() {
         });
         // A QP on an SRQ has no receive queue of its own.
         assert!(matches!(
-            sqp.post_recv(1, vec![pool.slice(0, 8).unwrap()]),
+            sqp.post_recv(1, &[pool.slice(0, 8).unwrap()]),
             Err(verbs::Error::InvalidRequest(_))
         ));
         server_qps.push(sqp);
@@ -48,13 +48,14 @@ fn one_pool_of_receives_serves_several_connections() {
     }
     for (ccq, cmr, cqp) in &clients {
         for n in 0..2 {
+            let local = [cmr.slice(0, 16).unwrap()];
             let wr = verbs::WorkRequest::new(
                 n,
                 SendOp::Send {
                     solicited: false,
                     invalidate: None,
                 },
-                vec![cmr.slice(0, 16).unwrap()],
+                &local,
             );
             cqp.post_send(wr).unwrap();
             assert!(wait_one(ccq).is_ok());

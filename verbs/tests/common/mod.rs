@@ -42,18 +42,18 @@ pub struct End {
 
 impl End {
     pub fn post(&self, wr_id: u64, op: SendOp, local: &[(usize, usize)]) {
-        let local = local
+        let local: Vec<_> = local
             .iter()
             .map(|&(o, l)| self.mr.slice(o, l).unwrap())
             .collect();
         self.qp
-            .post_send(WorkRequest::new(wr_id, op, local))
+            .post_send(WorkRequest::new(wr_id, op, &local))
             .unwrap();
     }
 
     pub fn recv(&self, wr_id: u64, offset: usize, len: usize) {
         self.qp
-            .post_recv(wr_id, vec![self.mr.slice(offset, len).unwrap()])
+            .post_recv(wr_id, &[self.mr.slice(offset, len).unwrap()])
             .unwrap();
     }
 
@@ -112,10 +112,7 @@ pub fn pair_across(
         let mr = mr.clone();
         move |qp: &QueuePair| {
             for i in 0..recvs {
-                qp.post_recv(
-                    1000 + i as u64,
-                    vec![mr.slice(512 * 1024 + 4096 * i, 4096)?],
-                )?;
+                qp.post_recv(1000 + i as u64, &[mr.slice(512 * 1024 + 4096 * i, 4096)?])?;
             }
             Ok(())
         }

@@ -1,0 +1,1198 @@
+//! The emulation layer: one core per queue pair that routes each work
+//! request to the device or to a strategy for what the device (or the
+//! peer's) lacks, tracks every posted WR, and gives completions their
+//! meaning in RC order.
+//!
+//! - routing: [`Route`], a plain enum resolved from the connection's
+//!   capability matrix (its text is for display only);
+//! - strategies: the CmpSwap loop ([`cas`]), the peer's agent ([`agent`],
+//!   atomics and Commit), the Immediate Data mailbox (in the agent, posted
+//!   by [`QpCore::post_imm`]); each is a `post` here and an
+//!   `on_completion` step in [`QpCore::complete`];
+//! - tracking: [`crate::tracker`], one table for every path;
+//! - ordering: [`order::SendOrder`]: a send queue's completions come out
+//!   in posting order whatever path each WR took.
+
+pub(crate) mod agent;
+pub(crate) mod cas;
+pub(crate) mod order;
+pub(crate) mod srq;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use smallvec::{smallvec, SmallVec};
+use tracing::warn;
+
+use provider::wr::{Remote, SendOp, WcStatus};
+
+use self::agent::{Agent, AgentClient, FLUSH_TARGET};
+use self::cas::{CasLoop, Next};
+use self::order::SendOrder;
+use self::srq::SrqCore;
+use crate::backend::{QpOps, RawCompletion};
+use crate::caps::{Capabilities, Emulation, OpKind, OpSet, PostPath, Support};
+use crate::cq::{Completion, CompletionKind, CompletionQueue, CompletionSink};
+use crate::device::Context;
+use crate::error::{Error, Result};
+use crate::mr::{Access, MemoryRegion, Slice};
+use crate::pd::ProtectionDomain;
+use crate::tracker::{Held, Table, Ticket, Tracker};
+use crate::wire::agent::AgentOp;
+use crate::wr::{EmulationCounters, WorkRequest, MAX_INLINE};
+
+/// The token of a failure before any entry was made.
+const NO_TOKEN: u64 = u64::MAX;
+
+/// Emulation slots per QP (outstanding emulated atomics).
+const SCRATCH_SLOTS: usize = 64;
+
+/// How one work request runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// The device does it.
+    Native,
+    /// Read + CmpSwap until one sticks.
+    CasLoop,
+    /// The peer's agent (atomics; Commit after an ordering Read).
+    Agent,
+    /// A Write of the mailbox entry and a zero-length Send.
+    Mailbox,
+}
+
+/// A posted work request awaiting its completion.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    wr_id: u64,
+    what: What,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum What {
+    Recv,
+    Send {
+        /// The application's operation (what its completion reports).
+        op: SendOp,
+        /// Its place in the send queue's order.
+        seq: u64,
+        signaled: bool,
+        step: Step,
+        /// The inline bounce slot it holds.
+        bounce: Option<usize>,
+    },
+    /// RFC 7306 §1.1's FetchAdd of 0; its result goes to the prober.
+    Probe {
+        slot: usize,
+    },
+}
+
+/// The application's send WR a step belongs to.
+#[derive(Debug, Clone, Copy)]
+struct SendRef {
+    wr_id: u64,
+    op: SendOp,
+    seq: u64,
+    signaled: bool,
+}
+
+impl SendRef {
+    /// Its table entry for `step`.
+    fn pending(&self, step: Step) -> Pending {
+        Pending {
+            wr_id: self.wr_id,
+            what: What::Send {
+                op: self.op,
+                seq: self.seq,
+                signaled: self.signaled,
+                step,
+                bounce: None,
+            },
+        }
+    }
+}
+
+/// How a send WR ended.
+#[derive(Debug, Clone, Copy)]
+struct Outcome {
+    status: WcStatus,
+    /// The target's value before an atomic.
+    original: Option<u64>,
+    vendor_err: u32,
+}
+
+impl Outcome {
+    fn done(original: Option<u64>) -> Outcome {
+        Outcome {
+            status: WcStatus::Success,
+            original,
+            vendor_err: 0,
+        }
+    }
+
+    fn failed(status: WcStatus, vendor_err: u32) -> Outcome {
+        Outcome {
+            status,
+            original: None,
+            vendor_err,
+        }
+    }
+}
+
+/// What a send WR's completion means.
+#[derive(Debug, Clone, Copy)]
+enum Step {
+    /// The application's WR itself.
+    Final,
+    /// An inner step (the mailbox's Writes): silent on success; its
+    /// failure is the WR's.
+    Silent,
+    /// A step of the CmpSwap loop.
+    Cas(CasLoop),
+    /// The zero-length Read that orders a Commit after earlier Writes;
+    /// then the agent's msync.
+    CommitRead { remote: Remote, len: u32 },
+    /// Waiting for the peer's agent (never posted to the device).
+    Agent,
+}
+
+/// Inline payloads are copied here at post time.
+struct Bounce {
+    mr: MemoryRegion,
+    free: Mutex<Vec<usize>>,
+}
+
+/// The per-QP core.
+pub(crate) struct QpCore {
+    /// Itself, for the strategies that hand an `Arc` of it to the agent.
+    me: Weak<QpCore>,
+    // The backend QP goes first: once it is destroyed the device touches
+    // nothing the tracker's entries hold.
+    backend: Arc<dyn QpOps>,
+    ctx: Context,
+    pd: ProtectionDomain,
+    qp_num: u32,
+    send_cq: CompletionQueue,
+    tracker: Tracker<Pending>,
+    order: Mutex<SendOrder>,
+    srq: Option<Arc<SrqCore>>,
+    /// The agent channel, when this connection has one.
+    agent: OnceLock<Arc<Agent>>,
+    /// The matrix of this connection (set when it is established) and the
+    /// peer's native set (`None`: the peer runs no stag).
+    connection: OnceLock<(Capabilities, Option<OpSet>)>,
+    /// 8-byte slots for emulation steps' results.
+    scratch: MemoryRegion,
+    free_slots: Mutex<Vec<usize>>,
+    bounce: OnceLock<Bounce>,
+    /// Answers to probes, by token.
+    probes: Mutex<HashMap<u64, (WcStatus, u32)>>,
+    /// The peer's regions (by rkey) its agent said are device FLUSH
+    /// targets: a Commit into one is a device FLUSH alone.
+    flush_targets: Mutex<HashSet<u32>>,
+    /// A completion failed: the QP is in Error, and what finishes later
+    /// finishes flushed, as RC has it.
+    errored: AtomicBool,
+    cas_steps: AtomicU64,
+    device_round_trips: AtomicU64,
+    max_send_wr: u32,
+}
+
+impl std::fmt::Debug for QpCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QpCore")
+            .field("qp_num", &self.qp_num)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Which strategy the matrix names.
+fn route_of(support: &Support) -> std::result::Result<Route, String> {
+    match support {
+        Support::Native => Ok(Route::Native),
+        Support::Emulated {
+            method: Emulation::CasLoop,
+            ..
+        } => Ok(Route::CasLoop),
+        Support::Emulated {
+            method: Emulation::ImmMailbox,
+            ..
+        } => Ok(Route::Mailbox),
+        Support::Emulated {
+            method: Emulation::Agent,
+            ..
+        } => Ok(Route::Agent),
+        Support::Unsupported { why } => Err(why.clone()),
+        Support::NativeExcept { .. } => Ok(Route::Native),
+    }
+}
+
+/// A native post waiting for the batch it goes out in.
+struct Queued {
+    ticket: Ticket,
+    op: SendOp,
+    fence: bool,
+    seq: u64,
+}
+
+impl QpCore {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        pd: &ProtectionDomain,
+        backend: Arc<dyn QpOps>,
+        send_cq: &CompletionQueue,
+        recv_cq: &CompletionQueue,
+        srq: Option<Arc<SrqCore>>,
+        max_send_wr: u32,
+    ) -> Result<Arc<QpCore>> {
+        let scratch = pd.alloc_mr(SCRATCH_SLOTS * 8, Access::LOCAL_WRITE)?;
+        let qp_num = backend.qp_num();
+        let core = Arc::new_cyclic(|me| QpCore {
+            me: me.clone(),
+            backend,
+            ctx: pd.context().clone(),
+            pd: pd.clone(),
+            qp_num,
+            send_cq: send_cq.clone(),
+            tracker: Tracker::new(Table::Qp),
+            order: Mutex::new(SendOrder::default()),
+            srq,
+            agent: OnceLock::new(),
+            connection: OnceLock::new(),
+            scratch,
+            free_slots: Mutex::new((0..SCRATCH_SLOTS).rev().collect()),
+            bounce: OnceLock::new(),
+            probes: Mutex::new(HashMap::new()),
+            flush_targets: Mutex::new(HashSet::new()),
+            errored: AtomicBool::new(false),
+            cas_steps: AtomicU64::new(0),
+            device_round_trips: AtomicU64::new(0),
+            max_send_wr,
+        });
+        let sink: Weak<dyn CompletionSink> = Arc::downgrade(&core) as Weak<QpCore>;
+        send_cq.attach(qp_num, sink.clone());
+        recv_cq.attach(qp_num, sink);
+        Ok(core)
+    }
+
+    pub fn qp_num(&self) -> u32 {
+        self.qp_num
+    }
+
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    pub fn set_agent(&self, agent: Arc<Agent>) {
+        let _ = self.agent.set(agent);
+    }
+
+    pub fn set_connection(&self, caps: Capabilities, peer_native: Option<OpSet>) {
+        tracing::debug!(qp = self.qp_num, ?peer_native, "connection matrix:\n{caps}");
+        let _ = self.connection.set((caps, peer_native));
+    }
+
+    /// The matrix this QP posts by: its connection's, else the device's.
+    pub fn caps(&self) -> &Capabilities {
+        self.connection
+            .get()
+            .map_or_else(|| self.ctx.capabilities(), |(c, _)| c)
+    }
+
+    pub fn peer_native(&self) -> Option<OpSet> {
+        self.connection.get().and_then(|(_, p)| *p)
+    }
+
+    pub fn post_path(&self) -> PostPath {
+        self.backend.post_path()
+    }
+
+    pub fn counters(&self) -> EmulationCounters {
+        let (agent_requests, agent_served) = self.agent.get().map_or((0, 0), |a| a.counts());
+        EmulationCounters {
+            agent_requests,
+            agent_served,
+            cas_steps: self.cas_steps.load(Ordering::Relaxed),
+            device_round_trips: self.device_round_trips.load(Ordering::Relaxed),
+        }
+    }
+
+    pub fn outstanding(&self) -> usize {
+        self.tracker.len()
+    }
+
+    pub fn set_error(&self) -> Result<()> {
+        self.errored.store(true, Ordering::Release);
+        self.backend.set_error()
+    }
+
+    pub fn progress(&self) {
+        self.backend.progress();
+    }
+
+    /// The route of `wr` on this connection.
+    fn route(&self, wr: &WorkRequest<'_>) -> Result<(OpKind, Route)> {
+        let kind = OpKind::from(&wr.op);
+        if kind.is_atomic() {
+            // The same answer whichever path runs it.
+            check_atomic_local(wr)?;
+        }
+        let mut support = self.caps().get(kind).clone();
+        if let Support::NativeExcept { method, .. } = support {
+            // Commit: the device's FLUSH where the peer's agent said the
+            // region is a FLUSH target (or there is no agent to ask: a
+            // peer without stag), else the emulation, whose answer says.
+            let flush_target = match wr.op {
+                SendOp::Commit { remote, .. } => self
+                    .flush_targets
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .contains(&remote.rkey),
+                _ => false,
+            };
+            support = if flush_target || self.agent.get().is_none() {
+                Support::Native
+            } else {
+                method.support_for(kind)
+            };
+        }
+        let route = route_of(&support).map_err(|why| Error::Unsupported {
+            op: kind,
+            device: self.ctx.name().to_owned(),
+            why,
+        })?;
+        if matches!(route, Route::Agent | Route::Mailbox) && self.agent.get().is_none() {
+            return Err(Error::Unsupported {
+                op: kind,
+                device: self.ctx.name().to_owned(),
+                why: "emulated through the peer's stag agent, and this peer runs none".into(),
+            });
+        }
+        Ok((kind, route))
+    }
+
+    /// `ibv_post_send` of a list: native WRs go to the backend in batches
+    /// (one doorbell, one `ibv_wr_start`), each emulated one on its own
+    /// path in its place. Returns how many were posted before a failure.
+    pub fn post_list(
+        self: &Arc<Self>,
+        wrs: &[WorkRequest<'_>],
+    ) -> std::result::Result<(), (Error, usize)> {
+        let mut batch: SmallVec<[Queued; 8]> = SmallVec::new();
+        let mut posted = 0;
+        for wr in wrs {
+            let routed = self.route(wr);
+            let batchable = match &routed {
+                Ok((_, Route::Native)) => !self.numbered_zero_send(wr),
+                _ => false,
+            };
+            if !batchable {
+                // What runs on its own path goes after the natives before
+                // it.
+                posted += self.flush(&mut batch).map_err(|(e, n)| (e, posted + n))?;
+            }
+            let queued = routed
+                .and_then(|(_, route)| self.prepare(wr, route))
+                .map_err(|e| (e, posted))?;
+            match queued {
+                Some(q) => batch.push(q),
+                None => posted += 1,
+            }
+            if batch.len() == batch.inline_size() {
+                posted += self.flush(&mut batch).map_err(|(e, n)| (e, posted + n))?;
+            }
+        }
+        self.flush(&mut batch).map_err(|(e, n)| (e, posted + n))?;
+        Ok(())
+    }
+
+    /// With an agent channel, zero-length Sends are numbered so the peer
+    /// can tell them from mailbox Immediate Data: they are posted at once,
+    /// in number order.
+    fn numbered_zero_send(&self, wr: &WorkRequest<'_>) -> bool {
+        self.agent.get().is_some()
+            && matches!(wr.op, SendOp::Send { .. })
+            && wr.local.iter().all(Slice::is_empty)
+    }
+
+    /// Post the batch; how many went out.
+    fn flush(
+        &self,
+        batch: &mut SmallVec<[Queued; 8]>,
+    ) -> std::result::Result<usize, (Error, usize)> {
+        if batch.is_empty() {
+            return Ok(0);
+        }
+        let res = {
+            let posts: SmallVec<[_; 8]> =
+                batch.iter().map(|q| q.ticket.send(q.op, q.fence)).collect();
+            self.backend.post_send(&posts)
+        };
+        let n = match &res {
+            Ok(()) => batch.len(),
+            Err((_, n)) => *n,
+        };
+        for q in &batch[..n] {
+            self.count_round_trip(&q.op);
+        }
+        for q in batch.drain(..).skip(n) {
+            self.rollback(q.ticket.token(), q.seq);
+        }
+        res.map(|()| n)
+    }
+
+    fn count_round_trip(&self, op: &SendOp) {
+        if op.needs_response() {
+            self.device_round_trips.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A WR that was never posted: its entry goes, its place is released.
+    fn rollback(&self, token: u64, seq: u64) {
+        if let Some((p, _)) = self.tracker.remove(token) {
+            if let What::Send {
+                bounce: Some(b), ..
+            } = p.what
+            {
+                self.free_bounce(b);
+            }
+        }
+        self.finish(seq, None, false);
+    }
+
+    /// Post one routed WR: a native one comes back to be batched; an
+    /// emulated one is posted on its path here.
+    fn prepare(self: &Arc<Self>, wr: &WorkRequest<'_>, route: Route) -> Result<Option<Queued>> {
+        let (held, bounce) = if wr.inline {
+            let (slice, slot) = self.bounce_copy(wr)?;
+            (smallvec![slice], Some(slot))
+        } else {
+            (wr.local.iter().cloned().collect::<Held>(), None)
+        };
+        let seq = self.order.lock().unwrap_or_else(|p| p.into_inner()).next();
+        let posted = match route {
+            Route::Native => {
+                let ticket = self.tracker.insert(
+                    Pending {
+                        wr_id: wr.wr_id,
+                        what: What::Send {
+                            op: wr.op,
+                            seq,
+                            signaled: wr.signaled,
+                            step: Step::Final,
+                            bounce,
+                        },
+                    },
+                    held,
+                );
+                if !self.numbered_zero_send(wr) {
+                    return Ok(Some(Queued {
+                        ticket,
+                        op: wr.op,
+                        fence: wr.fence,
+                        seq,
+                    }));
+                }
+                let agent = self
+                    .agent
+                    .get()
+                    .cloned()
+                    .expect("numbered: there is an agent");
+                let mut n = agent.zero_sends.lock().unwrap_or_else(|p| p.into_inner());
+                let r = self.post_one(&ticket, wr.op, wr.fence);
+                if r.is_ok() {
+                    *n += 1;
+                }
+                r.map_err(|e| (e, ticket.token()))
+            }
+            Route::CasLoop => self.start_cas_loop(wr, seq, held),
+            Route::Agent => self.post_agent(wr, seq, held),
+            Route::Mailbox => self.post_imm(wr, seq, held),
+        };
+        match posted {
+            Ok(()) => Ok(None),
+            Err((e, token)) => {
+                // The entry (if one was made) goes with its bounce slot;
+                // the place in the order is released.
+                self.rollback(token, seq);
+                if let (Some(b), Route::CasLoop | Route::Agent | Route::Mailbox) = (bounce, route) {
+                    self.free_bounce(b);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn post_one(&self, ticket: &Ticket, op: SendOp, fence: bool) -> Result<()> {
+        self.backend
+            .post_send(&[ticket.send(op, fence)])
+            .map_err(|(e, _)| e)?;
+        self.count_round_trip(&op);
+        Ok(())
+    }
+
+    /// Copy an inline WR's payload into a bounce slot.
+    fn bounce_copy(&self, wr: &WorkRequest<'_>) -> Result<(Slice, usize)> {
+        if !matches!(
+            wr.op,
+            SendOp::Send { .. } | SendOp::Write { .. } | SendOp::WriteImm { .. }
+        ) {
+            return Err(Error::InvalidRequest("only Sends and Writes go inline"));
+        }
+        let len: usize = wr.local.iter().map(|s| s.len() as usize).sum();
+        if len > MAX_INLINE {
+            return Err(Error::InvalidRequest(
+                "inline payload over MAX_INLINE bytes",
+            ));
+        }
+        let bounce = match self.bounce.get() {
+            Some(b) => b,
+            None => {
+                let slots = self.max_send_wr.max(1) as usize;
+                let mr = self.pd.alloc_mr(slots * MAX_INLINE, Access::LOCAL_WRITE)?;
+                let _ = self.bounce.set(Bounce {
+                    mr,
+                    free: Mutex::new((0..slots).rev().collect()),
+                });
+                self.bounce.get().expect("just set")
+            }
+        };
+        let slot = bounce
+            .free
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .ok_or(Error::QueueFull)?;
+        let mut at = slot * MAX_INLINE;
+        let mut buf = [0u8; MAX_INLINE];
+        for s in wr.local {
+            let n = s.len() as usize;
+            s.mr().read_at(s.offset(), &mut buf[..n])?;
+            bounce.mr.write_at(at, &buf[..n])?;
+            at += n;
+        }
+        Ok((bounce.mr.slice(slot * MAX_INLINE, len)?, slot))
+    }
+
+    fn free_bounce(&self, slot: usize) {
+        if let Some(b) = self.bounce.get() {
+            b.free.lock().unwrap_or_else(|p| p.into_inner()).push(slot);
+        }
+    }
+
+    fn start_cas_loop(
+        &self,
+        wr: &WorkRequest<'_>,
+        seq: u64,
+        held: Held,
+    ) -> std::result::Result<(), (Error, u64)> {
+        let remote = match wr.op {
+            SendOp::FetchAdd { remote, .. }
+            | SendOp::CmpSwap { remote, .. }
+            | SendOp::Swap { remote, .. }
+            | SendOp::AtomicWrite { remote, .. } => remote,
+            _ => {
+                return Err((
+                    Error::InvalidRequest("only atomics are emulated by a CmpSwap loop"),
+                    NO_TOKEN,
+                ))
+            }
+        };
+        let slot = self.take_slot().map_err(|e| (e, NO_TOKEN))?;
+        let (cas, first) = CasLoop::start(remote, slot);
+        let pending = Pending {
+            wr_id: wr.wr_id,
+            what: What::Send {
+                op: wr.op,
+                seq,
+                signaled: wr.signaled,
+                step: Step::Cas(cas),
+                bounce: None,
+            },
+        };
+        self.post_slot_step(slot, pending, held, first, wr.fence)
+    }
+
+    /// Post `step` with scratch slot `slot` as its one SGE (the WR's own
+    /// slices held alongside); on failure the slot is freed and the token
+    /// returned for the rollback.
+    fn post_slot_step(
+        &self,
+        slot: usize,
+        pending: Pending,
+        mut held: Held,
+        step: SendOp,
+        fence: bool,
+    ) -> std::result::Result<(), (Error, u64)> {
+        if matches!(
+            pending.what,
+            What::Send {
+                step: Step::Cas(_),
+                ..
+            }
+        ) {
+            self.cas_steps.fetch_add(1, Ordering::Relaxed);
+        }
+        let scratch = match self.scratch.slice(slot * 8, 8) {
+            Ok(s) => s,
+            Err(e) => {
+                self.free_slot(slot);
+                return Err((e, NO_TOKEN));
+            }
+        };
+        // The scratch slot is the SGE; the application's slices follow in
+        // `held` (kept alive, not posted).
+        held.insert(0, scratch);
+        let ticket = self.tracker.insert(pending, held);
+        self.backend
+            .post_send(&[ticket.send_prefix(1, step, fence)])
+            .map_err(|(e, _)| {
+                self.free_slot(slot);
+                (e, ticket.token())
+            })?;
+        self.count_round_trip(&step);
+        Ok(())
+    }
+
+    /// An atomic or Commit through the peer's agent.
+    fn post_agent(
+        self: &Arc<Self>,
+        wr: &WorkRequest<'_>,
+        seq: u64,
+        held: Held,
+    ) -> std::result::Result<(), (Error, u64)> {
+        let agent = self.agent.get().cloned().ok_or((
+            Error::InvalidRequest("no agent channel on this connection"),
+            NO_TOKEN,
+        ))?;
+        let (remote, op) = match wr.op {
+            SendOp::FetchAdd { remote, add, mask } => (remote, AgentOp::FetchAdd { add, mask }),
+            SendOp::CmpSwap {
+                remote,
+                compare,
+                compare_mask,
+                swap,
+                swap_mask,
+            } => (
+                remote,
+                AgentOp::CmpSwap {
+                    compare,
+                    compare_mask,
+                    swap,
+                    swap_mask,
+                },
+            ),
+            SendOp::Swap { remote, swap } => (remote, AgentOp::Swap { swap }),
+            // The agent's Swap, its original value dropped.
+            SendOp::AtomicWrite { remote, value } => (remote, AgentOp::Swap { swap: value }),
+            SendOp::Commit { remote, len } => {
+                // Read-after-write: a zero-length Read returns only after
+                // every earlier Write on this QP is placed; then msync.
+                let ticket = self.tracker.insert(
+                    Pending {
+                        wr_id: wr.wr_id,
+                        what: What::Send {
+                            op: wr.op,
+                            seq,
+                            signaled: wr.signaled,
+                            step: Step::CommitRead { remote, len },
+                            bounce: None,
+                        },
+                    },
+                    held,
+                );
+                return self
+                    .post_one(&ticket, SendOp::Read { remote }, wr.fence)
+                    .map_err(|e| (e, ticket.token()));
+            }
+            _ => {
+                return Err((
+                    Error::InvalidRequest("the agent runs atomics and Commit only"),
+                    NO_TOKEN,
+                ))
+            }
+        };
+        let ticket = self.tracker.insert(
+            Pending {
+                wr_id: wr.wr_id,
+                what: What::Send {
+                    op: wr.op,
+                    seq,
+                    signaled: wr.signaled,
+                    step: Step::Agent,
+                    bounce: None,
+                },
+            },
+            held,
+        );
+        let client: Weak<dyn AgentClient> = Arc::downgrade(self) as Weak<QpCore>;
+        agent
+            .request(client, ticket.token(), remote, op)
+            .map_err(|e| (e, ticket.token()))
+    }
+
+    /// 8-byte Immediate Data through the peer's mailbox: (the Write, for
+    /// Write with Immediate,) the mailbox entry, then a zero-length Send
+    /// that consumes the peer's receive. The last one carries the WR's
+    /// completion; the others complete silently unless they fail. All
+    /// three share the WR's place in the send queue's order.
+    fn post_imm(
+        &self,
+        wr: &WorkRequest<'_>,
+        seq: u64,
+        held: Held,
+    ) -> std::result::Result<(), (Error, u64)> {
+        let agent = self.agent.get().cloned().ok_or((
+            Error::InvalidRequest("no agent channel on this connection"),
+            NO_TOKEN,
+        ))?;
+        let (imm, solicited) = match wr.op {
+            SendOp::Imm { imm, solicited } => (imm, solicited),
+            SendOp::WriteImm { imm, .. } => (imm, false),
+            _ => {
+                return Err((
+                    Error::InvalidRequest("only Immediate Data goes through the mailbox"),
+                    NO_TOKEN,
+                ))
+            }
+        };
+        let mut steps: SmallVec<[(SendOp, Held, bool); 3]> = SmallVec::new();
+        if let SendOp::WriteImm { remote, .. } = wr.op {
+            steps.push((SendOp::Write { remote }, held, false));
+        }
+        // Numbered among all zero-length Sends, under the lock that keeps
+        // the numbering in wire order.
+        let mut zero_sends = agent.zero_sends.lock().unwrap_or_else(|p| p.into_inner());
+        let (entry, mailbox) = agent
+            .stage_imm(*zero_sends, imm, solicited)
+            .map_err(|e| (e, NO_TOKEN))?;
+        steps.push((SendOp::Write { remote: mailbox }, smallvec![entry], false));
+        steps.push((
+            SendOp::Send {
+                solicited,
+                invalidate: None,
+            },
+            Held::new(),
+            true,
+        ));
+        let mut tickets: SmallVec<[(Ticket, SendOp); 3]> = SmallVec::new();
+        for (step, local, last) in steps {
+            let ticket = self.tracker.insert(
+                Pending {
+                    wr_id: wr.wr_id,
+                    what: What::Send {
+                        op: wr.op,
+                        seq,
+                        signaled: wr.signaled,
+                        step: if last { Step::Final } else { Step::Silent },
+                        bounce: None,
+                    },
+                },
+                local,
+            );
+            tickets.push((ticket, step));
+        }
+        let posts: SmallVec<[_; 3]> = tickets
+            .iter()
+            .map(|(t, op)| t.send(*op, wr.fence))
+            .collect();
+        if let Err((e, n)) = self.backend.post_send(&posts) {
+            // Those posted complete (silently, or flushed); the rest go.
+            for (t, _) in tickets.iter().skip(n + 1) {
+                self.tracker.remove(t.token());
+            }
+            return Err((e, tickets[n].0.token()));
+        }
+        *zero_sends += 1;
+        Ok(())
+    }
+
+    /// `ibv_post_recv`.
+    pub fn post_recv(&self, wr_id: u64, local: &[Slice]) -> Result<()> {
+        if self.srq.is_some() {
+            return Err(Error::InvalidRequest(
+                "this QP takes its receives from a shared receive queue",
+            ));
+        }
+        let held: Held = if local.is_empty() {
+            // libsiw refuses a receive without SGEs (EINVAL); one
+            // zero-length SGE of a live region means the same.
+            smallvec![self.scratch.slice(0, 0)?]
+        } else {
+            local.iter().cloned().collect()
+        };
+        let ticket = self.tracker.insert(
+            Pending {
+                wr_id,
+                what: What::Recv,
+            },
+            held,
+        );
+        self.backend.post_recv(&ticket.recv()).inspect_err(|_| {
+            self.tracker.remove(ticket.token());
+        })
+    }
+
+    /// Post a native FetchAdd of 0 at `target` and drive the send CQ until
+    /// it completes (other completions stay queued for the application).
+    pub fn probe(&self, target: Remote, timeout: Duration) -> Result<(WcStatus, u32)> {
+        let slot = self.take_slot()?;
+        let op = SendOp::fetch_add(target, 0);
+        let pending = Pending {
+            wr_id: 0,
+            what: What::Probe { slot },
+        };
+        let scratch = self
+            .scratch
+            .slice(slot * 8, 8)
+            .inspect_err(|_| self.free_slot(slot))?;
+        let ticket = self.tracker.insert(pending, smallvec![scratch]);
+        let token = ticket.token();
+        if let Err(e) = self.post_one(&ticket, op, false) {
+            self.tracker.remove(token);
+            self.free_slot(slot);
+            return Err(e);
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(r) = self
+                .probes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&token)
+            {
+                return Ok(r);
+            }
+            if Instant::now() >= deadline {
+                // The entry stays: a late completion still frees the slot.
+                return Err(Error::Timeout("the peer did not answer the atomics probe"));
+            }
+            self.send_cq.drive()?;
+            std::thread::yield_now();
+        }
+    }
+
+    /// An 8-byte scratch slot for an emulation step's result.
+    fn take_slot(&self) -> Result<usize> {
+        self.free_slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .ok_or(Error::InvalidRequest(
+                "too many emulated atomics outstanding on this QP",
+            ))
+    }
+
+    fn free_slot(&self, slot: usize) {
+        self.free_slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(slot);
+    }
+
+    /// WR `seq` finished: the completions now in order go onto the send
+    /// CQ's ready queue, under the order's lock, so that a release on a
+    /// polling thread and one on the agent's thread cannot swap places.
+    /// `wake`: a thread may be asleep on the CQ (a release outside a poll).
+    fn finish(&self, seq: u64, c: Option<Completion>, wake: bool) {
+        let mut order = self.order.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: SmallVec<[Completion; 4]> = SmallVec::new();
+        order.finish(seq, c, &mut out);
+        self.send_cq.push_released(out, wake);
+    }
+
+    fn completion(
+        &self,
+        wr_id: u64,
+        status: WcStatus,
+        kind: CompletionKind,
+        vendor_err: u32,
+    ) -> Completion {
+        Completion {
+            wr_id,
+            status,
+            qp_num: self.qp_num,
+            kind,
+            vendor_err,
+        }
+    }
+
+    /// The one place a send WR's result becomes its completion.
+    fn finish_send(&self, w: &SendRef, outcome: Outcome, wake: bool) {
+        let ok = outcome.status == WcStatus::Success;
+        let c = (w.signaled || !ok).then(|| {
+            self.completion(
+                w.wr_id,
+                outcome.status,
+                send_kind(&w.op, outcome.original.unwrap_or(0), ok),
+                outcome.vendor_err,
+            )
+        });
+        self.finish(w.seq, c, wake);
+    }
+
+    /// One step of a CmpSwap loop completed.
+    fn cas_step(&self, rc: &RawCompletion, w: SendRef, mut cas: CasLoop, held: Held, wake: bool) {
+        if rc.status != WcStatus::Success {
+            self.free_slot(cas.slot);
+            return self.finish_send(&w, Outcome::failed(rc.status, rc.vendor_err), wake);
+        }
+        let current = self.scratch.load_u64(cas.slot * 8).unwrap_or(0);
+        match cas.step(&w.op, current) {
+            Next::Done { original } => {
+                self.free_slot(cas.slot);
+                // The application's 8-byte slice follows the scratch slot.
+                if let Some(s) = held.get(1) {
+                    let _ = s.mr().write_at(s.offset(), &original.to_ne_bytes());
+                }
+                self.finish_send(&w, Outcome::done(Some(original)), wake)
+            }
+            Next::Post(step) => {
+                let pending = w.pending(Step::Cas(cas));
+                let app: Held = held.into_iter().skip(1).collect();
+                if let Err((e, token)) = self.post_slot_step(cas.slot, pending, app, step, false) {
+                    warn!(qp = self.qp_num, error = %e, "emulation step could not be posted");
+                    self.tracker.remove(token);
+                    self.finish_send(&w, Outcome::failed(WcStatus::LocQpOpErr, 0), wake);
+                }
+            }
+        }
+    }
+
+    /// The ordering Read of an emulated Commit completed: ask the agent.
+    fn commit_step(
+        self: &Arc<Self>,
+        rc: &RawCompletion,
+        w: SendRef,
+        target: (Remote, u32),
+        wake: bool,
+    ) {
+        if rc.status != WcStatus::Success {
+            return self.finish_send(&w, Outcome::failed(rc.status, rc.vendor_err), wake);
+        }
+        let Some(agent) = self.agent.get().cloned() else {
+            return self.finish_send(&w, Outcome::failed(WcStatus::LocQpOpErr, 0), wake);
+        };
+        let ticket = self.tracker.insert(w.pending(Step::Agent), Held::new());
+        let client: Weak<dyn AgentClient> = Arc::downgrade(self) as Weak<QpCore>;
+        let (remote, len) = target;
+        if let Err(e) = agent.request(client, ticket.token(), remote, AgentOp::Commit { len }) {
+            warn!(qp = self.qp_num, error = %e, "commit request could not be sent");
+            self.tracker.remove(ticket.token());
+            self.finish_send(&w, Outcome::failed(WcStatus::LocQpOpErr, 0), wake);
+        }
+    }
+
+    /// A receive completed.
+    fn recv_completion(&self, wr_id: u64, rc: &RawCompletion) -> Completion {
+        let ok = rc.status == WcStatus::Success;
+        // A zero-length receive may be Immediate Data that came through
+        // the mailbox.
+        let (imm, solicited) = match (rc.imm, self.agent.get()) {
+            (None, Some(agent)) if ok && rc.byte_len == 0 => match agent.zero_length_recv() {
+                Some((imm, solicited)) => (Some(imm), solicited || rc.solicited),
+                None => (None, rc.solicited),
+            },
+            (imm, _) => (imm, rc.solicited),
+        };
+        self.completion(
+            wr_id,
+            rc.status,
+            CompletionKind::Recv {
+                len: rc.byte_len,
+                imm,
+                invalidated: rc.invalidated,
+                solicited,
+            },
+            rc.vendor_err,
+        )
+    }
+
+    fn complete_arc(self: &Arc<Self>, rc: RawCompletion, out: &mut Vec<Completion>) {
+        if rc.status != WcStatus::Success {
+            self.errored.store(true, Ordering::Release);
+        }
+        if Table::of(rc.token) == Table::Srq {
+            match self.srq.as_ref().and_then(|s| s.take(rc.token)) {
+                Some((wr_id, _held)) => out.push(self.recv_completion(wr_id, &rc)),
+                None => warn!(
+                    qp = self.qp_num,
+                    token = rc.token,
+                    "completion for an unknown receive"
+                ),
+            }
+            return;
+        }
+        let Some((p, held)) = self.tracker.remove(rc.token) else {
+            warn!(
+                qp = self.qp_num,
+                token = rc.token,
+                "completion for an unknown WR"
+            );
+            return;
+        };
+        match p.what {
+            What::Recv => out.push(self.recv_completion(p.wr_id, &rc)),
+            What::Probe { slot } => {
+                self.free_slot(slot);
+                self.probes
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(rc.token, (rc.status, rc.vendor_err));
+            }
+            What::Send {
+                op,
+                seq,
+                signaled,
+                step,
+                bounce,
+            } => {
+                if let Some(b) = bounce {
+                    self.free_bounce(b);
+                }
+                let w = SendRef {
+                    wr_id: p.wr_id,
+                    op,
+                    seq,
+                    signaled,
+                };
+                let outcome = Outcome {
+                    status: rc.status,
+                    original: None,
+                    vendor_err: rc.vendor_err,
+                };
+                match step {
+                    Step::Final => {
+                        let original = (rc.status == WcStatus::Success)
+                            .then(|| original_of(&held))
+                            .flatten();
+                        self.finish_send(
+                            &w,
+                            Outcome {
+                                original,
+                                ..outcome
+                            },
+                            false,
+                        )
+                    }
+                    Step::Silent if rc.status == WcStatus::Success => {}
+                    Step::Silent => self.finish_send(&w, outcome, false),
+                    Step::Cas(cas) => self.cas_step(&rc, w, cas, held, false),
+                    Step::CommitRead { remote, len } => {
+                        self.commit_step(&rc, w, (remote, len), false)
+                    }
+                    Step::Agent => {
+                        warn!(qp = self.qp_num, "device completion for an agent request")
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// What an atomic's local slice holds after the device wrote it.
+fn original_of(held: &Held) -> Option<u64> {
+    let s = held.first()?;
+    let mut b = [0u8; 8];
+    s.mr().read_at(s.offset(), &mut b).ok()?;
+    Some(u64::from_ne_bytes(b))
+}
+
+fn send_kind(op: &SendOp, original: u64, ok: bool) -> CompletionKind {
+    let original = if ok { original } else { 0 };
+    match *op {
+        SendOp::Send { .. } => CompletionKind::Send,
+        SendOp::Write { .. } | SendOp::WriteImm { .. } => CompletionKind::Write,
+        SendOp::Read { .. } => CompletionKind::Read,
+        SendOp::Imm { .. } => CompletionKind::Imm,
+        SendOp::FetchAdd { .. } => CompletionKind::FetchAdd { original },
+        SendOp::CmpSwap {
+            compare,
+            compare_mask,
+            ..
+        } => CompletionKind::CmpSwap {
+            original,
+            swapped: ok && original & compare_mask == compare & compare_mask,
+        },
+        SendOp::Swap { .. } => CompletionKind::Swap { original },
+        SendOp::Commit { .. } => CompletionKind::Commit,
+        SendOp::AtomicWrite { .. } => CompletionKind::AtomicWrite,
+    }
+}
+
+/// An atomic names one 8-byte local slice for the original value; an
+/// Atomic Write carries its value in the request and names none.
+fn check_atomic_local(wr: &WorkRequest<'_>) -> Result<()> {
+    match wr.op {
+        SendOp::AtomicWrite { .. } if !wr.local.is_empty() => Err(Error::InvalidRequest(
+            "an Atomic Write carries its value in the request, not in local slices",
+        )),
+        SendOp::AtomicWrite { .. } => Ok(()),
+        _ if wr.local.len() == 1 && wr.local[0].len() == 8 => Ok(()),
+        _ => Err(Error::InvalidRequest(
+            "an atomic needs one 8-byte local slice",
+        )),
+    }
+}
+
+impl CompletionSink for QpCore {
+    fn complete(&self, rc: RawCompletion, out: &mut Vec<Completion>) {
+        // The strategies post follow-ups that need an Arc of the core; a
+        // sink is only ever reached through one (the CQ upgrades its Weak).
+        match self.me.upgrade() {
+            Some(me) => me.complete_arc(rc, out),
+            None => warn!(qp = self.qp_num, "completion for a QP being dropped"),
+        }
+    }
+}
+
+impl AgentClient for QpCore {
+    fn finish_agent(&self, token: u64, status: WcStatus, original: u64, vendor_err: u32) {
+        let Some((p, held)) = self.tracker.remove(token) else {
+            return;
+        };
+        let What::Send {
+            op, seq, signaled, ..
+        } = p.what
+        else {
+            return;
+        };
+        let mut status = status;
+        if status == WcStatus::Success && self.errored.load(Ordering::Acquire) {
+            // RC: once the QP is in Error, what finishes is flushed.
+            status = WcStatus::WrFlushErr;
+        }
+        let ok = status == WcStatus::Success;
+        if let SendOp::Commit { remote, .. } = op {
+            if ok && original == FLUSH_TARGET {
+                tracing::debug!(
+                    qp = self.qp_num,
+                    rkey = remote.rkey,
+                    "the peer's region is a FLUSH target: later Commits are device FLUSHes"
+                );
+                self.flush_targets
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(remote.rkey);
+            }
+        }
+        if ok {
+            if let Some(s) = held.first() {
+                let _ = s.mr().write_at(s.offset(), &original.to_ne_bytes());
+            }
+        }
+        let w = SendRef {
+            wr_id: p.wr_id,
+            op,
+            seq,
+            signaled,
+        };
+        let outcome = Outcome {
+            status,
+            original: Some(original),
+            vendor_err,
+        };
+        self.finish_send(&w, outcome, true);
+    }
+}

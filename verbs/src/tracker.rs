@@ -1,0 +1,281 @@
+//! The one table of posted work requests.
+//!
+//! Every WR a backend sees is first an entry here: the entry holds the
+//! [`Slice`]s it names (and so their regions) until its completion is
+//! taken, so safe code can never unmap memory a device may still touch.
+//! The entry's token is the device's wr_id. A [`SendPost`] or [`RecvPost`]
+//! — the only things a backend posts — can only be made from a
+//! [`Ticket`], which only [`Tracker::insert`] makes: a backend's `post` is
+//! safe because of this module.
+//!
+//! Entries live in a slab (index and generation in the token), so a post
+//! allocates nothing once the slab has grown to the queue's depth, and a
+//! stale or foreign token finds nothing.
+
+use std::sync::Mutex;
+
+use smallvec::SmallVec;
+
+use provider::wr::{SendOp, Sge};
+
+use crate::mr::Slice;
+
+/// The slices a WR holds alive: most WRs name one or two.
+pub(crate) type Held = SmallVec<[Slice; 2]>;
+
+/// SGEs as a backend takes them.
+pub(crate) type Sges = SmallVec<[Sge; 4]>;
+
+/// Bits of a token: tag (which table) | generation | index.
+const INDEX_BITS: u32 = 24;
+const GEN_BITS: u32 = 32;
+const INDEX_MASK: u64 = (1 << INDEX_BITS) - 1;
+const GEN_MASK: u64 = (1 << GEN_BITS) - 1;
+
+/// Which table a token belongs to (a QP's receive can come from an SRQ).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Table {
+    Qp = 0,
+    Srq = 1,
+}
+
+impl Table {
+    fn bits(self) -> u64 {
+        (self as u64) << (INDEX_BITS + GEN_BITS)
+    }
+
+    /// The table a token came from.
+    pub fn of(token: u64) -> Table {
+        if token >> (INDEX_BITS + GEN_BITS) == Table::Srq as u64 {
+            Table::Srq
+        } else {
+            Table::Qp
+        }
+    }
+}
+
+struct Slot<T> {
+    generation: u32,
+    entry: Option<(T, Held)>,
+}
+
+struct Slab<T> {
+    slots: Vec<Slot<T>>,
+    free: Vec<u32>,
+    live: usize,
+}
+
+/// Posted WRs by token.
+pub(crate) struct Tracker<T> {
+    table: Table,
+    slab: Mutex<Slab<T>>,
+}
+
+impl<T> std::fmt::Debug for Tracker<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tracker")
+            .field("table", &self.table)
+            .field("live", &self.len())
+            .finish()
+    }
+}
+
+/// A tracked entry, ready to be posted: its token and the SGEs of the
+/// slices it holds.
+#[derive(Debug)]
+pub(crate) struct Ticket {
+    token: u64,
+    sges: Sges,
+}
+
+impl Ticket {
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+
+    /// The send WR the backend posts for this entry.
+    pub fn send(&self, op: SendOp, fence: bool) -> SendPost<'_> {
+        SendPost {
+            token: self.token,
+            op,
+            sges: &self.sges,
+            fence,
+        }
+    }
+
+    /// A send WR that posts only the first `n` SGEs (the others are held
+    /// alive, not posted: an emulation step's own slot in front of the
+    /// application's slice).
+    pub fn send_prefix(&self, n: usize, op: SendOp, fence: bool) -> SendPost<'_> {
+        SendPost {
+            token: self.token,
+            op,
+            sges: &self.sges[..n.min(self.sges.len())],
+            fence,
+        }
+    }
+
+    /// The receive WR the backend posts for this entry.
+    pub fn recv(&self) -> RecvPost<'_> {
+        RecvPost {
+            token: self.token,
+            sges: &self.sges,
+        }
+    }
+}
+
+/// A send WR for a backend: its SGEs name memory a tracker entry holds
+/// until the WR's completion (fields private: made only from a
+/// [`Ticket`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SendPost<'a> {
+    token: u64,
+    op: SendOp,
+    sges: &'a [Sge],
+    fence: bool,
+}
+
+impl SendPost<'_> {
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+    pub fn op(&self) -> SendOp {
+        self.op
+    }
+    pub fn sges(&self) -> &[Sge] {
+        self.sges
+    }
+    pub fn fence(&self) -> bool {
+        self.fence
+    }
+}
+
+/// A receive WR for a backend (see [`SendPost`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RecvPost<'a> {
+    token: u64,
+    sges: &'a [Sge],
+}
+
+impl RecvPost<'_> {
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+    pub fn sges(&self) -> &[Sge] {
+        self.sges
+    }
+}
+
+impl<T> Tracker<T> {
+    pub fn new(table: Table) -> Tracker<T> {
+        Tracker {
+            table,
+            slab: Mutex::new(Slab {
+                slots: Vec::new(),
+                free: Vec::new(),
+                live: 0,
+            }),
+        }
+    }
+
+    /// Track `entry`, holding `held` until [`Tracker::remove`].
+    pub fn insert(&self, entry: T, held: Held) -> Ticket {
+        let sges = held.iter().map(Slice::sge).collect();
+        let mut slab = self.slab.lock().unwrap_or_else(|p| p.into_inner());
+        let index = match slab.free.pop() {
+            Some(i) => i,
+            None => {
+                slab.slots.push(Slot {
+                    generation: 0,
+                    entry: None,
+                });
+                (slab.slots.len() - 1) as u32
+            }
+        };
+        let slot = &mut slab.slots[index as usize];
+        slot.entry = Some((entry, held));
+        let generation = slot.generation;
+        slab.live += 1;
+        Ticket {
+            token: self.table.bits()
+                | (u64::from(generation) & GEN_MASK) << INDEX_BITS
+                | u64::from(index),
+            sges,
+        }
+    }
+
+    /// The entry of `token` (its completion arrived, or its post failed),
+    /// if it is still here.
+    pub fn remove(&self, token: u64) -> Option<(T, Held)> {
+        if Table::of(token) != self.table {
+            return None;
+        }
+        let index = (token & INDEX_MASK) as usize;
+        let generation = ((token >> INDEX_BITS) & GEN_MASK) as u32;
+        let mut slab = self.slab.lock().unwrap_or_else(|p| p.into_inner());
+        let slot = slab.slots.get_mut(index)?;
+        if slot.generation != generation || slot.entry.is_none() {
+            return None;
+        }
+        let entry = slot.entry.take();
+        slot.generation = slot.generation.wrapping_add(1) & GEN_MASK as u32;
+        slab.free.push(index as u32);
+        slab.live -= 1;
+        entry
+    }
+
+    /// Entries outstanding.
+    pub fn len(&self) -> usize {
+        self.slab.lock().unwrap_or_else(|p| p.into_inner()).live
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_find_their_entry_once_and_stale_tokens_find_nothing() {
+        let t: Tracker<u32> = Tracker::new(Table::Qp);
+        let a = t.insert(1, Held::new()).token();
+        let b = t.insert(2, Held::new()).token();
+        assert_ne!(a, b);
+        assert_eq!(t.len(), 2);
+        assert_eq!(t.remove(a).map(|e| e.0), Some(1));
+        assert!(t.remove(a).is_none(), "a token completes once");
+        // The slot is reused under a new generation: the old token misses.
+        let c = t.insert(3, Held::new()).token();
+        assert_eq!(c & INDEX_MASK, a & INDEX_MASK);
+        assert_ne!(c, a);
+        assert!(t.remove(a).is_none());
+        assert_eq!(t.remove(c).map(|e| e.0), Some(3));
+        assert_eq!(t.remove(b).map(|e| e.0), Some(2));
+        assert_eq!(t.len(), 0);
+    }
+
+    #[test]
+    fn tables_do_not_take_each_others_tokens() {
+        let qp: Tracker<u32> = Tracker::new(Table::Qp);
+        let srq: Tracker<u32> = Tracker::new(Table::Srq);
+        let q = qp.insert(1, Held::new()).token();
+        let s = srq.insert(2, Held::new()).token();
+        assert_eq!((Table::of(q), Table::of(s)), (Table::Qp, Table::Srq));
+        assert!(qp.remove(s).is_none());
+        assert!(srq.remove(q).is_none());
+        assert_eq!(srq.remove(s).map(|e| e.0), Some(2));
+    }
+
+    #[test]
+    fn the_slab_stops_growing_at_the_depth_in_use() {
+        let t: Tracker<u64> = Tracker::new(Table::Qp);
+        for round in 0..1000u64 {
+            let toks: Vec<u64> = (0..8)
+                .map(|i| t.insert(round * 8 + i, Held::new()).token())
+                .collect();
+            for tok in toks {
+                assert!(t.remove(tok).is_some());
+            }
+        }
+        assert_eq!(t.slab.lock().unwrap().slots.len(), 8);
+    }
+}
