@@ -3,7 +3,7 @@
 //! Every posted WR is an entry of the QP's tracker until its completion is
 //! taken: the entry holds the slices it names (and so their regions), so
 //! safe code can never unmap memory the device may still touch. The
-//! emulation core ([`crate::emulation`]) routes each WR natively or to a
+//! emulation core (the crate's `emulation` module) routes each WR natively or to a
 //! strategy, and its completions come out in posting order.
 
 use std::sync::Arc;
