@@ -41,7 +41,7 @@ use provider::wire::ErrorType;
 use provider::wr::{RecvWr, Remote, SendOp, SendWr, Sge as StagSge, WcStatus, WorkCompletion};
 use verbs::ibv::{
     self, AccessFlags, CmEventType, CmId, CompletionQueue, ConnParam, EventChannel, MemoryRegion,
-    QpCaps, QueuePair, SendFlags, Sge,
+    QpInitAttr, QueuePair, SendFlags, Sge,
 };
 
 /// Bytes per buffer on each side: receive slots, Write/Read target, source
@@ -181,7 +181,7 @@ impl SiwSide {
         let cq = ctx
             .create_cq(256, None, 0)
             .map_err(|e| format!("create_cq: {e}"))?;
-        let caps = QpCaps {
+        let caps = QpInitAttr {
             max_send_wr: 64,
             max_recv_wr: 64,
             max_send_sge: 1,

@@ -6,7 +6,7 @@
 //! parameters, measures and reports. `--loopback` runs both in one process.
 //!
 //! The two sides agree through the connection's private data (a
-//! [`Hello`]: test, operation, sizes, iterations, and each side's target
+//! [`BenchHello`]: test, operation, sizes, iterations, and each side's target
 //! buffer as address + rkey) and then synchronise every message size with
 //! small control Sends on the same QP (`READY` from the client, `GO` from
 //! the server, `CREDIT`s for receive-consuming bandwidth tests, `DONE` at
@@ -230,7 +230,7 @@ pub struct CommonArgs {
     pub bind: Option<IpAddr>,
 }
 
-/// The test kind, as carried in the [`Hello`].
+/// The test kind, as carried in the [`BenchHello`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Test {
@@ -349,7 +349,7 @@ impl Plan {
 
 /// What the two sides tell each other in the connection's private data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Hello {
+pub(crate) struct BenchHello {
     pub test: Test,
     pub op: OpKind,
     pub all: bool,
@@ -370,7 +370,7 @@ const HELLO_VERSION: u8 = 2;
 /// Fits librdmacm's 56-byte limit for an RC connect's private data.
 pub(crate) const HELLO_LEN: usize = 36;
 
-impl Hello {
+impl BenchHello {
     pub fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(HELLO_LEN);
         b.extend_from_slice(HELLO_MAGIC);
@@ -379,12 +379,7 @@ impl Hello {
             Test::Lat => 0,
             Test::Bw => 1,
         });
-        b.push(
-            OpKind::ALL
-                .iter()
-                .position(|&k| k == self.op)
-                .expect("every op is in ALL") as u8,
-        );
+        b.push(self.op.code());
         b.push(u8::from(self.all));
         b.extend_from_slice(&self.size.to_be_bytes());
         b.extend_from_slice(&self.iters.to_be_bytes());
@@ -398,7 +393,7 @@ impl Hello {
         b
     }
 
-    pub fn decode(b: &[u8]) -> Result<Hello> {
+    pub fn decode(b: &[u8]) -> Result<BenchHello> {
         let bad = |why: &str| BenchError::Protocol(format!("bad hello from the peer: {why}"));
         if b.len() < HELLO_LEN || &b[..4] != HELLO_MAGIC {
             return Err(bad("not a stag benchmark peer"));
@@ -411,11 +406,9 @@ impl Hello {
             1 => Test::Bw,
             t => return Err(bad(&format!("test {t}"))),
         };
-        let op = *OpKind::ALL
-            .get(b[6] as usize)
-            .ok_or_else(|| bad("operation"))?;
+        let op = OpKind::from_code(b[6]).ok_or_else(|| bad("operation"))?;
         let u32_at = |o: usize| u32::from_be_bytes(b[o..o + 4].try_into().expect("4 bytes"));
-        Ok(Hello {
+        Ok(BenchHello {
             test,
             op,
             all: b[7] != 0,
@@ -886,7 +879,7 @@ pub(crate) fn connect_client(
     blocking: bool,
 ) -> Result<Endpoint> {
     let bufs = Buffers::new(ctx, plan, Role::Client)?;
-    let hello = Hello {
+    let hello = BenchHello {
         test: plan.test,
         op: plan.op,
         all,
@@ -907,7 +900,7 @@ pub(crate) fn connect_client(
             )),
             other => other.into(),
         })?;
-    let reply = Hello::decode(&private)?;
+    let reply = BenchHello::decode(&private)?;
     debug!(?reply, "server hello");
     Ok(bufs.into_endpoint(Role::Client, qp, reply.target, blocking))
 }
@@ -971,10 +964,10 @@ pub(crate) fn accept_rest(
         .collect()
 }
 
-/// The next connection request and its [`Hello`] (a stranger is rejected).
-fn next_request(listener: &Listener) -> Result<(stag::Incoming, Hello)> {
+/// The next connection request and its [`BenchHello`] (a stranger is rejected).
+fn next_request(listener: &Listener) -> Result<(stag::Incoming, BenchHello)> {
     let req = listener.get_request()?;
-    match Hello::decode(req.private_data()) {
+    match BenchHello::decode(req.private_data()) {
         Ok(h) => Ok((req, h)),
         Err(e) => {
             let _ = req.reject(b"not a stag benchmark");
@@ -987,12 +980,12 @@ fn next_request(listener: &Listener) -> Result<(stag::Incoming, Hello)> {
 fn accept_request(
     ctx: &Context,
     req: stag::Incoming,
-    hello: Hello,
+    hello: BenchHello,
     plan: &Plan,
     blocking: bool,
 ) -> Result<Endpoint> {
     let bufs = Buffers::new(ctx, plan, Role::Server)?;
-    let ours = Hello {
+    let ours = BenchHello {
         target: bufs.data.remote(0),
         ..hello
     };
@@ -1374,7 +1367,7 @@ mod tests {
 
     #[test]
     fn hello_round_trips() {
-        let h = Hello {
+        let h = BenchHello {
             test: Test::Bw,
             op: OpKind::MaskedCmpSwap,
             all: true,
@@ -1390,17 +1383,17 @@ mod tests {
         };
         let b = h.encode();
         assert_eq!(b.len(), HELLO_LEN);
-        assert_eq!(Hello::decode(&b).unwrap(), h);
-        let file = Hello {
+        assert_eq!(BenchHello::decode(&b).unwrap(), h);
+        let file = BenchHello {
             commit_to_memory: false,
             ..h
         };
-        assert_eq!(Hello::decode(&file.encode()).unwrap(), file);
-        assert!(Hello::decode(&b[..20]).is_err());
+        assert_eq!(BenchHello::decode(&file.encode()).unwrap(), file);
+        assert!(BenchHello::decode(&b[..20]).is_err());
         // A version-1 peer (no QP count) is told apart.
         let mut v1 = b.clone();
         v1[4] = 1;
-        assert!(Hello::decode(&v1).is_err());
-        assert!(Hello::decode(b"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx").is_err());
+        assert!(BenchHello::decode(&v1).is_err());
+        assert!(BenchHello::decode(b"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx").is_err());
     }
 }

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use verbs::ibv::{
     self, AccessFlags, AtomicCap, CmEventType, CmId, CompletionQueue, ConnParam, EventChannel,
-    FlushLevel, FlushType, MemoryRegion, QpCaps, QueuePair, RecvWr, SendFlags, SendOp, SendOps,
+    FlushLevel, FlushType, MemoryRegion, QpInitAttr, QueuePair, RecvWr, SendFlags, SendOp, SendOps,
     SendWr, Sge, WcOpcode, WorkCompletion,
 };
 
@@ -107,7 +107,7 @@ fn poll_n(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
     out
 }
 
-fn setup(id: CmId, caps: &QpCaps, access: AccessFlags) -> Side {
+fn setup(id: CmId, caps: &QpInitAttr, access: AccessFlags) -> Side {
     let ctx = id.context().expect("cm id has a device");
     let pd = ctx.alloc_pd().expect("alloc_pd");
     let cq = ctx.create_cq(64, None, 0).expect("create_cq");
@@ -227,7 +227,7 @@ fn rc_loopback_over_rdma_cm() {
         }
         ops
     });
-    let caps = QpCaps {
+    let caps = QpInitAttr {
         max_send_wr: 32,
         max_recv_wr: 32,
         max_send_sge: 2,

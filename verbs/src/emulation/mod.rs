@@ -390,7 +390,9 @@ impl QpCore {
             if !batchable {
                 // What runs on its own path goes after the natives before
                 // it.
-                posted += self.flush(&mut batch).map_err(|(e, n)| (e, posted + n))?;
+                posted += self
+                    .post_batch(&mut batch)
+                    .map_err(|(e, n)| (e, posted + n))?;
             }
             let queued = routed
                 .and_then(|(_, route)| self.prepare(wr, route))
@@ -400,10 +402,13 @@ impl QpCore {
                 None => posted += 1,
             }
             if batch.len() == batch.inline_size() {
-                posted += self.flush(&mut batch).map_err(|(e, n)| (e, posted + n))?;
+                posted += self
+                    .post_batch(&mut batch)
+                    .map_err(|(e, n)| (e, posted + n))?;
             }
         }
-        self.flush(&mut batch).map_err(|(e, n)| (e, posted + n))?;
+        self.post_batch(&mut batch)
+            .map_err(|(e, n)| (e, posted + n))?;
         Ok(())
     }
 
@@ -416,8 +421,8 @@ impl QpCore {
             && wr.local.iter().all(Slice::is_empty)
     }
 
-    /// Post the batch; how many went out.
-    fn flush(
+    /// Post the batch of native WRs; how many went out.
+    fn post_batch(
         &self,
         batch: &mut SmallVec<[Queued; 8]>,
     ) -> std::result::Result<usize, (Error, usize)> {

@@ -5,7 +5,7 @@
 use super::cq::CompletionQueue;
 use super::device::Context;
 use super::pd::ProtectionDomain;
-use super::qp::{QpCaps, QueuePair, Via};
+use super::qp::{QpInitAttr, QueuePair, Via};
 use super::srq::SharedReceiveQueue;
 use super::{check_errno, IbvError, Result};
 use rdma_sys_ext as ffi;
@@ -466,7 +466,7 @@ impl CmId {
         pd: &Arc<ProtectionDomain>,
         send_cq: &Arc<CompletionQueue>,
         recv_cq: &Arc<CompletionQueue>,
-        caps: &QpCaps,
+        caps: &QpInitAttr,
     ) -> Result<QueuePair> {
         self.create_qp_with_srq(pd, send_cq, recv_cq, caps, None)
     }
@@ -478,7 +478,7 @@ impl CmId {
         pd: &Arc<ProtectionDomain>,
         send_cq: &Arc<CompletionQueue>,
         recv_cq: &Arc<CompletionQueue>,
-        caps: &QpCaps,
+        caps: &QpInitAttr,
         srq: Option<&Arc<SharedReceiveQueue>>,
     ) -> Result<QueuePair> {
         let ctx = self.context()?;

@@ -29,8 +29,8 @@ pub use device::{devices, AtomicCap, Context, DeviceAttr, DeviceInfo, NodeType, 
 pub use mr::{AccessFlags, MemoryRegion};
 pub use pd::ProtectionDomain;
 pub use qp::{
-    FlushLevel, FlushType, QpCaps, QpState, QueuePair, RecvWr, SendFlags, SendOp, SendOps, SendWr,
-    Sge, WrApi, WrBatch,
+    FlushLevel, FlushType, QpInitAttr, QpState, QueuePair, RecvWr, SendFlags, SendOp, SendOps,
+    SendWr, Sge, WrApi, WrBatch,
 };
 pub use srq::SharedReceiveQueue;
 

@@ -271,7 +271,7 @@ impl QpState {
 
 /// Creation parameters of an RC QP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct QpCaps {
+pub struct QpInitAttr {
     /// `cap.max_send_wr`
     pub max_send_wr: u32,
     /// `cap.max_recv_wr`
@@ -290,9 +290,9 @@ pub struct QpCaps {
     pub send_ops: Option<SendOps>,
 }
 
-impl Default for QpCaps {
+impl Default for QpInitAttr {
     fn default() -> Self {
-        QpCaps {
+        QpInitAttr {
             max_send_wr: 64,
             max_recv_wr: 64,
             max_send_sge: 1,
@@ -381,7 +381,7 @@ impl QueuePair {
         pd: &Arc<ProtectionDomain>,
         send_cq: &Arc<CompletionQueue>,
         recv_cq: &Arc<CompletionQueue>,
-        caps: &QpCaps,
+        caps: &QpInitAttr,
     ) -> Result<QueuePair> {
         Self::create_via(pd, send_cq, recv_cq, caps, None, Via::Verbs)
     }
@@ -390,7 +390,7 @@ impl QueuePair {
         pd: &Arc<ProtectionDomain>,
         send_cq: &Arc<CompletionQueue>,
         recv_cq: &Arc<CompletionQueue>,
-        caps: &QpCaps,
+        caps: &QpInitAttr,
         srq: Option<&Arc<SharedReceiveQueue>>,
         via: Via,
     ) -> Result<QueuePair> {
@@ -959,11 +959,11 @@ pub(crate) fn probe_wr_api(ctx: &Arc<Context>) -> WrApi {
         return WrApi::default();
     };
     let try_ops = |ops: SendOps| {
-        let caps = QpCaps {
+        let caps = QpInitAttr {
             max_send_wr: 1,
             max_recv_wr: 1,
             send_ops: Some(ops),
-            ..QpCaps::default()
+            ..QpInitAttr::default()
         };
         match QueuePair::create(&pd, &cq, &cq, &caps) {
             Ok(qp) => qp.has_wr_api(),

@@ -177,13 +177,13 @@ impl IbvPd {
                     .ok_or(Error::Mismatch)?,
             ),
         };
-        let caps = ibv::QpCaps {
+        let caps = ibv::QpInitAttr {
             max_send_wr: req.max_send_wr,
             max_recv_wr: req.max_recv_wr,
             max_send_sge: req.max_sge,
             max_recv_sge: req.max_sge,
             send_ops: self.wr_ops,
-            ..ibv::QpCaps::default()
+            ..ibv::QpInitAttr::default()
         };
         Ok(id.create_qp_with_srq(&self.pd, &send_cq, &recv_cq, &caps, srq.as_ref())?)
     }
