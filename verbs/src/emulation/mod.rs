@@ -1069,9 +1069,11 @@ impl QpCore {
                 };
                 match step {
                     Step::Final => {
-                        let original = (rc.status == WcStatus::Success)
-                            .then(|| original_of(&held))
-                            .flatten();
+                        // Only an atomic's local slice holds a result.
+                        let original = (rc.status == WcStatus::Success
+                            && OpKind::from(&op).is_atomic())
+                        .then(|| original_of(&held))
+                        .flatten();
                         self.finish_send(
                             &w,
                             Outcome {
