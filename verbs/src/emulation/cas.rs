@@ -1,7 +1,17 @@
 //! The CmpSwap loop: an atomic the responder lacks, run as a Read of the
 //! target and CmpSwaps until one sticks. Pure: it says what to post next.
 
-use provider::wr::{Remote, SendOp};
+use std::sync::atomic::Ordering;
+
+use tracing::warn;
+
+use provider::wr::{Remote, SendOp, WcStatus};
+
+use super::{Outcome, Pending, QpCore, SendRef, Step, What, NO_TOKEN};
+use crate::backend::RawCompletion;
+use crate::error::{Error, Result};
+use crate::tracker::Held;
+use crate::wr::WorkRequest;
 
 /// One emulated atomic in flight.
 #[derive(Debug, Clone, Copy)]
@@ -68,6 +78,136 @@ impl CasLoop {
             swap: new,
             swap_mask: u64::MAX,
         })
+    }
+}
+
+/// The loop's posting and its steps' completions, on the QP's core.
+impl QpCore {
+    pub(super) fn start_cas_loop(
+        &self,
+        wr: &WorkRequest<'_>,
+        seq: u64,
+        held: Held,
+    ) -> std::result::Result<(), (Error, u64)> {
+        let remote = match wr.op {
+            SendOp::FetchAdd { remote, .. }
+            | SendOp::CmpSwap { remote, .. }
+            | SendOp::Swap { remote, .. }
+            | SendOp::AtomicWrite { remote, .. } => remote,
+            _ => {
+                return Err((
+                    Error::InvalidRequest("only atomics are emulated by a CmpSwap loop"),
+                    NO_TOKEN,
+                ))
+            }
+        };
+        let slot = self.take_slot().map_err(|e| (e, NO_TOKEN))?;
+        let (cas, first) = CasLoop::start(remote, slot);
+        let pending = Pending {
+            wr_id: wr.wr_id,
+            what: What::Send {
+                op: wr.op,
+                seq,
+                signaled: wr.signaled,
+                step: Step::Cas(cas),
+                bounce: None,
+            },
+        };
+        self.post_slot_step(slot, pending, held, first, wr.fence)
+    }
+
+    /// Post `step` with scratch slot `slot` as its one SGE (the WR's own
+    /// slices held alongside); on failure the slot is freed and the token
+    /// returned for the rollback.
+    pub(super) fn post_slot_step(
+        &self,
+        slot: usize,
+        pending: Pending,
+        mut held: Held,
+        step: SendOp,
+        fence: bool,
+    ) -> std::result::Result<(), (Error, u64)> {
+        if matches!(
+            pending.what,
+            What::Send {
+                step: Step::Cas(_),
+                ..
+            }
+        ) {
+            self.cas_steps.fetch_add(1, Ordering::Relaxed);
+        }
+        let scratch = match self.scratch.slice(slot * 8, 8) {
+            Ok(s) => s,
+            Err(e) => {
+                self.free_slot(slot);
+                return Err((e, NO_TOKEN));
+            }
+        };
+        // The scratch slot is the SGE; the application's slices follow in
+        // `held` (kept alive, not posted).
+        held.insert(0, scratch);
+        let ticket = self.tracker.insert(pending, held);
+        self.backend
+            .post_send(&[ticket.send_prefix(1, step, fence)])
+            .map_err(|(e, _)| {
+                self.free_slot(slot);
+                (e, ticket.token())
+            })?;
+        self.count_round_trip(&step);
+        Ok(())
+    }
+
+    /// One step of a CmpSwap loop completed.
+    pub(super) fn cas_step(
+        &self,
+        rc: &RawCompletion,
+        w: SendRef,
+        mut cas: CasLoop,
+        held: Held,
+        wake: bool,
+    ) {
+        if rc.status != WcStatus::Success {
+            self.free_slot(cas.slot);
+            return self.finish_send(&w, Outcome::failed(rc.status, rc.vendor_err), wake);
+        }
+        let current = self.scratch.load_u64(cas.slot * 8).unwrap_or(0);
+        match cas.step(&w.op, current) {
+            Next::Done { original } => {
+                self.free_slot(cas.slot);
+                // The application's 8-byte slice follows the scratch slot.
+                if let Some(s) = held.get(1) {
+                    let _ = s.mr().write_at(s.offset(), &original.to_ne_bytes());
+                }
+                self.finish_send(&w, Outcome::done(Some(original)), wake)
+            }
+            Next::Post(step) => {
+                let pending = w.pending(Step::Cas(cas));
+                let app: Held = held.into_iter().skip(1).collect();
+                if let Err((e, token)) = self.post_slot_step(cas.slot, pending, app, step, false) {
+                    warn!(qp = self.qp_num, error = %e, "emulation step could not be posted");
+                    self.tracker.remove(token);
+                    self.finish_send(&w, Outcome::failed(WcStatus::LocQpOpErr, 0), wake);
+                }
+            }
+        }
+    }
+
+    /// An 8-byte scratch slot for an emulation step's result.
+    pub(super) fn take_slot(&self) -> Result<usize> {
+        self.free_slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .ok_or(Error::InvalidRequest(
+                "too many emulated atomics outstanding on this QP",
+            ))
+    }
+
+    pub(super) fn free_slot(&self, slot: usize) {
+        self.free_slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(slot);
     }
 }
 

@@ -1,35 +1,39 @@
-//! The emulation layer: one core per queue pair that routes each work
-//! request to the device or to a strategy for what the device (or the
-//! peer's) lacks, tracks every posted WR, and gives completions their
-//! meaning in RC order.
+//! The emulation layer: one core per queue pair ([`QpCore`]) that routes
+//! each work request to the device or to a strategy for what the device
+//! (or the peer's) lacks, tracks every posted WR, and gives completions
+//! their meaning in RC order.
 //!
 //! - routing: [`Route`], a plain enum resolved from the connection's
 //!   capability matrix (its text is for display only);
-//! - strategies: the CmpSwap loop ([`cas`]), the peer's agent ([`agent`],
-//!   atomics and Commit), the Immediate Data mailbox (in the agent, posted
-//!   by [`QpCore::post_imm`]); each is a `post` here and an
-//!   `on_completion` step in [`QpCore::complete`];
+//! - strategies, each a `post` and a step on its completions: the CmpSwap
+//!   loop ([`cas`]), the peer's agent for atomics and Commit (`remote`,
+//!   over the channel of [`agent`]), Immediate Data through the mailbox
+//!   (`mailbox`); inline sends (`inline`) and RFC 7306 §1.1's probe
+//!   (`probe`) beside them;
 //! - tracking: [`crate::tracker`], one table for every path;
 //! - ordering: [`order::SendOrder`]: a send queue's completions come out
 //!   in posting order whatever path each WR took.
 
 pub(crate) mod agent;
 pub(crate) mod cas;
+mod inline;
+mod mailbox;
 pub(crate) mod order;
+mod probe;
+mod remote;
 pub(crate) mod srq;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
-use std::time::{Duration, Instant};
 
 use smallvec::{smallvec, SmallVec};
 use tracing::warn;
 
 use provider::wr::{Remote, SendOp, WcStatus};
 
-use self::agent::{Agent, AgentClient, FLUSH_TARGET};
-use self::cas::{CasLoop, Next};
+use self::agent::Agent;
+use self::cas::CasLoop;
 use self::order::SendOrder;
 use self::srq::SrqCore;
 use crate::backend::{QpOps, RawCompletion};
@@ -40,8 +44,7 @@ use crate::error::{Error, Result};
 use crate::mr::{Access, MemoryRegion, Slice};
 use crate::pd::ProtectionDomain;
 use crate::tracker::{Held, Table, Ticket, Tracker};
-use crate::wire::agent::AgentOp;
-use crate::wr::{EmulationCounters, WorkRequest, MAX_INLINE};
+use crate::wr::{EmulationCounters, WorkRequest};
 
 /// The token of a failure before any entry was made.
 const NO_TOKEN: u64 = u64::MAX;
@@ -157,12 +160,6 @@ enum Step {
     Agent,
 }
 
-/// Inline payloads are copied here at post time.
-struct Bounce {
-    mr: MemoryRegion,
-    free: Mutex<Vec<usize>>,
-}
-
 /// The per-QP core.
 pub(crate) struct QpCore {
     /// Itself, for the strategies that hand an `Arc` of it to the agent.
@@ -185,7 +182,7 @@ pub(crate) struct QpCore {
     /// 8-byte slots for emulation steps' results.
     scratch: MemoryRegion,
     free_slots: Mutex<Vec<usize>>,
-    bounce: OnceLock<Bounce>,
+    bounce: OnceLock<inline::Bounce>,
     /// Answers to probes, by token.
     probes: Mutex<HashMap<u64, (WcStatus, u32)>>,
     /// The peer's regions (by rkey) its agent said are device FLUSH
@@ -537,282 +534,6 @@ impl QpCore {
         Ok(())
     }
 
-    /// Copy an inline WR's payload into a bounce slot.
-    fn bounce_copy(&self, wr: &WorkRequest<'_>) -> Result<(Slice, usize)> {
-        if !matches!(
-            wr.op,
-            SendOp::Send { .. } | SendOp::Write { .. } | SendOp::WriteImm { .. }
-        ) {
-            return Err(Error::InvalidRequest("only Sends and Writes go inline"));
-        }
-        let len: usize = wr.local.iter().map(|s| s.len() as usize).sum();
-        if len > MAX_INLINE {
-            return Err(Error::InvalidRequest(
-                "inline payload over MAX_INLINE bytes",
-            ));
-        }
-        let bounce = match self.bounce.get() {
-            Some(b) => b,
-            None => {
-                let slots = self.max_send_wr.max(1) as usize;
-                let mr = self.pd.alloc_mr(slots * MAX_INLINE, Access::LOCAL_WRITE)?;
-                let _ = self.bounce.set(Bounce {
-                    mr,
-                    free: Mutex::new((0..slots).rev().collect()),
-                });
-                self.bounce.get().expect("just set")
-            }
-        };
-        let slot = bounce
-            .free
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .ok_or(Error::QueueFull)?;
-        let mut at = slot * MAX_INLINE;
-        let mut buf = [0u8; MAX_INLINE];
-        for s in wr.local {
-            let n = s.len() as usize;
-            s.mr().read_at(s.offset(), &mut buf[..n])?;
-            bounce.mr.write_at(at, &buf[..n])?;
-            at += n;
-        }
-        Ok((bounce.mr.slice(slot * MAX_INLINE, len)?, slot))
-    }
-
-    fn free_bounce(&self, slot: usize) {
-        if let Some(b) = self.bounce.get() {
-            b.free.lock().unwrap_or_else(|p| p.into_inner()).push(slot);
-        }
-    }
-
-    fn start_cas_loop(
-        &self,
-        wr: &WorkRequest<'_>,
-        seq: u64,
-        held: Held,
-    ) -> std::result::Result<(), (Error, u64)> {
-        let remote = match wr.op {
-            SendOp::FetchAdd { remote, .. }
-            | SendOp::CmpSwap { remote, .. }
-            | SendOp::Swap { remote, .. }
-            | SendOp::AtomicWrite { remote, .. } => remote,
-            _ => {
-                return Err((
-                    Error::InvalidRequest("only atomics are emulated by a CmpSwap loop"),
-                    NO_TOKEN,
-                ))
-            }
-        };
-        let slot = self.take_slot().map_err(|e| (e, NO_TOKEN))?;
-        let (cas, first) = CasLoop::start(remote, slot);
-        let pending = Pending {
-            wr_id: wr.wr_id,
-            what: What::Send {
-                op: wr.op,
-                seq,
-                signaled: wr.signaled,
-                step: Step::Cas(cas),
-                bounce: None,
-            },
-        };
-        self.post_slot_step(slot, pending, held, first, wr.fence)
-    }
-
-    /// Post `step` with scratch slot `slot` as its one SGE (the WR's own
-    /// slices held alongside); on failure the slot is freed and the token
-    /// returned for the rollback.
-    fn post_slot_step(
-        &self,
-        slot: usize,
-        pending: Pending,
-        mut held: Held,
-        step: SendOp,
-        fence: bool,
-    ) -> std::result::Result<(), (Error, u64)> {
-        if matches!(
-            pending.what,
-            What::Send {
-                step: Step::Cas(_),
-                ..
-            }
-        ) {
-            self.cas_steps.fetch_add(1, Ordering::Relaxed);
-        }
-        let scratch = match self.scratch.slice(slot * 8, 8) {
-            Ok(s) => s,
-            Err(e) => {
-                self.free_slot(slot);
-                return Err((e, NO_TOKEN));
-            }
-        };
-        // The scratch slot is the SGE; the application's slices follow in
-        // `held` (kept alive, not posted).
-        held.insert(0, scratch);
-        let ticket = self.tracker.insert(pending, held);
-        self.backend
-            .post_send(&[ticket.send_prefix(1, step, fence)])
-            .map_err(|(e, _)| {
-                self.free_slot(slot);
-                (e, ticket.token())
-            })?;
-        self.count_round_trip(&step);
-        Ok(())
-    }
-
-    /// An atomic or Commit through the peer's agent.
-    fn post_agent(
-        self: &Arc<Self>,
-        wr: &WorkRequest<'_>,
-        seq: u64,
-        held: Held,
-    ) -> std::result::Result<(), (Error, u64)> {
-        let agent = self.agent.get().cloned().ok_or((
-            Error::InvalidRequest("no agent channel on this connection"),
-            NO_TOKEN,
-        ))?;
-        let (remote, op) = match wr.op {
-            SendOp::FetchAdd { remote, add, mask } => (remote, AgentOp::FetchAdd { add, mask }),
-            SendOp::CmpSwap {
-                remote,
-                compare,
-                compare_mask,
-                swap,
-                swap_mask,
-            } => (
-                remote,
-                AgentOp::CmpSwap {
-                    compare,
-                    compare_mask,
-                    swap,
-                    swap_mask,
-                },
-            ),
-            SendOp::Swap { remote, swap } => (remote, AgentOp::Swap { swap }),
-            // The agent's Swap, its original value dropped.
-            SendOp::AtomicWrite { remote, value } => (remote, AgentOp::Swap { swap: value }),
-            SendOp::Commit { remote, len } => {
-                // Read-after-write: a zero-length Read returns only after
-                // every earlier Write on this QP is placed; then msync.
-                let ticket = self.tracker.insert(
-                    Pending {
-                        wr_id: wr.wr_id,
-                        what: What::Send {
-                            op: wr.op,
-                            seq,
-                            signaled: wr.signaled,
-                            step: Step::CommitRead { remote, len },
-                            bounce: None,
-                        },
-                    },
-                    held,
-                );
-                return self
-                    .post_one(&ticket, SendOp::Read { remote }, wr.fence)
-                    .map_err(|e| (e, ticket.token()));
-            }
-            _ => {
-                return Err((
-                    Error::InvalidRequest("the agent runs atomics and Commit only"),
-                    NO_TOKEN,
-                ))
-            }
-        };
-        let ticket = self.tracker.insert(
-            Pending {
-                wr_id: wr.wr_id,
-                what: What::Send {
-                    op: wr.op,
-                    seq,
-                    signaled: wr.signaled,
-                    step: Step::Agent,
-                    bounce: None,
-                },
-            },
-            held,
-        );
-        let client: Weak<dyn AgentClient> = Arc::downgrade(self) as Weak<QpCore>;
-        agent
-            .request(client, ticket.token(), remote, op)
-            .map_err(|e| (e, ticket.token()))
-    }
-
-    /// 8-byte Immediate Data through the peer's mailbox: (the Write, for
-    /// Write with Immediate,) the mailbox entry, then a zero-length Send
-    /// that consumes the peer's receive. The last one carries the WR's
-    /// completion; the others complete silently unless they fail. All
-    /// three share the WR's place in the send queue's order.
-    fn post_imm(
-        &self,
-        wr: &WorkRequest<'_>,
-        seq: u64,
-        held: Held,
-    ) -> std::result::Result<(), (Error, u64)> {
-        let agent = self.agent.get().cloned().ok_or((
-            Error::InvalidRequest("no agent channel on this connection"),
-            NO_TOKEN,
-        ))?;
-        let (imm, solicited) = match wr.op {
-            SendOp::Imm { imm, solicited } => (imm, solicited),
-            SendOp::WriteImm { imm, .. } => (imm, false),
-            _ => {
-                return Err((
-                    Error::InvalidRequest("only Immediate Data goes through the mailbox"),
-                    NO_TOKEN,
-                ))
-            }
-        };
-        let mut steps: SmallVec<[(SendOp, Held, bool); 3]> = SmallVec::new();
-        if let SendOp::WriteImm { remote, .. } = wr.op {
-            steps.push((SendOp::Write { remote }, held, false));
-        }
-        // Numbered among all zero-length Sends, under the lock that keeps
-        // the numbering in wire order.
-        let mut zero_sends = agent.zero_sends.lock().unwrap_or_else(|p| p.into_inner());
-        let (entry, mailbox) = agent
-            .stage_imm(*zero_sends, imm, solicited)
-            .map_err(|e| (e, NO_TOKEN))?;
-        steps.push((SendOp::Write { remote: mailbox }, smallvec![entry], false));
-        steps.push((
-            SendOp::Send {
-                solicited,
-                invalidate: None,
-            },
-            Held::new(),
-            true,
-        ));
-        let mut tickets: SmallVec<[(Ticket, SendOp); 3]> = SmallVec::new();
-        for (step, local, last) in steps {
-            let ticket = self.tracker.insert(
-                Pending {
-                    wr_id: wr.wr_id,
-                    what: What::Send {
-                        op: wr.op,
-                        seq,
-                        signaled: wr.signaled,
-                        step: if last { Step::Final } else { Step::Silent },
-                        bounce: None,
-                    },
-                },
-                local,
-            );
-            tickets.push((ticket, step));
-        }
-        let posts: SmallVec<[_; 3]> = tickets
-            .iter()
-            .map(|(t, op)| t.send(*op, wr.fence))
-            .collect();
-        if let Err((e, n)) = self.backend.post_send(&posts) {
-            // Those posted complete (silently, or flushed); the rest go.
-            for (t, _) in tickets.iter().skip(n + 1) {
-                self.tracker.remove(t.token());
-            }
-            return Err((e, tickets[n].0.token()));
-        }
-        *zero_sends += 1;
-        Ok(())
-    }
-
     /// `ibv_post_recv`.
     pub fn post_recv(&self, wr_id: u64, local: &[Slice]) -> Result<()> {
         if self.srq.is_some() {
@@ -837,63 +558,6 @@ impl QpCore {
         self.backend.post_recv(&ticket.recv()).inspect_err(|_| {
             self.tracker.remove(ticket.token());
         })
-    }
-
-    /// Post a native FetchAdd of 0 at `target` and drive the send CQ until
-    /// it completes (other completions stay queued for the application).
-    pub fn probe(&self, target: Remote, timeout: Duration) -> Result<(WcStatus, u32)> {
-        let slot = self.take_slot()?;
-        let op = SendOp::fetch_add(target, 0);
-        let pending = Pending {
-            wr_id: 0,
-            what: What::Probe { slot },
-        };
-        let scratch = self
-            .scratch
-            .slice(slot * 8, 8)
-            .inspect_err(|_| self.free_slot(slot))?;
-        let ticket = self.tracker.insert(pending, smallvec![scratch]);
-        let token = ticket.token();
-        if let Err(e) = self.post_one(&ticket, op, false) {
-            self.tracker.remove(token);
-            self.free_slot(slot);
-            return Err(e);
-        }
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(r) = self
-                .probes
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&token)
-            {
-                return Ok(r);
-            }
-            if Instant::now() >= deadline {
-                // The entry stays: a late completion still frees the slot.
-                return Err(Error::Timeout("the peer did not answer the atomics probe"));
-            }
-            self.send_cq.drive()?;
-            std::thread::yield_now();
-        }
-    }
-
-    /// An 8-byte scratch slot for an emulation step's result.
-    fn take_slot(&self) -> Result<usize> {
-        self.free_slots
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .ok_or(Error::InvalidRequest(
-                "too many emulated atomics outstanding on this QP",
-            ))
-    }
-
-    fn free_slot(&self, slot: usize) {
-        self.free_slots
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(slot);
     }
 
     /// WR `seq` finished: the completions now in order go onto the send
@@ -935,83 +599,6 @@ impl QpCore {
             )
         });
         self.finish(w.seq, c, wake);
-    }
-
-    /// One step of a CmpSwap loop completed.
-    fn cas_step(&self, rc: &RawCompletion, w: SendRef, mut cas: CasLoop, held: Held, wake: bool) {
-        if rc.status != WcStatus::Success {
-            self.free_slot(cas.slot);
-            return self.finish_send(&w, Outcome::failed(rc.status, rc.vendor_err), wake);
-        }
-        let current = self.scratch.load_u64(cas.slot * 8).unwrap_or(0);
-        match cas.step(&w.op, current) {
-            Next::Done { original } => {
-                self.free_slot(cas.slot);
-                // The application's 8-byte slice follows the scratch slot.
-                if let Some(s) = held.get(1) {
-                    let _ = s.mr().write_at(s.offset(), &original.to_ne_bytes());
-                }
-                self.finish_send(&w, Outcome::done(Some(original)), wake)
-            }
-            Next::Post(step) => {
-                let pending = w.pending(Step::Cas(cas));
-                let app: Held = held.into_iter().skip(1).collect();
-                if let Err((e, token)) = self.post_slot_step(cas.slot, pending, app, step, false) {
-                    warn!(qp = self.qp_num, error = %e, "emulation step could not be posted");
-                    self.tracker.remove(token);
-                    self.finish_send(&w, Outcome::failed(WcStatus::LocQpOpErr, 0), wake);
-                }
-            }
-        }
-    }
-
-    /// The ordering Read of an emulated Commit completed: ask the agent.
-    fn commit_step(
-        self: &Arc<Self>,
-        rc: &RawCompletion,
-        w: SendRef,
-        target: (Remote, u32),
-        wake: bool,
-    ) {
-        if rc.status != WcStatus::Success {
-            return self.finish_send(&w, Outcome::failed(rc.status, rc.vendor_err), wake);
-        }
-        let Some(agent) = self.agent.get().cloned() else {
-            return self.finish_send(&w, Outcome::failed(WcStatus::LocQpOpErr, 0), wake);
-        };
-        let ticket = self.tracker.insert(w.pending(Step::Agent), Held::new());
-        let client: Weak<dyn AgentClient> = Arc::downgrade(self) as Weak<QpCore>;
-        let (remote, len) = target;
-        if let Err(e) = agent.request(client, ticket.token(), remote, AgentOp::Commit { len }) {
-            warn!(qp = self.qp_num, error = %e, "commit request could not be sent");
-            self.tracker.remove(ticket.token());
-            self.finish_send(&w, Outcome::failed(WcStatus::LocQpOpErr, 0), wake);
-        }
-    }
-
-    /// A receive completed.
-    fn recv_completion(&self, wr_id: u64, rc: &RawCompletion) -> Completion {
-        let ok = rc.status == WcStatus::Success;
-        // A zero-length receive may be Immediate Data that came through
-        // the mailbox.
-        let (imm, solicited) = match (rc.imm, self.agent.get()) {
-            (None, Some(agent)) if ok && rc.byte_len == 0 => match agent.zero_length_recv() {
-                Some((imm, solicited)) => (Some(imm), solicited || rc.solicited),
-                None => (None, rc.solicited),
-            },
-            (imm, _) => (imm, rc.solicited),
-        };
-        self.completion(
-            wr_id,
-            rc.status,
-            CompletionKind::Recv {
-                len: rc.byte_len,
-                imm,
-                invalidated: rc.invalidated,
-                solicited,
-            },
-            rc.vendor_err,
-        )
     }
 
     fn complete_arc(self: &Arc<Self>, rc: RawCompletion, out: &mut Vec<Completion>) {
@@ -1151,55 +738,5 @@ impl CompletionSink for QpCore {
             Some(me) => me.complete_arc(rc, out),
             None => warn!(qp = self.qp_num, "completion for a QP being dropped"),
         }
-    }
-}
-
-impl AgentClient for QpCore {
-    fn finish_agent(&self, token: u64, status: WcStatus, original: u64, vendor_err: u32) {
-        let Some((p, held)) = self.tracker.remove(token) else {
-            return;
-        };
-        let What::Send {
-            op, seq, signaled, ..
-        } = p.what
-        else {
-            return;
-        };
-        let mut status = status;
-        if status == WcStatus::Success && self.errored.load(Ordering::Acquire) {
-            // RC: once the QP is in Error, what finishes is flushed.
-            status = WcStatus::WrFlushErr;
-        }
-        let ok = status == WcStatus::Success;
-        if let SendOp::Commit { remote, .. } = op {
-            if ok && original == FLUSH_TARGET {
-                tracing::debug!(
-                    qp = self.qp_num,
-                    rkey = remote.rkey,
-                    "the peer's region is a FLUSH target: later Commits are device FLUSHes"
-                );
-                self.flush_targets
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(remote.rkey);
-            }
-        }
-        if ok {
-            if let Some(s) = held.first() {
-                let _ = s.mr().write_at(s.offset(), &original.to_ne_bytes());
-            }
-        }
-        let w = SendRef {
-            wr_id: p.wr_id,
-            op,
-            seq,
-            signaled,
-        };
-        let outcome = Outcome {
-            status,
-            original: Some(original),
-            vendor_err,
-        };
-        self.finish_send(&w, outcome, true);
     }
 }
