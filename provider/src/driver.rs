@@ -26,6 +26,11 @@ use crate::wr::RecvWr;
 /// Size of a QP's socket read buffer.
 const READ_CHUNK: usize = 256 * 1024;
 
+/// Octets read after a directly placed payload's trailer: the length field
+/// and tagged header of the next FPDU, so that a stream of large Writes
+/// stays on the direct path without a read buffer in between.
+const PEEK: usize = 2 + crate::wire::ddp::TAGGED_HEADER_LEN;
+
 /// Bytes a QP frames per drive before letting the socket catch up.
 const TX_BUDGET: usize = 512 * 1024;
 
@@ -186,6 +191,44 @@ impl QpShared {
         for _ in 0..if read { 64 } else { 0 } {
             if *closed {
                 break;
+            }
+            if let Some(req) = conn.placement() {
+                // The payload straight into registered memory, its trailer
+                // and the next header into our buffer: one syscall.
+                let tail = (req.trailer + PEEK).min(rbuf.len());
+                let want = req.target.len() as usize + tail;
+                let mut crc = req.crc;
+                match env.mem.recv_placed(
+                    sock.as_fd(),
+                    &req.target,
+                    &mut rbuf[..tail],
+                    crc.as_mut(),
+                ) {
+                    Err(e) => conn.handle_place_failed(e),
+                    Ok(Ok(0)) => {
+                        conn.handle_closed();
+                        *closed = true;
+                    }
+                    Ok(Ok(n)) => {
+                        let placed = n.min(req.target.len() as usize);
+                        conn.handle_placed(placed, crc);
+                        if n > placed {
+                            conn.handle_bytes(&rbuf[..n - placed], &env);
+                        }
+                        Self::flush(conn, &mut sock, &env);
+                        if n < want {
+                            break;
+                        }
+                    }
+                    Ok(Err(e)) if e.kind() == ErrorKind::WouldBlock => break,
+                    Ok(Err(e)) if e.kind() == ErrorKind::Interrupted => {}
+                    Ok(Err(e)) => {
+                        debug!(qpn = self.qpn, error = %e, "socket read failed");
+                        conn.handle_closed();
+                        *closed = true;
+                    }
+                }
+                continue;
             }
             match sock.read(rbuf) {
                 Ok(0) => {

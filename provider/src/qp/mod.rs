@@ -22,10 +22,13 @@
 //! function per RDMAP message; [`teardown`] Terminate, flush and close.
 
 mod output;
+mod place;
 mod receive;
 mod teardown;
 mod transmit;
 
+#[cfg(test)]
+mod place_tests;
 #[cfg(test)]
 mod tests;
 
@@ -39,6 +42,7 @@ use crate::wire::marker::{Deframer, DeframerConfig, Framer, FramerConfig};
 use crate::wire::TerminateCause;
 use crate::wr::{RecvWr, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion};
 
+pub use place::PlaceRequest;
 pub use transmit::CommitJob;
 
 /// Queue pair states (`enum ibv_qp_state`).
@@ -287,6 +291,8 @@ pub struct Connection {
     rx_send: UntaggedReassembly,
     /// The receive the message in progress on QN 0 fills.
     receiving: Option<RecvWr>,
+    /// The tagged segment whose payload is being placed directly.
+    placing: Option<place::Placing>,
 
     inbound: VecDeque<Inbound>,
     /// Commits for the driver to perform.
@@ -372,6 +378,7 @@ impl Connection {
             has_srq,
             rx_send: UntaggedReassembly::new(),
             receiving: None,
+            placing: None,
             inbound: VecDeque::new(),
             durability: VecDeque::new(),
             tx_msn: [1; 4],

@@ -79,6 +79,8 @@ impl Connection {
     /// rest with `IBV_WC_WR_FLUSH_ERR`, each exactly once. Owed responses
     /// and commits not yet performed are dropped.
     pub(super) fn flush(&mut self) {
+        // A segment half-placed is never finished: nothing completes it.
+        self.placing = None;
         for f in self.in_flight.iter_mut() {
             if f.status.is_none() {
                 f.status = Some(WcStatus::WrFlushErr);
