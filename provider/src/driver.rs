@@ -29,7 +29,7 @@ const READ_CHUNK: usize = 256 * 1024;
 /// Octets read after a directly placed payload's trailer: the length field
 /// and tagged header of the next FPDU, so that a stream of large Writes
 /// stays on the direct path without a read buffer in between.
-const PEEK: usize = 2 + crate::wire::ddp::TAGGED_HEADER_LEN;
+const PEEK: usize = crate::qp::HEADER_PEEK;
 
 /// Bytes a QP frames per drive before letting the socket catch up.
 const TX_BUDGET: usize = 512 * 1024;
@@ -230,7 +230,8 @@ impl QpShared {
                 }
                 continue;
             }
-            match sock.read(rbuf) {
+            let want = conn.read_hint().unwrap_or(rbuf.len()).min(rbuf.len());
+            match sock.read(&mut rbuf[..want]) {
                 Ok(0) => {
                     conn.handle_closed();
                     *closed = true;
@@ -239,7 +240,7 @@ impl QpShared {
                     conn.handle_bytes(&rbuf[..n], &env);
                     // Let responses and new requests out between reads.
                     Self::flush(conn, &mut sock, &env);
-                    if n < rbuf.len() {
+                    if n < want {
                         break;
                     }
                 }

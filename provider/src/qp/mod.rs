@@ -42,7 +42,7 @@ use crate::wire::marker::{Deframer, DeframerConfig, Framer, FramerConfig};
 use crate::wire::TerminateCause;
 use crate::wr::{RecvWr, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion};
 
-pub use place::PlaceRequest;
+pub use place::{PlaceRequest, HEADER_PEEK};
 pub use transmit::CommitJob;
 
 /// Queue pair states (`enum ibv_qp_state`).
@@ -293,6 +293,9 @@ pub struct Connection {
     receiving: Option<RecvWr>,
     /// The tagged segment whose payload is being placed directly.
     placing: Option<place::Placing>,
+    /// Large tagged segments are arriving (the last one was placed
+    /// directly): the driver reads header by header ([`Connection::read_hint`]).
+    streaming: bool,
 
     inbound: VecDeque<Inbound>,
     /// Commits for the driver to perform.
@@ -379,6 +382,7 @@ impl Connection {
             rx_send: UntaggedReassembly::new(),
             receiving: None,
             placing: None,
+            streaming: false,
             inbound: VecDeque::new(),
             durability: VecDeque::new(),
             tx_msn: [1; 4],

@@ -81,6 +81,10 @@ impl Connection {
                     break;
                 }
             };
+            if ulpdu.first().is_some_and(|c| c & 0x80 == 0) {
+                // An untagged message: back to reading all there is.
+                self.streaming = false;
+            }
             if let Some(placing) = self.placing.take() {
                 // Its trailer is in and the CRC passed: `ulpdu` is the
                 // segment's header.

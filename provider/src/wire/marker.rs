@@ -575,6 +575,18 @@ impl Deframer {
         Some(self.external)
     }
 
+    /// Wire octets left of the FPDU under way (0 between FPDUs), if known:
+    /// once its length field is in, on a stream without markers.
+    pub fn fpdu_remaining(&self) -> Option<usize> {
+        if self.config.markers || self.failed.is_some() {
+            return None;
+        }
+        if !self.started {
+            return Some(0);
+        }
+        (self.got >= LENGTH_LEN).then(|| self.total() - self.got)
+    }
+
     /// ULPDU octets still to be placed by the caller.
     pub const fn external_remaining(&self) -> usize {
         self.external
