@@ -21,7 +21,7 @@ use crate::mem::{Access, MrTable, PdId, RegisterError};
 use crate::qp::{Connection, Event, PostError, QpCaps, QpState};
 use crate::setup::{Answer, Initiator, MpaParams, Negotiated, Request};
 use crate::srq::Srq;
-use crate::wr::{RecvWr, SendWr, WcOpcode, WcStatus, WorkCompletion};
+use crate::wr::{RecvWr, SendWr, SendWrRef, WcOpcode, WcStatus, WorkCompletion};
 
 /// Errors of the device-level verbs.
 #[derive(Debug, thiserror::Error)]
@@ -241,6 +241,34 @@ impl QueuePair {
     /// drives the QP first), so that a list leaves in one write.
     pub fn post_send_unrung(&self, wr: SendWr) -> Result<(), DeviceError> {
         self.post(wr, false)
+    }
+
+    /// [`post_send`](Self::post_send) (`ring`) or
+    /// [`post_send_unrung`](Self::post_send_unrung) with a borrowed SGE
+    /// list: the QP copies it into storage recycled from completed WRs, so
+    /// a steady stream of posts allocates nothing.
+    pub fn post_send_ref(&self, wr: SendWrRef<'_>, ring: bool) -> Result<(), DeviceError> {
+        let env = self.shared.env();
+        let mut io = self.shared.lock();
+        match io.conn.as_mut() {
+            Some(conn) => conn.post_send_ref(wr, &env)?,
+            // Not connected (or errored early): the owned path handles it.
+            None => {
+                drop(io);
+                let owned = SendWr {
+                    wr_id: wr.wr_id,
+                    op: wr.op,
+                    sg_list: wr.sg_list.to_vec(),
+                    signaled: wr.signaled,
+                    fence: wr.fence,
+                };
+                return self.post(owned, ring);
+            }
+        }
+        if ring {
+            self.shared.drive_with(&mut io, false);
+        }
+        Ok(())
     }
 
     /// Write what [`post_send_unrung`](Self::post_send_unrung) queued.

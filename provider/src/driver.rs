@@ -26,6 +26,11 @@ use crate::wr::RecvWr;
 /// Size of a QP's socket read buffer.
 const READ_CHUNK: usize = 256 * 1024;
 
+/// Octets read after a directly placed payload's trailer: the length field
+/// and tagged header of the next FPDU, so that a stream of large Writes
+/// stays on the direct path without a read buffer in between.
+const PEEK: usize = crate::qp::HEADER_PEEK;
+
 /// Bytes a QP frames per drive before letting the socket catch up.
 const TX_BUDGET: usize = 512 * 1024;
 
@@ -187,7 +192,46 @@ impl QpShared {
             if *closed {
                 break;
             }
-            match sock.read(rbuf) {
+            if let Some(req) = conn.placement() {
+                // The payload straight into registered memory, its trailer
+                // and the next header into our buffer: one syscall.
+                let tail = (req.trailer + PEEK).min(rbuf.len());
+                let want = req.target.len() as usize + tail;
+                let mut crc = req.crc;
+                match env.mem.recv_placed(
+                    sock.as_fd(),
+                    &req.target,
+                    &mut rbuf[..tail],
+                    crc.as_mut(),
+                ) {
+                    Err(e) => conn.handle_place_failed(e),
+                    Ok(Ok(0)) => {
+                        conn.handle_closed();
+                        *closed = true;
+                    }
+                    Ok(Ok(n)) => {
+                        let placed = n.min(req.target.len() as usize);
+                        conn.handle_placed(placed, crc);
+                        if n > placed {
+                            conn.handle_bytes(&rbuf[..n - placed], &env);
+                        }
+                        Self::flush(conn, &mut sock, &env);
+                        if n < want {
+                            break;
+                        }
+                    }
+                    Ok(Err(e)) if e.kind() == ErrorKind::WouldBlock => break,
+                    Ok(Err(e)) if e.kind() == ErrorKind::Interrupted => {}
+                    Ok(Err(e)) => {
+                        debug!(qpn = self.qpn, error = %e, "socket read failed");
+                        conn.handle_closed();
+                        *closed = true;
+                    }
+                }
+                continue;
+            }
+            let want = conn.read_hint().unwrap_or(rbuf.len()).min(rbuf.len());
+            match sock.read(&mut rbuf[..want]) {
                 Ok(0) => {
                     conn.handle_closed();
                     *closed = true;
@@ -196,7 +240,7 @@ impl QpShared {
                     conn.handle_bytes(&rbuf[..n], &env);
                     // Let responses and new requests out between reads.
                     Self::flush(conn, &mut sock, &env);
-                    if n < rbuf.len() {
+                    if n < want {
                         break;
                     }
                 }

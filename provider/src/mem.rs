@@ -11,10 +11,13 @@
 //! the table's read lock is held; deregistration takes the write lock, so a
 //! region's memory is never touched after [`MrTable::deregister`] returns.
 
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::RwLock;
 
+use crate::wire::fpdu::Crc32c;
 use crate::wire::Error;
 
 /// Access rights of a memory region, with libibverbs' `IBV_ACCESS_*` values.
@@ -331,6 +334,108 @@ impl MrTable {
         f(&ReadScope { slots: &slots })
     }
 
+    /// Check that a peer's tagged DDP segment of `len` octets may be placed
+    /// at `to` ([`place_tagged`](Self::place_tagged)'s checks and errors,
+    /// touching nothing).
+    pub fn check_tagged(&self, stag: u32, pd: PdId, to: u64, len: u64) -> Result<(), Error> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.with_range(
+            Origin::RemoteDdp,
+            (stag, pd, to, len),
+            Access::REMOTE_WRITE,
+            |_, _| (),
+        )
+    }
+
+    /// Copy `data` to the front of `target`, each piece after the checks
+    /// its kind calls for ([`place_tagged`](Self::place_tagged) or
+    /// [`write_local`](Self::write_local)). Octets beyond the target are an
+    /// error and are not placed.
+    pub fn place_copy(&self, target: &PlaceTarget, mut data: &[u8]) -> Result<(), Error> {
+        for seg in target.segs() {
+            if data.is_empty() {
+                break;
+            }
+            let n = (seg.len as usize).min(data.len());
+            let (origin, need) = seg.kind.check();
+            self.copy_in(origin, seg.key, target.pd, seg.addr, need, &data[..n])?;
+            data = &data[n..];
+        }
+        if data.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::DdpBaseBounds)
+        }
+    }
+
+    /// Read from `fd` straight into `target` (then into `tail`), with one
+    /// `readv`, and extend `crc` over the octets that landed in the target.
+    /// Every piece is checked (STag, PD, rights, bounds) and the table's
+    /// read lock is held across the syscall, so no region of the target can
+    /// be deregistered while the kernel writes into it. The outer error is
+    /// a failed check (nothing was read); the inner one the syscall's.
+    pub fn recv_placed(
+        &self,
+        fd: BorrowedFd<'_>,
+        target: &PlaceTarget,
+        tail: &mut [u8],
+        crc: Option<&mut Crc32c>,
+    ) -> Result<io::Result<usize>, Error> {
+        let slots = self.inner.read().unwrap_or_else(|p| p.into_inner());
+        let empty = libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        };
+        let mut iov = [empty; MAX_PLACE_SEGS + 1];
+        let mut count = 0;
+        for seg in target.segs() {
+            let (origin, need) = seg.kind.check();
+            let key = (seg.key, target.pd, seg.addr, u64::from(seg.len));
+            let ptr = checked_range(&slots, origin, key, need)?.1;
+            iov[count] = libc::iovec {
+                iov_base: ptr.as_ptr().cast(),
+                iov_len: seg.len as usize,
+            };
+            count += 1;
+        }
+        iov[count] = libc::iovec {
+            iov_base: tail.as_mut_ptr().cast(),
+            iov_len: tail.len(),
+        };
+        count += 1;
+        // SAFETY: every iovec but the last covers checked octets of a
+        // registered region, valid by `register`'s contract until
+        // deregistration, which waits for the read lock held here until
+        // after the syscall; the last is our own `tail`. The kernel writes
+        // through raw pointers: no Rust reference to region memory exists
+        // meanwhile, so concurrent application access is the same DMA race
+        // an RNIC has (verbs leaves it undefined), not aliasing UB.
+        let rc = unsafe { libc::readv(fd.as_raw_fd(), iov.as_ptr(), count as libc::c_int) };
+        if rc < 0 {
+            return Ok(Err(io::Error::last_os_error()));
+        }
+        let got = rc as usize;
+        if let Some(crc) = crc {
+            let mut left = got;
+            for v in &iov[..count - 1] {
+                if left == 0 {
+                    break;
+                }
+                let n = v.iov_len.min(left);
+                // SAFETY: the first `n` octets of this iovec were just
+                // written by readv into checked region memory, still
+                // registered (read lock held); the slice lives only for
+                // the CRC update below.
+                let placed = unsafe { std::slice::from_raw_parts(v.iov_base.cast::<u8>(), n) };
+                crc.update(placed);
+                left -= n;
+            }
+        }
+        Ok(Ok(got))
+    }
+
     /// Place a peer's tagged DDP segment (RDMA Write, Read Response sink).
     pub fn place_tagged(&self, stag: u32, pd: PdId, to: u64, data: &[u8]) -> Result<(), Error> {
         self.copy_in(Origin::RemoteDdp, stag, pd, to, Access::REMOTE_WRITE, data)
@@ -457,6 +562,123 @@ impl MrTable {
             },
         )
         .map_err(CommitError::Invalid)?
+    }
+}
+
+/// The most pieces a [`PlaceTarget`] has (a Read Response scattered
+/// across more SGEs takes the copying path).
+pub const MAX_PLACE_SEGS: usize = 8;
+
+/// How a piece of a [`PlaceTarget`] is checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlaceKind {
+    /// A peer's RDMA Write: the rkey needs remote write, errors are DDP
+    /// tagged-buffer errors.
+    RemoteWrite,
+    /// One of our SGEs (a Read Response's sink): the lkey needs local write.
+    LocalWrite,
+}
+
+impl PlaceKind {
+    fn check(self) -> (Origin, Access) {
+        match self {
+            PlaceKind::RemoteWrite => (Origin::RemoteDdp, Access::REMOTE_WRITE),
+            PlaceKind::LocalWrite => (Origin::Local, Access::LOCAL_WRITE),
+        }
+    }
+}
+
+/// One contiguous piece of a [`PlaceTarget`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlaceSeg {
+    /// The STag (rkey or lkey).
+    pub key: u32,
+    /// Address (TO or SGE address) of the first octet.
+    pub addr: u64,
+    /// Octets.
+    pub len: u32,
+    /// The checks it takes.
+    pub kind: PlaceKind,
+}
+
+/// Where the payload of one tagged DDP segment goes, in order: decided by
+/// the protocol core, checked again (and written) by [`MrTable`] at the
+/// moment of placement. Fixed-size: building one allocates nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlaceTarget {
+    /// The protection domain every piece must belong to.
+    pub pd: PdId,
+    segs: [PlaceSeg; MAX_PLACE_SEGS],
+    count: usize,
+}
+
+impl PlaceTarget {
+    /// An empty target in `pd`.
+    pub const fn new(pd: PdId) -> PlaceTarget {
+        const NONE: PlaceSeg = PlaceSeg {
+            key: 0,
+            addr: 0,
+            len: 0,
+            kind: PlaceKind::RemoteWrite,
+        };
+        PlaceTarget {
+            pd,
+            segs: [NONE; MAX_PLACE_SEGS],
+            count: 0,
+        }
+    }
+
+    /// Append a piece; `false` (and nothing appended) when full. Empty
+    /// pieces are dropped.
+    pub fn push(&mut self, seg: PlaceSeg) -> bool {
+        if seg.len == 0 {
+            return true;
+        }
+        let Some(slot) = self.segs.get_mut(self.count) else {
+            return false;
+        };
+        *slot = seg;
+        self.count += 1;
+        true
+    }
+
+    /// The pieces.
+    pub fn segs(&self) -> &[PlaceSeg] {
+        &self.segs[..self.count]
+    }
+
+    /// Total octets.
+    pub fn len(&self) -> u64 {
+        self.segs().iter().map(|s| u64::from(s.len)).sum()
+    }
+
+    /// No octets at all.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// The target less its first `skip` octets, cut to at most `max`.
+    pub fn window(&self, mut skip: u64, mut max: u64) -> PlaceTarget {
+        let mut out = PlaceTarget::new(self.pd);
+        for seg in self.segs() {
+            let len = u64::from(seg.len);
+            if skip >= len {
+                skip -= len;
+                continue;
+            }
+            if max == 0 {
+                break;
+            }
+            let n = (len - skip).min(max);
+            out.push(PlaceSeg {
+                addr: seg.addr.wrapping_add(skip),
+                len: n as u32,
+                ..*seg
+            });
+            max -= n;
+            skip = 0;
+        }
+        out
     }
 }
 

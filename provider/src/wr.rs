@@ -262,6 +262,25 @@ pub struct SendWr {
     pub fence: bool,
 }
 
+/// A send work request whose SGE list is borrowed: what a caller that
+/// keeps its SGEs on the stack posts with
+/// [`QueuePair::post_send_ref`](crate::device::QueuePair::post_send_ref),
+/// so that posting allocates nothing (the QP copies the list into storage
+/// it recycles from completed WRs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendWrRef<'a> {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// The operation.
+    pub op: SendOp,
+    /// Local buffers, as in [`SendWr::sg_list`].
+    pub sg_list: &'a [Sge],
+    /// `IBV_SEND_SIGNALED`.
+    pub signaled: bool,
+    /// `IBV_SEND_FENCE`.
+    pub fence: bool,
+}
+
 /// A receive work request (`struct ibv_recv_wr`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecvWr {

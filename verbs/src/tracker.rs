@@ -135,14 +135,14 @@ pub(crate) struct SendPost<'a> {
     fence: bool,
 }
 
-impl SendPost<'_> {
+impl<'a> SendPost<'a> {
     pub fn token(&self) -> u64 {
         self.token
     }
     pub fn op(&self) -> SendOp {
         self.op
     }
-    pub fn sges(&self) -> &[Sge] {
+    pub fn sges(&self) -> &'a [Sge] {
         self.sges
     }
     pub fn fence(&self) -> bool {

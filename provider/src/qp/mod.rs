@@ -22,10 +22,13 @@
 //! function per RDMAP message; [`teardown`] Terminate, flush and close.
 
 mod output;
+mod place;
 mod receive;
 mod teardown;
 mod transmit;
 
+#[cfg(test)]
+mod place_tests;
 #[cfg(test)]
 mod tests;
 
@@ -37,8 +40,9 @@ use crate::srq::{PostRecvError, Srq};
 use crate::wire::ddp::{Segments, UntaggedReassembly};
 use crate::wire::marker::{Deframer, DeframerConfig, Framer, FramerConfig};
 use crate::wire::TerminateCause;
-use crate::wr::{RecvWr, SendOp, SendWr, Sge, WcOpcode, WcStatus, WorkCompletion};
+use crate::wr::{RecvWr, SendOp, SendWr, SendWrRef, Sge, WcOpcode, WcStatus, WorkCompletion};
 
+pub use place::{PlaceRequest, HEADER_PEEK};
 pub use transmit::CommitJob;
 
 /// Queue pair states (`enum ibv_qp_state`).
@@ -278,6 +282,9 @@ pub struct Connection {
     pieces: Vec<output::Piece>,
 
     sq: VecDeque<SendWr>,
+    /// SGE lists of completed send WRs, emptied, for
+    /// [`Connection::post_send_ref`] to fill instead of allocating.
+    sge_pool: Vec<Vec<Sge>>,
     cursor: TxCursor,
     in_flight: VecDeque<InFlight>,
     /// Requests awaiting a response (ORD credits in use).
@@ -290,6 +297,11 @@ pub struct Connection {
     rx_send: UntaggedReassembly,
     /// The receive the message in progress on QN 0 fills.
     receiving: Option<RecvWr>,
+    /// The tagged segment whose payload is being placed directly.
+    placing: Option<place::Placing>,
+    /// Large tagged segments are arriving (the last one was placed
+    /// directly): the driver reads header by header ([`Connection::read_hint`]).
+    streaming: bool,
 
     inbound: VecDeque<Inbound>,
     /// Commits for the driver to perform.
@@ -367,6 +379,7 @@ impl Connection {
             scratch: Vec::new(),
             pieces: Vec::new(),
             sq: VecDeque::new(),
+            sge_pool: Vec::new(),
             cursor: TxCursor::default(),
             in_flight: VecDeque::new(),
             ord_used: 0,
@@ -375,6 +388,8 @@ impl Connection {
             has_srq,
             rx_send: UntaggedReassembly::new(),
             receiving: None,
+            placing: None,
+            streaming: false,
             inbound: VecDeque::new(),
             durability: VecDeque::new(),
             tx_msn: [1; 4],
@@ -495,6 +510,37 @@ impl Connection {
         Ok(())
     }
 
+    /// [`post_send`](Self::post_send) with a borrowed SGE list, copied into
+    /// a list recycled from a completed WR: in steady state (as many WRs
+    /// completing as posted) nothing is allocated.
+    pub fn post_send_ref(&mut self, wr: SendWrRef<'_>, env: &Env) -> Result<(), PostError> {
+        let mut sg_list = self.sge_pool.pop().unwrap_or_default();
+        sg_list.extend_from_slice(wr.sg_list);
+        self.post_send(
+            SendWr {
+                wr_id: wr.wr_id,
+                op: wr.op,
+                sg_list,
+                signaled: wr.signaled,
+                fence: wr.fence,
+            },
+            env,
+        )
+    }
+
+    /// Keep a finished WR's SGE list for [`post_send_ref`](Self::post_send_ref)
+    /// (at most a send queue's worth, none of an unusual size).
+    fn recycle_sges(&mut self, mut list: Vec<Sge>) {
+        let max_sge = self.caps.max_send_sge as usize;
+        if list.capacity() != 0
+            && list.capacity() <= max_sge.max(4)
+            && self.sge_pool.len() < self.caps.max_send_wr as usize
+        {
+            list.clear();
+            self.sge_pool.push(list);
+        }
+    }
+
     /// `ibv_post_recv`.
     pub fn post_recv(&mut self, wr: RecvWr) -> Result<(), PostError> {
         if self.has_srq {
@@ -568,6 +614,7 @@ impl Connection {
             if head.signaled || status != WcStatus::Success {
                 self.complete_send(&head.op, head.wr_id, status, head.byte_len, head.vendor_err);
             }
+            self.recycle_sges(head.sg_list);
         }
     }
 }

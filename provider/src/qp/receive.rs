@@ -62,14 +62,36 @@ impl Connection {
 
     fn receive(&mut self, deframer: &mut Deframer, input: &mut &[u8], env: &Env) {
         while !self.phase.is_error() && !input.is_empty() {
+            if self.placing.is_some() {
+                if deframer.external_remaining() > 0 {
+                    self.place_from_input(deframer, input, env);
+                    continue;
+                }
+            } else if self.try_begin_direct(deframer, input, env) {
+                continue;
+            }
             let ulpdu = match deframer.poll(input) {
                 Ok(Some(u)) => u,
                 Ok(None) => break,
                 Err(e) => {
+                    // A segment placed directly whose CRC fails is never
+                    // finished (RFC 5044 §8: the stream ends here).
+                    self.placing = None;
                     self.terminate(e, &[]);
                     break;
                 }
             };
+            if ulpdu.first().is_some_and(|c| c & 0x80 == 0) {
+                // An untagged message: back to reading all there is.
+                self.streaming = false;
+            }
+            if let Some(placing) = self.placing.take() {
+                // Its trailer is in and the CRC passed: `ulpdu` is the
+                // segment's header.
+                self.finish_direct(placing, &ulpdu);
+                self.deliver_completions();
+                continue;
+            }
             if let Err(fail) = self.process_ulpdu(&ulpdu, env) {
                 match fail {
                     RxFail::Local(e) => {
@@ -480,7 +502,7 @@ impl Connection {
     }
 
     /// The response at the head of the outstanding requests.
-    fn response_head(&mut self) -> Option<&mut super::InFlight> {
+    pub(super) fn response_head(&mut self) -> Option<&mut super::InFlight> {
         self.in_flight.iter_mut().find(|f| f.status.is_none())
     }
 }

@@ -81,6 +81,8 @@ impl Connection {
     /// and commits not yet performed are dropped.
     pub(super) fn flush(&mut self) {
         let written = self.tx.written_total();
+        // A segment half-placed is never finished: nothing completes it.
+        self.placing = None;
         for f in self.in_flight.iter_mut() {
             // A Send or Write whose octets did not all reach the socket did
             // not happen as far as anyone can tell: flushed too.

@@ -452,6 +452,9 @@ pub struct Deframer {
     buf: Vec<u8>,
     /// `buf` holds a yielded ULPDU, to be dropped at the next poll.
     yielded: bool,
+    /// ULPDU octets of the current FPDU that the caller places itself
+    /// ([`Deframer::begin_external`]) and has not accounted for yet.
+    external: usize,
 }
 
 impl Deframer {
@@ -473,6 +476,7 @@ impl Deframer {
             marker_got: 0,
             buf: Vec::new(),
             yielded: false,
+            external: 0,
         }
     }
 
@@ -526,6 +530,102 @@ impl Deframer {
         }
     }
 
+    /// Begins, at an FPDU boundary of a marker-free stream, an FPDU whose
+    /// payload the caller places itself (direct placement into registered
+    /// memory): consumes the length field and the first `head` ULPDU octets
+    /// (the DDP/RDMAP header) from `input`, and returns how many ULPDU
+    /// octets follow, which the caller must account for with
+    /// [`take_external`](Self::take_external) or
+    /// [`placed_external`](Self::placed_external) before polling again.
+    /// Once they are in, [`poll`](Self::poll) takes pad and CRC, checks the
+    /// CRC over the whole FPDU and yields the header alone.
+    ///
+    /// `None`, consuming nothing, when the stream is not at a boundary, has
+    /// markers or failed, or `input` lacks the length field and header, or
+    /// the FPDU is over the limit or shorter than `head` (the ordinary path
+    /// reports those).
+    pub fn begin_external(&mut self, input: &mut &[u8], head: usize) -> Option<usize> {
+        if !self.is_idle() || self.config.markers || self.external > 0 {
+            return None;
+        }
+        let len_field: [u8; 2] = input.get(..LENGTH_LEN)?.try_into().ok()?;
+        let ulpdu_len = usize::from(u16::from_be_bytes(len_field));
+        if ulpdu_len > usize::from(self.config.max_ulpdu_len) || ulpdu_len < head {
+            return None;
+        }
+        let header = input.get(LENGTH_LEN..LENGTH_LEN + head)?;
+        if self.yielded {
+            self.buf.clear();
+            self.yielded = false;
+        }
+        self.fpdu_start = self.pos;
+        self.started = true;
+        self.length = len_field;
+        self.ulpdu_len = ulpdu_len;
+        self.buf.extend_from_slice(header);
+        if self.config.crc {
+            self.crc.update(&len_field);
+            self.crc.update(header);
+        }
+        let taken = LENGTH_LEN + head;
+        *input = input.get(taken..).unwrap_or_default();
+        self.got = taken;
+        self.pos += taken as u64;
+        self.external = ulpdu_len - head;
+        Some(self.external)
+    }
+
+    /// Wire octets left of the FPDU under way (0 between FPDUs), if known:
+    /// once its length field is in, on a stream without markers.
+    pub fn fpdu_remaining(&self) -> Option<usize> {
+        if self.config.markers || self.failed.is_some() {
+            return None;
+        }
+        if !self.started {
+            return Some(0);
+        }
+        (self.got >= LENGTH_LEN).then(|| self.total() - self.got)
+    }
+
+    /// ULPDU octets still to be placed by the caller.
+    pub const fn external_remaining(&self) -> usize {
+        self.external
+    }
+
+    /// The running CRC of the current FPDU, for the caller to extend over
+    /// octets it places itself; `None` without CRC.
+    pub const fn external_crc(&self) -> Option<Crc32c> {
+        if self.config.crc {
+            Some(self.crc)
+        } else {
+            None
+        }
+    }
+
+    /// Accounts for payload octets the caller placed from its own buffer.
+    /// At most [`external_remaining`](Self::external_remaining) of them.
+    pub fn take_external(&mut self, bytes: &[u8]) {
+        let n = bytes.len().min(self.external);
+        let bytes = &bytes[..n];
+        self.update_crc(bytes);
+        self.got += n;
+        self.pos += n as u64;
+        self.external -= n;
+    }
+
+    /// Accounts for `n` payload octets the caller read straight into their
+    /// destination, with `crc` the value of
+    /// [`external_crc`](Self::external_crc) extended over them.
+    pub fn placed_external(&mut self, n: usize, crc: Option<Crc32c>) {
+        let n = n.min(self.external);
+        if let (true, Some(crc)) = (self.config.crc, crc) {
+            self.crc = crc;
+        }
+        self.got += n;
+        self.pos += n as u64;
+        self.external -= n;
+    }
+
     fn crc_start(&self) -> usize {
         LENGTH_LEN + self.ulpdu_len + pad_len(self.ulpdu_len)
     }
@@ -577,7 +677,9 @@ impl Deframer {
 
     fn advance<'i>(&mut self, input: &mut &'i [u8]) -> Result<Step<'i>> {
         loop {
-            if input.is_empty() {
+            // The caller places the rest of the payload itself: nothing of
+            // `input` belongs to us until it has accounted for it.
+            if input.is_empty() || self.external > 0 {
                 return Ok(Step::Pending);
             }
             if self.config.markers && (self.marker_got > 0 || is_marker_pos(self.pos)) {

@@ -14,7 +14,7 @@ use provider::mem::Access;
 use provider::qp::PostError;
 use provider::region::Region;
 use provider::setup::MpaParams;
-use provider::wr::{RecvWr, SendWr, WorkCompletion};
+use provider::wr::{RecvWr, SendWrRef, WorkCompletion};
 
 use super::{
     Backend, Connecting, ContextOps, ContextOptions, CqOps, DeviceInfo, IncomingOps, ListenerOps,
@@ -277,11 +277,11 @@ impl CqOps for UserCq {
 #[derive(Debug)]
 struct UserQp(provider::device::QueuePair);
 
-fn send_wr(p: &SendPost<'_>) -> SendWr {
-    SendWr {
+fn send_wr<'a>(p: &SendPost<'a>) -> SendWrRef<'a> {
+    SendWrRef {
         wr_id: p.token(),
         op: p.op(),
-        sg_list: p.sges().to_vec(),
+        sg_list: p.sges(),
         // Always signaled underneath: the tracker entry (and the memory it
         // holds) is released by the completion.
         signaled: true,
@@ -298,14 +298,14 @@ impl QpOps for UserQp {
         if let [one] = wrs {
             return self
                 .0
-                .post_send(send_wr(one))
+                .post_send_ref(send_wr(one), true)
                 .map_err(|e| (post_error(e), 0));
         }
         // A list: framed as it comes, written in one go at the doorbell.
         let mut posted = 0;
         let mut failed = None;
         for p in wrs {
-            if let Err(e) = self.0.post_send_unrung(send_wr(p)) {
+            if let Err(e) = self.0.post_send_ref(send_wr(p), false) {
                 failed = Some(post_error(e));
                 break;
             }
