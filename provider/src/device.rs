@@ -340,6 +340,14 @@ impl QueuePair {
         self.shared.progress();
     }
 
+    /// Drive this QP once from the calling thread unless another thread
+    /// is driving it right now (then that thread does the work): for a
+    /// thread that polls on behalf of QPs it does not own and must not
+    /// wait behind their engine.
+    pub fn try_progress(&self) {
+        crate::cq::CqQp::try_progress(&*self.shared);
+    }
+
     /// Active side: connect to `addr` and run the MPA exchange.
     /// Returns the responder's private data.
     pub fn connect(

@@ -32,6 +32,7 @@ mod log;
 mod mr;
 mod qp;
 mod srq;
+mod sweep;
 mod wr;
 
 pub mod cm;

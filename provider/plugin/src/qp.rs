@@ -284,6 +284,12 @@ unsafe fn try_create(
     }) else {
         return Err(libc::EINVAL);
     };
+    // SAFETY: as above (both checked to be ours).
+    let (Some(smark), Some(rmark)) = (unsafe { crate::cq::mark(send_cq) }, unsafe {
+        crate::cq::mark(recv_cq)
+    }) else {
+        return Err(libc::EINVAL);
+    };
     let prov_srq = if srq.is_null() {
         None
     } else {
@@ -300,6 +306,7 @@ unsafe fn try_create(
     let (caps, max_inline) = caps_of(cap)?;
     let prov = Arc::new(prov_pd.create_qp(caps, scq, rcq, prov_srq.as_ref()));
     let qpn = prov.qp_num();
+    crate::sweep::registry().register(&prov, smark, rmark);
     let shared = Arc::new(QpShared {
         prov,
         state: AtomicU32::new(IBV_QPS_RESET),
