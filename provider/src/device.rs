@@ -228,6 +228,15 @@ impl QueuePair {
         io.events.drain(..).collect()
     }
 
+    /// Have `hook` called whenever connection events are queued for
+    /// [`take_events`](Self::take_events) (from whichever thread drives
+    /// the QP, with the QP locked: it must only signal, e.g. wake a
+    /// thread that then looks). One hook per QP; returns false if one was
+    /// already set.
+    pub fn set_event_hook(&self, hook: fn()) -> bool {
+        self.shared.set_event_hook(hook)
+    }
+
     /// `ibv_post_send`. The request is framed and written from the calling
     /// thread (which does not read the socket: input is for whoever polls,
     /// the device's engine when nobody does).

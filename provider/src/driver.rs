@@ -65,6 +65,8 @@ pub(crate) struct QpShared {
     tx_blocked: AtomicBool,
     /// The stream is closed: nothing more to read.
     closed: AtomicBool,
+    /// Called (under the QP's lock) when connection events were queued.
+    event_hook: OnceLock<fn()>,
 }
 
 impl QpShared {
@@ -95,6 +97,7 @@ impl QpShared {
             own: Ownership::default(),
             tx_blocked: AtomicBool::new(false),
             closed: AtomicBool::new(false),
+            event_hook: OnceLock::new(),
         });
         let weak: Weak<dyn CqQp> = Arc::downgrade(&shared) as Weak<dyn CqQp>;
         send_cq.attach(weak.clone());
@@ -139,6 +142,11 @@ impl QpShared {
         }
         self.drive(io);
         Ok(())
+    }
+
+    /// Install the hook [`QueuePair::set_event_hook`] describes.
+    pub(crate) fn set_event_hook(&self, hook: fn()) -> bool {
+        self.event_hook.set(hook).is_ok()
     }
 
     /// Close the stream and stop watching it (the QP handle is dropped).
@@ -229,9 +237,16 @@ impl QpShared {
                 CqSide::Recv => self.recv_cq.push(wc),
             }
         }
+        let mut evented = false;
         while let Some(ev) = conn.poll_event() {
             debug!(qpn = self.qpn, ?ev, "event");
             events.push_back(ev);
+            evented = true;
+        }
+        if evented {
+            if let Some(hook) = self.event_hook.get() {
+                hook();
+            }
         }
         if conn.wants_close() || (*closed && conn.state() == QpState::Error) {
             let _ = sock.shutdown(Shutdown::Both);
