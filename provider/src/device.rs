@@ -357,6 +357,19 @@ impl QueuePair {
         crate::cq::CqQp::try_progress(&*self.shared);
     }
 
+    /// [`try_progress`](Self::try_progress), telling whether it read
+    /// input from the peer (false too when another thread held the QP).
+    pub fn try_progress_reading(&self) -> bool {
+        self.shared.try_progress_reading()
+    }
+
+    /// Hand the QP to the device's engine now: the calling thread, which
+    /// drove it, stops doing so (otherwise the engine takes it back only
+    /// after it sees no application drive for a while).
+    pub fn release_to_engine(&self) {
+        crate::cq::CqQp::release_to_engine(&*self.shared);
+    }
+
     /// Active side: connect to `addr` and run the MPA exchange.
     /// Returns the responder's private data.
     pub fn connect(

@@ -42,6 +42,9 @@ pub(crate) struct QpIo {
     writable_wanted: bool,
     pub(crate) closed: bool,
     pub(crate) events: VecDeque<Event>,
+    /// Socket reads that returned bytes (how a caller tells whether a
+    /// drive found input).
+    pub(crate) rx_reads: u64,
 }
 
 /// What the engine, the CQs and the QP handle hold of a QP.
@@ -177,6 +180,7 @@ impl QpShared {
             writable_wanted,
             closed,
             events,
+            rx_reads,
             ..
         } = io;
         let (Some(conn), Some(mut sock)) = (conn.as_mut(), self.sock.get()) else {
@@ -201,6 +205,7 @@ impl QpShared {
                     *closed = true;
                 }
                 Ok(n) => {
+                    *rx_reads += 1;
                     conn.handle_bytes(&rbuf[..n], &env);
                     // Let responses and new requests out between reads.
                     Self::flush(conn, &mut sock, &env);
@@ -307,6 +312,20 @@ impl EngineQp for QpShared {
         };
         self.own.armed.store(true, Ordering::Relaxed);
         engine.arm(self.qpn as u64, sock.as_fd(), io.writable_wanted);
+    }
+}
+
+impl QpShared {
+    /// Drive the QP from an application thread unless another thread is
+    /// at it; whether this drive read input.
+    pub(crate) fn try_progress_reading(&self) -> bool {
+        self.own.note_app();
+        let Ok(mut io) = self.io.try_lock() else {
+            return false;
+        };
+        let before = io.rx_reads;
+        self.drive(&mut io);
+        io.rx_reads != before
     }
 }
 

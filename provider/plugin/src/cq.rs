@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use provider::cq::CompletionQueue;
-use provider::wr::{WcOpcode, WorkCompletion};
+use provider::wr::{WcOpcode, WcStatus, WorkCompletion};
 
 use crate::context::limits;
 use crate::errno::{self, guard};
@@ -266,6 +266,16 @@ pub(crate) unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, num: c_int, wc: *mut ib
         for (i, c) in buf[..n].iter().enumerate() {
             // SAFETY: the caller gave room for `num` ≥ n entries.
             unsafe { ptr::write(wc.add(i), to_ibv_wc(c)) };
+        }
+        if let Some(last) = buf[..n].last() {
+            if last.opcode == WcOpcode::RdmaWrite
+                && last.status == WcStatus::Success
+                && inner.is_empty()
+            {
+                // The program may now wait for the peer's answer in
+                // memory, without entering the provider.
+                crate::assist::assists().after_write(last.qp_num);
+            }
         }
         n as c_int
     })

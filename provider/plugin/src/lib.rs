@@ -22,6 +22,7 @@
 
 mod ffi;
 
+mod assist;
 mod c_list;
 mod context;
 mod cq;
