@@ -40,7 +40,7 @@ const MIN_WINDOW: Duration = Duration::from_micros(2);
 const PROBE_WINDOW: Duration = Duration::from_micros(20);
 
 /// With no window, one Write reap in this many probes.
-pub(crate) const PROBE_EVERY: u32 = 256;
+pub(crate) const PROBE_EVERY: u32 = 32;
 
 /// One QP's assist state.
 pub(crate) struct QpAssist {
