@@ -8,16 +8,16 @@
 # the median (perftest's t_typical, stag's t_typical_us) of each run, and
 # the median of those over ROUNDS alternating rounds.
 #
-# Write latency depends on how the program waits more than on anything
-# the plugin does: ib_write_lat spins on the last byte of its buffer
-# without entering the provider, so every Write has to be placed by the
-# progress engine (a thread wake-up per message when the cores are
-# taken), while `stag lat write` polls its CQ as it spins and places the
-# Write itself. So write has two more rows from a Rust program on the
-# RNIC directly (provider/plugin/examples/write_lat_raw.rs): perftest's
-# method (memory only) and stag's (memory + CQ polling). The plugin's own
-# cost is perftest against the first; the method's is the first against
-# the second.
+# Write latency depends on how the program waits: ib_write_lat spins on
+# the last byte of its buffer and enters the provider only to post and to
+# reap its own Write, while `stag lat write` polls its CQ as it spins and
+# places the peer's Write itself. On the bare RNIC the first needs the
+# progress engine to place every Write (a thread wake-up per message when
+# the cores are taken); through the plugin the receive assist (README,
+# "Latency through the plugin") has the reaping thread place it. So write
+# has two more rows from a Rust program on the RNIC directly, no plugin
+# (provider/plugin/examples/write_lat_raw.rs): perftest's method (memory
+# only) and stag's (`--drive`, memory + CQ polling).
 #
 # Writes target/bench-plugin.{md,json}.
 #
@@ -34,34 +34,51 @@ port=23000
 
 source scripts/lib.sh
 
-# stag_lat OP: t_typical_us of one two-process run.
-stag_lat() {
+# Each run gets a port of its own (a server of the previous run may still
+# be listening on the last one). The runners below are called in command
+# substitutions, which cannot advance `port` for the caller: `measure`
+# advances it and passes it on. A run that hangs is killed after LIMIT
+# seconds and counts as missing (its cell says so).
+LIMIT=${LIMIT:-120}
+
+# measure KEY RUNNER ARGS...: append RUNNER's figure to V[KEY].
+measure() {
+    local key=$1
+    shift
     port=$((port + 1))
-    "$STAG" lat "$1" -s 8 -p "$port" -n "$ITERS" --bind 127.0.0.1 >/dev/null 2>&1 &
+    local x
+    x=$("$@" "$port") || true
+    [[ $x =~ ^[0-9.]+$ ]] || { echo "$key: no result (port $port)" >&2; x=nan; }
+    V[$key]+="$x "
+}
+
+# stag_lat OP PORT: t_typical_us of one two-process run.
+stag_lat() {
+    timeout "$LIMIT" "$STAG" lat "$1" -s 8 -p "$2" -n "$ITERS" --bind 127.0.0.1 >/dev/null 2>&1 &
     local s=$!
-    wait_port "$port"
-    "$STAG" lat "$1" -s 8 127.0.0.1 -p "$port" -n "$ITERS" --json 2>/dev/null |
+    wait_port "$2"
+    timeout "$LIMIT" "$STAG" lat "$1" -s 8 127.0.0.1 -p "$2" -n "$ITERS" --json 2>/dev/null |
         python3 -c 'import json,sys; print(json.load(sys.stdin)["results"][0]["t_typical_us"])'
     wait "$s"
 }
 
-# raw [--drive]: median half round trip of write_lat_raw.
+# raw [--drive] PORT: median half round trip of write_lat_raw.
 raw() {
-    port=$((port + 1))
-    "$RAW" server "$port" "$ITERS" "$@" >/dev/null 2>&1 &
+    local port=${*: -1} flags=("${@:1:$#-1}")
+    timeout "$LIMIT" "$RAW" server "$port" "$ITERS" "${flags[@]}" >/dev/null 2>&1 &
     local s=$!
     wait_port "$port"
-    "$RAW" client "127.0.0.1:$port" "$ITERS" "$@" 2>/dev/null | awk '{ print $2 }'
+    timeout "$LIMIT" "$RAW" client "127.0.0.1:$port" "$ITERS" "${flags[@]}" 2>/dev/null |
+        awk '{ print $2 }'
     wait "$s"
 }
 
-# perftest PROG: t_typical of one two-process run (8-byte messages).
+# perftest PROG PORT: t_typical of one two-process run (8-byte messages).
 perftest() {
-    port=$((port + 1))
-    "$STAG" run -- "$1" -R -d stag0 -p "$port" -n "$ITERS" -s 8 >/dev/null 2>&1 &
+    timeout "$LIMIT" "$STAG" run -- "$1" -R -d stag0 -p "$2" -n "$ITERS" -s 8 >/dev/null 2>&1 &
     local s=$!
-    wait_port "$port"
-    "$STAG" run -- "$1" -R -d stag0 -p "$port" -n "$ITERS" -s 8 127.0.0.1 2>/dev/null |
+    wait_port "$2"
+    timeout "$LIMIT" "$STAG" run -- "$1" -R -d stag0 -p "$2" -n "$ITERS" -s 8 127.0.0.1 2>/dev/null |
         awk '$1 == 8 && NF >= 5 { print $5 }'
     wait "$s"
 }
@@ -70,16 +87,16 @@ perftest() {
 declare -A V
 load_start=$(cut -d' ' -f1-4 /proc/loadavg)
 for ((r = 1; r <= ROUNDS; r++)); do
-    V[write.stag]+="$(stag_lat write) "
-    V[write.raw_drive]+="$(raw --drive) "
-    V[write.raw_memory]+="$(raw) "
-    V[write.perftest]+="$(perftest ib_write_lat) "
-    V[read.stag]+="$(stag_lat read) "
-    V[read.perftest]+="$(perftest ib_read_lat) "
-    V[fetch-add.stag]+="$(stag_lat fetch-add) "
-    V[fetch-add.perftest]+="$(perftest ib_atomic_lat) "
-    V[send.stag]+="$(stag_lat send) "
-    V[send.perftest]+="$(perftest ib_send_lat) "
+    measure write.stag stag_lat write
+    measure write.raw_drive raw --drive
+    measure write.raw_memory raw
+    measure write.perftest perftest ib_write_lat
+    measure read.stag stag_lat read
+    measure read.perftest perftest ib_read_lat
+    measure fetch-add.stag stag_lat fetch-add
+    measure fetch-add.perftest perftest ib_atomic_lat
+    measure send.stag stag_lat send
+    measure send.perftest perftest ib_send_lat
     echo "round $r done" >&2
 done
 load_end=$(cut -d' ' -f1-4 /proc/loadavg)
@@ -92,12 +109,16 @@ rounds, iters, progress, load_start, load_end = sys.argv[1:6]
 v = {}
 for a in sys.argv[6:]:
     k, _, xs = a.partition("=")
-    v[k] = [float(x) for x in xs.split()]
-med = {k: statistics.median(x) for k, x in v.items()}
+    v[k] = [float(x) for x in xs.split() if x != "nan"]
+missing = {k: int(rounds) - len(x) for k, x in v.items() if len(x) < int(rounds)}
+med = {k: statistics.median(x) if x else float("nan") for k, x in v.items()}
 
 def cell(k):
     x = v[k]
-    return f"{med[k]:.2f} ({min(x):.2f}–{max(x):.2f})"
+    if not x:
+        return "no result"
+    miss = f", {missing[k]} missing" if k in missing else ""
+    return f"{med[k]:.2f} ({min(x):.2f}–{max(x):.2f}{miss})"
 
 rows = [
     ("write", "ib_write_lat -R", "write.raw_memory"),
@@ -131,9 +152,10 @@ md.append(f"Median of {rounds} alternating rounds (min–max of the rounds in br
 md.append("")
 md.append("\"Same method\" for write is `write_lat_raw` (provider/plugin/examples), which waits "
           "as ib_write_lat does: it spins on memory and enters the provider only to post and to "
-          "reap its own Write, so the progress engine must place every Write. `stag lat write` "
-          "polls its CQ while it spins and places the Write from the spinning thread "
-          "(`write_lat_raw --drive` does the same without `stag lat`'s framework).")
+          "reap its own Write, so on the bare RNIC the progress engine must place every Write; "
+          "through the plugin, the receive assist has the reaping thread place it. "
+          "`stag lat write` polls its CQ while it spins and places the Write from the spinning "
+          "thread (`write_lat_raw --drive` does the same without `stag lat`'s framework).")
 open("target/bench-plugin.md", "w").write("\n".join(md) + "\n")
 json.dump({"rounds": int(rounds), "iterations": int(iters), "progress": progress,
            "loadavg_before": load_start, "loadavg_after": load_end,
