@@ -228,6 +228,15 @@ impl QueuePair {
         io.events.drain(..).collect()
     }
 
+    /// Have `hook` called whenever connection events are queued for
+    /// [`take_events`](Self::take_events) (from whichever thread drives
+    /// the QP, with the QP locked: it must only signal, e.g. wake a
+    /// thread that then looks). One hook per QP; returns false if one was
+    /// already set.
+    pub fn set_event_hook(&self, hook: fn()) -> bool {
+        self.shared.set_event_hook(hook)
+    }
+
     /// `ibv_post_send`. The request is framed and written from the calling
     /// thread (which does not read the socket: input is for whoever polls,
     /// the device's engine when nobody does).
@@ -366,6 +375,27 @@ impl QueuePair {
     /// Drive this QP once from the calling thread.
     pub fn progress(&self) {
         self.shared.progress();
+    }
+
+    /// Drive this QP once from the calling thread unless another thread
+    /// is driving it right now (then that thread does the work): for a
+    /// thread that polls on behalf of QPs it does not own and must not
+    /// wait behind their engine.
+    pub fn try_progress(&self) {
+        crate::cq::CqQp::try_progress(&*self.shared);
+    }
+
+    /// [`try_progress`](Self::try_progress), telling whether it read
+    /// input from the peer (false too when another thread held the QP).
+    pub fn try_progress_reading(&self) -> bool {
+        self.shared.try_progress_reading()
+    }
+
+    /// Hand the QP to the device's engine now: the calling thread, which
+    /// drove it, stops doing so (otherwise the engine takes it back only
+    /// after it sees no application drive for a while).
+    pub fn release_to_engine(&self) {
+        crate::cq::CqQp::release_to_engine(&*self.shared);
     }
 
     /// Active side: connect to `addr` and run the MPA exchange.

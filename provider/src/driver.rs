@@ -47,6 +47,9 @@ pub(crate) struct QpIo {
     writable_wanted: bool,
     pub(crate) closed: bool,
     pub(crate) events: VecDeque<Event>,
+    /// Socket reads that returned bytes (how a caller tells whether a
+    /// drive found input).
+    pub(crate) rx_reads: u64,
 }
 
 /// What the engine, the CQs and the QP handle hold of a QP.
@@ -70,6 +73,8 @@ pub(crate) struct QpShared {
     tx_blocked: AtomicBool,
     /// The stream is closed: nothing more to read.
     closed: AtomicBool,
+    /// Called (under the QP's lock) when connection events were queued.
+    event_hook: OnceLock<fn()>,
 }
 
 impl QpShared {
@@ -100,6 +105,7 @@ impl QpShared {
             own: Ownership::default(),
             tx_blocked: AtomicBool::new(false),
             closed: AtomicBool::new(false),
+            event_hook: OnceLock::new(),
         });
         let weak: Weak<dyn CqQp> = Arc::downgrade(&shared) as Weak<dyn CqQp>;
         send_cq.attach(weak.clone());
@@ -146,6 +152,11 @@ impl QpShared {
         Ok(())
     }
 
+    /// Install the hook [`QueuePair::set_event_hook`] describes.
+    pub(crate) fn set_event_hook(&self, hook: fn()) -> bool {
+        self.event_hook.set(hook).is_ok()
+    }
+
     /// Close the stream and stop watching it (the QP handle is dropped).
     pub(crate) fn shut(&self, io: &mut QpIo) {
         if let Some(sock) = self.sock.get() {
@@ -174,6 +185,7 @@ impl QpShared {
             writable_wanted,
             closed,
             events,
+            rx_reads,
             ..
         } = io;
         let (Some(conn), Some(mut sock)) = (conn.as_mut(), self.sock.get()) else {
@@ -237,6 +249,7 @@ impl QpShared {
                     *closed = true;
                 }
                 Ok(n) => {
+                    *rx_reads += 1;
                     conn.handle_bytes(&rbuf[..n], &env);
                     // Let responses and new requests out between reads.
                     Self::flush(conn, &mut sock, &env);
@@ -273,9 +286,16 @@ impl QpShared {
                 CqSide::Recv => self.recv_cq.push(wc),
             }
         }
+        let mut evented = false;
         while let Some(ev) = conn.poll_event() {
             debug!(qpn = self.qpn, ?ev, "event");
             events.push_back(ev);
+            evented = true;
+        }
+        if evented {
+            if let Some(hook) = self.event_hook.get() {
+                hook();
+            }
         }
         if conn.wants_close() || (*closed && conn.state() == QpState::Error) {
             let _ = sock.shutdown(Shutdown::Both);
@@ -336,6 +356,20 @@ impl EngineQp for QpShared {
         };
         self.own.armed.store(true, Ordering::Relaxed);
         engine.arm(self.qpn as u64, sock.as_fd(), io.writable_wanted);
+    }
+}
+
+impl QpShared {
+    /// Drive the QP from an application thread unless another thread is
+    /// at it; whether this drive read input.
+    pub(crate) fn try_progress_reading(&self) -> bool {
+        self.own.note_app();
+        let Ok(mut io) = self.io.try_lock() else {
+            return false;
+        };
+        let before = io.rx_reads;
+        self.drive(&mut io);
+        io.rx_reads != before
     }
 }
 

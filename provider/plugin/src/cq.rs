@@ -15,11 +15,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use provider::cq::CompletionQueue;
-use provider::wr::{WcOpcode, WorkCompletion};
+use provider::wr::{WcOpcode, WcStatus, WorkCompletion};
 
 use crate::context::limits;
 use crate::errno::{self, guard};
 use crate::ffi::*;
+use crate::sweep::{self, PollMark};
 
 /// `ibv_cq` first, then the RNIC's CQ.
 #[repr(C)]
@@ -28,6 +29,8 @@ pub(crate) struct StagCq {
     pub(crate) inner: Arc<CompletionQueue>,
     /// Registered with the notifier (created with a channel).
     notified: bool,
+    /// Counts the `poll_cq`s on this CQ ([`crate::sweep`]).
+    pub(crate) mark: Arc<PollMark>,
 }
 
 /// The RNIC CQ behind one of our `ibv_cq`s.
@@ -41,6 +44,15 @@ pub(crate) unsafe fn cq<'a>(cq: *const ibv_cq) -> Option<&'a Arc<CompletionQueue
     }
     // SAFETY: ours (checked); StagCq starts with the ibv_cq.
     Some(unsafe { &(*cq.cast::<StagCq>()).inner })
+}
+
+/// The poll count of one of our `ibv_cq`s.
+///
+/// # Safety
+/// As [`cq`].
+pub(crate) unsafe fn mark(cq: *const ibv_cq) -> Option<Arc<PollMark>> {
+    // SAFETY: forwarded; `cq` checked it is ours.
+    unsafe { self::cq(cq) }.map(|_| unsafe { (*cq.cast::<StagCq>()).mark.clone() })
 }
 
 /// The completion channels this plugin made: channel address → the pipe's
@@ -153,6 +165,7 @@ pub(crate) unsafe extern "C" fn create_cq(
             },
             inner: inner.clone(),
             notified: chan_fd.is_some(),
+            mark: Arc::default(),
         }));
         if let Some(fd) = chan_fd {
             let Some(n) = notifier() else {
@@ -233,6 +246,9 @@ pub(crate) unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, num: c_int, wc: *mut ib
             errno::set(libc::EINVAL);
             return -1;
         };
+        // SAFETY: ours (checked above).
+        let mark = unsafe { &(*cq.cast::<StagCq>()).mark };
+        mark.bump();
         if num <= 0 {
             return 0;
         }
@@ -242,10 +258,24 @@ pub(crate) unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, num: c_int, wc: *mut ib
         }
         let mut buf = [WorkCompletion::BLANK; POLL_BATCH];
         let want = (num as usize).min(POLL_BATCH);
-        let n = inner.poll(&mut buf[..want]);
+        let mut n = inner.poll(&mut buf[..want]);
+        if n == 0 && sweep::registry().sweep(mark) > 0 {
+            // What the sweep delivered may have landed here.
+            n = inner.try_poll(&mut buf[..want]);
+        }
         for (i, c) in buf[..n].iter().enumerate() {
             // SAFETY: the caller gave room for `num` ≥ n entries.
             unsafe { ptr::write(wc.add(i), to_ibv_wc(c)) };
+        }
+        if let Some(last) = buf[..n].last() {
+            if last.opcode == WcOpcode::RdmaWrite
+                && last.status == WcStatus::Success
+                && inner.is_empty()
+            {
+                // The program may now wait for the peer's answer in
+                // memory, without entering the provider.
+                crate::assist::assists().after_write(last.qp_num);
+            }
         }
         n as c_int
     })

@@ -22,6 +22,7 @@
 
 mod ffi;
 
+mod assist;
 mod c_list;
 mod context;
 mod cq;
@@ -32,6 +33,7 @@ mod log;
 mod mr;
 mod qp;
 mod srq;
+mod sweep;
 mod wr;
 
 pub mod cm;

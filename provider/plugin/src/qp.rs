@@ -59,6 +59,8 @@ pub(crate) struct QpShared {
     batch: Mutex<Batch>,
     has_srq: bool,
     send_ops: u64,
+    /// Receive assist after Write reaps ([`crate::assist`]).
+    assist: Arc<crate::assist::QpAssist>,
 }
 
 // SAFETY: the raw ibv_qp pointer is only dereferenced under its mutex while
@@ -284,6 +286,12 @@ unsafe fn try_create(
     }) else {
         return Err(libc::EINVAL);
     };
+    // SAFETY: as above (both checked to be ours).
+    let (Some(smark), Some(rmark)) = (unsafe { crate::cq::mark(send_cq) }, unsafe {
+        crate::cq::mark(recv_cq)
+    }) else {
+        return Err(libc::EINVAL);
+    };
     let prov_srq = if srq.is_null() {
         None
     } else {
@@ -300,6 +308,8 @@ unsafe fn try_create(
     let (caps, max_inline) = caps_of(cap)?;
     let prov = Arc::new(prov_pd.create_qp(caps, scq, rcq, prov_srq.as_ref()));
     let qpn = prov.qp_num();
+    crate::sweep::registry().register(&prov, smark, rmark);
+    let assist = crate::assist::assists().register(&prov);
     let shared = Arc::new(QpShared {
         prov,
         state: AtomicU32::new(IBV_QPS_RESET),
@@ -313,6 +323,7 @@ unsafe fn try_create(
         batch: Mutex::new(Batch::default()),
         has_srq: !srq.is_null(),
         send_ops: send_ops.unwrap_or(0),
+        assist,
     });
     if max_inline > 0 && shared.ring().is_none() {
         return Err(libc::ENOMEM);
@@ -769,6 +780,7 @@ pub(crate) unsafe extern "C" fn post_send(
         let Some(sh) = (unsafe { shared(qp) }) else {
             return libc::EINVAL;
         };
+        sh.assist.posted();
         // A lone WR leaves as it is posted; a chain's (those before a
         // failing one) leave together at the end.
         // SAFETY: a non-null `wr` is the caller's valid chain head.
@@ -872,6 +884,7 @@ impl QpShared {
 
     /// `wr_complete`: post the batch, or nothing if a call failed.
     pub(crate) fn batch_complete(&self) -> c_int {
+        self.assist.posted();
         let (wrs, error) = {
             let mut b = self.batch.lock().unwrap_or_else(|p| p.into_inner());
             (std::mem::take(&mut b.wrs), b.error.take())
@@ -902,6 +915,7 @@ impl QpShared {
 
     /// Post a stagdv operation (RFC 7306 / Commit) through the legacy path.
     pub(crate) fn post_dv(&self, wr_id: u64, flags: c_uint, op: SendOp, sges: Vec<Sge>) -> c_int {
+        self.assist.posted();
         if let Err(e) = posting_allowed(self) {
             return e;
         }

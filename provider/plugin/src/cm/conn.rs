@@ -22,8 +22,11 @@ use super::verbs::{self, Stag};
 use super::{lock, qp_handle, CmResult};
 use crate::ffi;
 
-/// How often the watcher looks at connected QPs.
-const WATCH_PERIOD: Duration = Duration::from_millis(5);
+/// How long the watcher sleeps at most between two looks at the connected
+/// QPs. It is woken when a QP queues a connection event (the stream
+/// closed, a Terminate) and at `rdma_disconnect`; this is the backstop for
+/// a stream that died without one.
+const WATCH_BACKSTOP: Duration = Duration::from_millis(200);
 
 /// The errno for a device error.
 pub(crate) fn errno_of(e: &DeviceError) -> i32 {
@@ -396,12 +399,13 @@ pub(crate) fn disconnect(id: &Arc<Id>) -> CmResult<()> {
     }
     match st.phase {
         Phase::Connected => {
-            // The watcher reports DISCONNECTED once the stream is down
-            // (within a period): an application's cm thread meets it
-            // after the call returns, as with the kernel.
+            // The watcher (woken here) reports DISCONNECTED: an
+            // application's cm thread meets it after the call returns, as
+            // with the kernel.
             st.phase = Phase::Disconnecting;
             mirror_state(id, &st, ffi::IBV_QPS_ERR, true);
             drop(st);
+            poke_watcher();
             complete(id)
         }
         Phase::Connecting => {
@@ -461,21 +465,39 @@ pub(crate) fn teardown(id: &Arc<Id>) {
 
 // ---- the watcher ----
 
-struct Watch {
-    ids: Mutex<Vec<Weak<Id>>>,
-    wake: Condvar,
+/// The ids the watcher follows, and whether it should look now.
+struct WatchState {
+    ids: Vec<Weak<Id>>,
+    poked: bool,
 }
 
-static WATCH: Watch = Watch {
-    ids: Mutex::new(Vec::new()),
-    wake: Condvar::new(),
-};
+static WATCH: Mutex<WatchState> = Mutex::new(WatchState {
+    ids: Vec::new(),
+    poked: false,
+});
+static WATCH_WAKE: Condvar = Condvar::new();
 static WATCHER: Once = Once::new();
+
+/// Make the watcher look at its ids now. Called by the RNIC with a QP's
+/// lock held ([`QueuePair::set_event_hook`]): it only takes the watch
+/// lock, which the watcher never holds while it looks at a QP.
+pub(crate) fn poke_watcher() {
+    lock(&WATCH).poked = true;
+    WATCH_WAKE.notify_one();
+}
 
 /// Watch a connected id's QP until its stream closes.
 fn watch(id: &Arc<Id>) {
-    lock(&WATCH.ids).push(Arc::downgrade(id));
-    WATCH.wake.notify_one();
+    if let Some(qp) = live_qp(&id.state()) {
+        qp.set_event_hook(poke_watcher);
+    }
+    {
+        let mut w = lock(&WATCH);
+        w.ids.push(Arc::downgrade(id));
+        // The stream may have closed before the hook was in place.
+        w.poked = true;
+    }
+    WATCH_WAKE.notify_one();
     WATCHER.call_once(|| {
         if let Err(e) = std::thread::Builder::new()
             .name("stag-cm-watch".into())
@@ -488,14 +510,24 @@ fn watch(id: &Arc<Id>) {
 
 fn watcher() {
     loop {
-        {
-            let mut ids = lock(&WATCH.ids);
-            while ids.is_empty() {
-                ids = WATCH.wake.wait(ids).unwrap_or_else(|p| p.into_inner());
+        let list: Vec<Weak<Id>> = {
+            let mut w = lock(&WATCH);
+            while w.ids.is_empty() || !w.poked {
+                if w.ids.is_empty() {
+                    w = WATCH_WAKE.wait(w).unwrap_or_else(|p| p.into_inner());
+                } else {
+                    let (g, timeout) = WATCH_WAKE
+                        .wait_timeout(w, WATCH_BACKSTOP)
+                        .unwrap_or_else(|p| p.into_inner());
+                    w = g;
+                    if timeout.timed_out() {
+                        break;
+                    }
+                }
             }
-        }
-        std::thread::sleep(WATCH_PERIOD);
-        let list: Vec<Weak<Id>> = lock(&WATCH.ids).clone();
+            w.poked = false;
+            w.ids.clone()
+        };
         let mut done: Vec<*const Id> = Vec::new();
         for w in &list {
             let Some(id) = w.upgrade() else {
@@ -520,7 +552,7 @@ fn watcher() {
             }
         }
         if !done.is_empty() {
-            lock(&WATCH.ids).retain(|w| !done.contains(&w.as_ptr()));
+            lock(&WATCH).ids.retain(|w| !done.contains(&w.as_ptr()));
         }
     }
 }
@@ -528,6 +560,56 @@ fn watcher() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The hook the watcher sleeps on fires when the peer closes the
+    /// stream, from the RNIC's engine (no application thread polls), and
+    /// the QP is in Error by then: the watcher's look finds it closed.
+    #[test]
+    fn a_closing_peer_fires_the_event_hook() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::time::Instant;
+
+        use provider::cq::CompletionQueue;
+        use provider::device::Device;
+        use provider::listener::Listener;
+        use provider::qp::QpCaps;
+        use provider::setup::MpaParams;
+
+        static FIRED: AtomicUsize = AtomicUsize::new(0);
+        fn hook() {
+            FIRED.fetch_add(1, Ordering::SeqCst);
+        }
+        let dev = Device::open("hook-test").unwrap();
+        let pd = dev.alloc_pd();
+        let cq = CompletionQueue::new(8).unwrap();
+        let (a, b) = (
+            pd.create_qp(QpCaps::default(), &cq, &cq, None),
+            pd.create_qp(QpCaps::default(), &cq, &cq, None),
+        );
+        let l = Listener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let req = l.accept().unwrap();
+                req.accept(&b, &MpaParams::default()).unwrap();
+            });
+            a.connect(addr, &MpaParams::default()).unwrap();
+        });
+        assert!(b.set_event_hook(hook));
+        assert!(!b.set_event_hook(hook), "one hook per QP");
+        let before = FIRED.load(Ordering::SeqCst);
+        assert_ne!(b.state(), QpState::Error);
+        drop(a);
+        let start = Instant::now();
+        while FIRED.load(Ordering::SeqCst) == before {
+            assert!(
+                start.elapsed() < Duration::from_secs(5),
+                "no event hook call after the peer closed"
+            );
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        assert_eq!(b.state(), QpState::Error);
+    }
 
     fn stag() -> Stag {
         Stag {
