@@ -194,9 +194,12 @@ mod tests {
             Outcome::Hit
         );
         assert_eq!(calls, 3, "stops at the drive that read input");
-        assert_eq!(
-            a.window_ns.load(Ordering::Relaxed),
-            PROBE_WINDOW.as_nanos() as u64
+        // A hit keeps the window, or widens it to twice the wait it took
+        // (a preempted test thread waits longer), never past the cap.
+        let w = a.window_ns.load(Ordering::Relaxed);
+        assert!(
+            (PROBE_WINDOW.as_nanos() as u64..=MAX_WINDOW.as_nanos() as u64).contains(&w),
+            "{w}"
         );
 
         let mut released = 0;
