@@ -204,24 +204,13 @@ impl std::fmt::Debug for QpCore {
     }
 }
 
-/// Which strategy the matrix names.
-fn route_of(support: &Support) -> std::result::Result<Route, String> {
-    match support {
-        Support::Native => Ok(Route::Native),
-        Support::Emulated {
-            method: Emulation::CasLoop,
-            ..
-        } => Ok(Route::CasLoop),
-        Support::Emulated {
-            method: Emulation::ImmMailbox,
-            ..
-        } => Ok(Route::Mailbox),
-        Support::Emulated {
-            method: Emulation::Agent,
-            ..
-        } => Ok(Route::Agent),
-        Support::Unsupported { why } => Err(why.clone()),
-        Support::NativeExcept { .. } => Ok(Route::Native),
+impl From<Emulation> for Route {
+    fn from(method: Emulation) -> Route {
+        match method {
+            Emulation::CasLoop => Route::CasLoop,
+            Emulation::Agent => Route::Agent,
+            Emulation::ImmMailbox => Route::Mailbox,
+        }
     }
 }
 
@@ -335,30 +324,37 @@ impl QpCore {
             // The same answer whichever path runs it.
             check_atomic_local(wr)?;
         }
-        let mut support = self.caps().get(kind).clone();
-        if let Support::NativeExcept { method, .. } = support {
-            // Commit: the device's FLUSH where the peer's agent said the
-            // region is a FLUSH target (or there is no agent to ask: a
-            // peer without stag), else the emulation, whose answer says.
-            let flush_target = match wr.op {
-                SendOp::Commit { remote, .. } => self
-                    .flush_targets
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .contains(&remote.rkey),
-                _ => false,
-            };
-            support = if flush_target || self.agent.get().is_none() {
-                Support::Native
-            } else {
-                method.support_for(kind)
-            };
-        }
-        let route = route_of(&support).map_err(|why| Error::Unsupported {
-            op: kind,
-            device: self.ctx.name().to_owned(),
-            why,
-        })?;
+        // Read from the matrix in place: a post clones none of its text.
+        let route = match self.caps().get(kind) {
+            Support::Native => Route::Native,
+            Support::Emulated { method, .. } => Route::from(*method),
+            Support::NativeExcept { method, .. } => {
+                // Commit: the device's FLUSH where the peer's agent said
+                // the region is a FLUSH target (or there is no agent to
+                // ask: a peer without stag), else the emulation, whose
+                // answer says.
+                let flush_target = match wr.op {
+                    SendOp::Commit { remote, .. } => self
+                        .flush_targets
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .contains(&remote.rkey),
+                    _ => false,
+                };
+                if flush_target || self.agent.get().is_none() {
+                    Route::Native
+                } else {
+                    Route::from(*method)
+                }
+            }
+            Support::Unsupported { why } => {
+                return Err(Error::Unsupported {
+                    op: kind,
+                    device: self.ctx.name().to_owned(),
+                    why: why.clone(),
+                })
+            }
+        };
         if matches!(route, Route::Agent | Route::Mailbox) && self.agent.get().is_none() {
             return Err(Error::Unsupported {
                 op: kind,
