@@ -84,6 +84,31 @@ fn an_inline_send_carries_the_bytes_of_post_time() {
         .is_err());
 }
 
+/// Inline Write with Immediate through the mailbox (forced here; the only
+/// way on libibverbs devices): each WR's bounce slot comes back with its
+/// completion, so more inline WRs than the send queue has slots all go.
+#[test]
+fn inline_writes_through_the_mailbox_give_their_bounce_slots_back() {
+    let (c, s) = pair_with(&emulating(&[OpKind::WriteImm]), 0);
+    let depth = verbs::QpCaps::default().max_send_wr as u64;
+    let local = [c.mr.slice(0, 16).unwrap()];
+    for i in 0..depth + 44 {
+        s.recv(5000 + i, 512 * 1024, 64);
+        c.mr.write_at(0, &i.to_le_bytes()).unwrap();
+        let op = SendOp::write_imm(s.mr.remote(4096), i);
+        c.qp.post_send(WorkRequest::new(i, op, &local).inlined())
+            .unwrap_or_else(|e| panic!("inline WR {i}: {e}"));
+        let done = c.wait();
+        assert_eq!((done.wr_id, done.status), (i, WcStatus::Success));
+        let got = s.wait();
+        assert!(
+            matches!(got.kind, CompletionKind::Recv { imm: Some(v), .. } if v == i),
+            "{got:?}"
+        );
+        assert_eq!(s.mr.load_u64(4096).unwrap(), i, "the Write's bytes");
+    }
+}
+
 /// With a receive CQ of its own, a QP's receive completions go there and
 /// its send completions to the send CQ.
 #[test]

@@ -86,7 +86,7 @@ impl QpCore {
     pub(super) fn start_cas_loop(
         &self,
         wr: &WorkRequest<'_>,
-        seq: u64,
+        w: SendRef,
         held: Held,
     ) -> std::result::Result<(), (Error, u64)> {
         let remote = match wr.op {
@@ -103,17 +103,7 @@ impl QpCore {
         };
         let slot = self.take_slot().map_err(|e| (e, NO_TOKEN))?;
         let (cas, first) = CasLoop::start(remote, slot);
-        let pending = Pending {
-            wr_id: wr.wr_id,
-            what: What::Send {
-                op: wr.op,
-                seq,
-                signaled: wr.signaled,
-                step: Step::Cas(cas),
-                bounce: None,
-            },
-        };
-        self.post_slot_step(slot, pending, held, first, wr.fence)
+        self.post_slot_step(slot, w.pending(Step::Cas(cas)), held, first, wr.fence)
     }
 
     /// Post `step` with scratch slot `slot` as its one SGE (the WR's own

@@ -6,12 +6,22 @@ use smallvec::{smallvec, SmallVec};
 
 use provider::wr::{SendOp, WcStatus};
 
-use super::{Pending, QpCore, Step, What, NO_TOKEN};
+use super::{QpCore, SendRef, Step, NO_TOKEN};
 use crate::backend::RawCompletion;
 use crate::cq::{Completion, CompletionKind};
 use crate::error::Error;
 use crate::tracker::{Held, Ticket};
 use crate::wr::WorkRequest;
+
+/// One device WR of an emulated Immediate Data.
+struct Part {
+    op: SendOp,
+    held: Held,
+    /// The inline bounce slot this part's entry frees.
+    bounce: Option<usize>,
+    /// It carries the application's completion.
+    last: bool,
+}
 
 impl QpCore {
     /// 8-byte Immediate Data through the peer's mailbox: (the Write, for
@@ -22,8 +32,9 @@ impl QpCore {
     pub(super) fn post_imm(
         &self,
         wr: &WorkRequest<'_>,
-        seq: u64,
+        w: SendRef,
         held: Held,
+        bounce: Option<usize>,
     ) -> std::result::Result<(), (Error, u64)> {
         let agent = self.agent.get().cloned().ok_or((
             Error::InvalidRequest("no agent channel on this connection"),
@@ -39,9 +50,16 @@ impl QpCore {
                 ))
             }
         };
-        let mut steps: SmallVec<[(SendOp, Held, bool); 3]> = SmallVec::new();
+        let mut steps: SmallVec<[Part; 3]> = SmallVec::new();
         if let SendOp::WriteImm { remote, .. } = wr.op {
-            steps.push((SendOp::Write { remote }, held, false));
+            // The Write carries the application's bytes: an inline bounce
+            // slot is its to free.
+            steps.push(Part {
+                op: SendOp::Write { remote },
+                held,
+                bounce,
+                last: false,
+            });
         }
         // Numbered among all zero-length Sends, under the lock that keeps
         // the numbering in wire order.
@@ -49,31 +67,26 @@ impl QpCore {
         let (entry, mailbox) = agent
             .stage_imm(*zero_sends, imm, solicited)
             .map_err(|e| (e, NO_TOKEN))?;
-        steps.push((SendOp::Write { remote: mailbox }, smallvec![entry], false));
-        steps.push((
-            SendOp::Send {
+        steps.push(Part {
+            op: SendOp::Write { remote: mailbox },
+            held: smallvec![entry],
+            bounce: None,
+            last: false,
+        });
+        steps.push(Part {
+            op: SendOp::Send {
                 solicited,
                 invalidate: None,
             },
-            Held::new(),
-            true,
-        ));
+            held: Held::new(),
+            bounce: None,
+            last: true,
+        });
         let mut tickets: SmallVec<[(Ticket, SendOp); 3]> = SmallVec::new();
-        for (step, local, last) in steps {
-            let ticket = self.tracker.insert(
-                Pending {
-                    wr_id: wr.wr_id,
-                    what: What::Send {
-                        op: wr.op,
-                        seq,
-                        signaled: wr.signaled,
-                        step: if last { Step::Final } else { Step::Silent },
-                        bounce: None,
-                    },
-                },
-                local,
-            );
-            tickets.push((ticket, step));
+        for part in steps {
+            let kind = if part.last { Step::Final } else { Step::Silent };
+            let ticket = self.tracker.insert(w.holding(kind, part.bounce), part.held);
+            tickets.push((ticket, part.op));
         }
         let posts: SmallVec<[_; 3]> = tickets
             .iter()

@@ -101,8 +101,25 @@ struct SendRef {
 }
 
 impl SendRef {
+    /// The application's `wr`, at place `seq` of the send queue.
+    fn of(wr: &WorkRequest<'_>, seq: u64) -> SendRef {
+        SendRef {
+            wr_id: wr.wr_id,
+            op: wr.op,
+            seq,
+            signaled: wr.signaled,
+        }
+    }
+
     /// Its table entry for `step`.
     fn pending(&self, step: Step) -> Pending {
+        self.holding(step, None)
+    }
+
+    /// Its table entry for `step`, which holds inline bounce slot
+    /// `bounce` (freed when the entry goes): only the one entry whose
+    /// slices are the bounce slot's may.
+    fn holding(&self, step: Step, bounce: Option<usize>) -> Pending {
         Pending {
             wr_id: self.wr_id,
             what: What::Send {
@@ -110,7 +127,7 @@ impl SendRef {
                 seq: self.seq,
                 signaled: self.signaled,
                 step,
-                bounce: None,
+                bounce,
             },
         }
     }
@@ -469,21 +486,10 @@ impl QpCore {
             (wr.local.iter().cloned().collect::<Held>(), None)
         };
         let seq = self.order.lock().unwrap_or_else(|p| p.into_inner()).next();
+        let w = SendRef::of(wr, seq);
         let posted = match route {
             Route::Native => {
-                let ticket = self.tracker.insert(
-                    Pending {
-                        wr_id: wr.wr_id,
-                        what: What::Send {
-                            op: wr.op,
-                            seq,
-                            signaled: wr.signaled,
-                            step: Step::Final,
-                            bounce,
-                        },
-                    },
-                    held,
-                );
+                let ticket = self.tracker.insert(w.holding(Step::Final, bounce), held);
                 if !self.numbered_zero_send(wr) {
                     return Ok(Some(Queued {
                         ticket,
@@ -504,19 +510,22 @@ impl QpCore {
                 }
                 r.map_err(|e| (e, ticket.token()))
             }
-            Route::CasLoop => self.start_cas_loop(wr, seq, held),
-            Route::Agent => self.post_agent(wr, seq, held),
-            Route::Mailbox => self.post_imm(wr, seq, held),
+            Route::CasLoop => self.start_cas_loop(wr, w, held),
+            Route::Agent => self.post_agent(wr, w, held),
+            Route::Mailbox => self.post_imm(wr, w, held, bounce),
         };
         match posted {
             Ok(()) => Ok(None),
             Err((e, token)) => {
-                // The entry (if one was made) goes with its bounce slot;
-                // the place in the order is released.
-                self.rollback(token, seq);
-                if let (Some(b), Route::CasLoop | Route::Agent | Route::Mailbox) = (bounce, route) {
-                    self.free_bounce(b);
+                // The entry that failed goes, with the bounce slot if it
+                // holds it; with no entry made, the slot goes here. The
+                // place in the order is released.
+                if token == NO_TOKEN {
+                    if let Some(b) = bounce {
+                        self.free_bounce(b);
+                    }
                 }
+                self.rollback(token, seq);
                 Err(e)
             }
         }

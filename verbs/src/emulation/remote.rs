@@ -10,7 +10,7 @@ use tracing::warn;
 use provider::wr::{Remote, SendOp, WcStatus};
 
 use super::agent::{AgentClient, FLUSH_TARGET};
-use super::{Outcome, Pending, QpCore, SendRef, Step, What, NO_TOKEN};
+use super::{Outcome, QpCore, SendRef, Step, What, NO_TOKEN};
 use crate::backend::RawCompletion;
 use crate::error::Error;
 use crate::tracker::Held;
@@ -22,7 +22,7 @@ impl QpCore {
     pub(super) fn post_agent(
         self: &Arc<Self>,
         wr: &WorkRequest<'_>,
-        seq: u64,
+        w: SendRef,
         held: Held,
     ) -> std::result::Result<(), (Error, u64)> {
         let agent = self.agent.get().cloned().ok_or((
@@ -52,19 +52,9 @@ impl QpCore {
             SendOp::Commit { remote, len } => {
                 // Read-after-write: a zero-length Read returns only after
                 // every earlier Write on this QP is placed; then msync.
-                let ticket = self.tracker.insert(
-                    Pending {
-                        wr_id: wr.wr_id,
-                        what: What::Send {
-                            op: wr.op,
-                            seq,
-                            signaled: wr.signaled,
-                            step: Step::CommitRead { remote, len },
-                            bounce: None,
-                        },
-                    },
-                    held,
-                );
+                let ticket = self
+                    .tracker
+                    .insert(w.pending(Step::CommitRead { remote, len }), held);
                 return self
                     .post_one(&ticket, SendOp::Read { remote }, wr.fence)
                     .map_err(|e| (e, ticket.token()));
@@ -76,19 +66,7 @@ impl QpCore {
                 ))
             }
         };
-        let ticket = self.tracker.insert(
-            Pending {
-                wr_id: wr.wr_id,
-                what: What::Send {
-                    op: wr.op,
-                    seq,
-                    signaled: wr.signaled,
-                    step: Step::Agent,
-                    bounce: None,
-                },
-            },
-            held,
-        );
+        let ticket = self.tracker.insert(w.pending(Step::Agent), held);
         let client: Weak<dyn AgentClient> = Arc::downgrade(self) as Weak<QpCore>;
         agent
             .request(client, ticket.token(), remote, op)
