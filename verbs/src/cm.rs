@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::backend::{Connecting, IncomingOps, ListenerOps, QpRequest};
+use crate::backend::{Connecting, CqOps, IncomingOps, ListenerOps, QpRequest};
 use crate::caps::gap_needs_agent;
 use crate::cq::CompletionQueue;
 use crate::device::Context;
@@ -65,16 +65,27 @@ impl Default for ConnectOptions {
 }
 
 impl ConnectOptions {
-    /// What the backend creates and connects the QP with.
+    /// What the backend creates and connects an application's QP with: on
+    /// `send_cq`, and `recv_cq` when one is given.
     fn qp_request<'a>(
         &'a self,
         send_cq: &'a CompletionQueue,
         private_data: Vec<u8>,
     ) -> QpRequest<'a> {
         let recv_cq = self.recv_cq.as_ref().unwrap_or(send_cq);
+        self.request_on(&send_cq.inner.ops, &recv_cq.inner.ops, private_data)
+    }
+
+    /// What the backend creates and connects a QP with, on these CQs.
+    fn request_on<'a>(
+        &'a self,
+        send_cq: &'a Arc<dyn CqOps>,
+        recv_cq: &'a Arc<dyn CqOps>,
+        private_data: Vec<u8>,
+    ) -> QpRequest<'a> {
         QpRequest {
-            send_cq: &send_cq.inner.ops,
-            recv_cq: &recv_cq.inner.ops,
+            send_cq,
+            recv_cq,
             srq: self.srq.as_ref().map(|s| &s.core.ops),
             max_send_wr: self.caps.max_send_wr,
             max_recv_wr: self.caps.max_recv_wr,
@@ -198,7 +209,7 @@ pub fn connect_with(
             let setup = AgentSetup::new(pd)?;
             let agent_opts = agent_options();
             let connecting = pd.ops().connector(
-                agent_opts.qp_request_agent(&setup, setup.hello(token).encode(&[])),
+                agent_opts.request_on(&setup.cq, &setup.cq, setup.hello(token).encode(&[])),
                 addr,
             )?;
             setup.pre_post(connecting.qp())?;
@@ -233,29 +244,6 @@ fn agent_options() -> ConnectOptions {
         srq: None,
         recv_cq: None,
         ..ConnectOptions::default()
-    }
-}
-
-impl ConnectOptions {
-    /// An agent channel's QP: on the agent's own CQ.
-    fn qp_request_agent<'a>(
-        &'a self,
-        setup: &'a AgentSetup,
-        private_data: Vec<u8>,
-    ) -> QpRequest<'a> {
-        QpRequest {
-            send_cq: &setup.cq,
-            recv_cq: &setup.cq,
-            srq: None,
-            max_send_wr: self.caps.max_send_wr,
-            max_recv_wr: self.caps.max_recv_wr,
-            max_sge: self.caps.max_sge,
-            responder_resources: self.responder_resources,
-            initiator_depth: self.initiator_depth,
-            crc: self.crc,
-            peer_to_peer: None,
-            private_data,
-        }
     }
 }
 
@@ -449,7 +437,7 @@ impl Incoming {
                 let agent_opts = agent_options();
                 let connecting = agent_raw.incoming.acceptor(
                     pd.ops().as_ref(),
-                    agent_opts.qp_request_agent(&setup, setup.hello(token).encode(&[])),
+                    agent_opts.request_on(&setup.cq, &setup.cq, setup.hello(token).encode(&[])),
                 )?;
                 setup.pre_post(connecting.qp())?;
                 let (aqp, _) = connecting.finish()?;
