@@ -347,31 +347,18 @@ fn gathered_output_survives_partial_writes_byte_for_byte() {
     post(&mut copied);
     post(&mut gathered);
     let expected = transmit(&mut copied, &mem);
-    let env = Env {
-        mem: &mem,
-        srq: None,
-    };
     let mut got = Vec::new();
     let mut odd = 1usize;
-    while gathered.has_queued_tx() || gathered.prepare_transmit(&env, 1 << 20) {
-        // A socket that takes a few odd-sized bytes at a time.
-        odd = (odd * 7919) % 4093 + 1;
-        let n = gathered
-            .write_transmit(&env, |iov| {
-                let mut n = 0;
-                for s in iov {
-                    let take = s.len().min(odd - n);
-                    got.extend_from_slice(&s[..take]);
-                    n += take;
-                    if n == odd {
-                        break;
-                    }
-                }
-                Ok(n)
-            })
-            .expect("write");
-        assert!(n > 0);
-    }
+    // A socket that takes a few odd-sized bytes at a time.
+    write_out(
+        &mut gathered,
+        &mem,
+        || {
+            odd = (odd * 7919) % 4093 + 1;
+            odd
+        },
+        &mut got,
+    );
     assert_eq!(got.len(), expected.len());
     assert!(got == expected, "same octets whichever way they leave");
     assert!(matches!(
@@ -384,24 +371,32 @@ fn gathered_output_survives_partial_writes_byte_for_byte() {
     ));
 }
 
-/// Drain `c`'s output through `write_transmit` in `chunk`-octet writes,
-/// checking after each that no send completed before its octets left.
-fn write_out(c: &mut Connection, mem: &MrTable, chunk: usize, out: &mut Vec<u8>) {
+/// Drain `c`'s output through `write_transmit`, as a socket that takes
+/// `chunk()` octets per call would, into `out`.
+fn write_out(
+    c: &mut Connection,
+    mem: &MrTable,
+    mut chunk: impl FnMut() -> usize,
+    out: &mut Vec<u8>,
+) {
     let env = Env { mem, srq: None };
     while c.has_queued_tx() || c.prepare_transmit(&env, 1 << 20) {
-        c.write_transmit(&env, |iov| {
-            let mut n = 0;
-            for s in iov {
-                let take = s.len().min(chunk - n);
-                out.extend_from_slice(&s[..take]);
-                n += take;
-                if n == chunk {
-                    break;
+        let take_now = chunk();
+        let n = c
+            .write_transmit(&env, |iov| {
+                let mut n = 0;
+                for s in iov {
+                    let take = s.len().min(take_now - n);
+                    out.extend_from_slice(&s[..take]);
+                    n += take;
+                    if n == take_now {
+                        break;
+                    }
                 }
-            }
-            Ok(n)
-        })
-        .expect("write");
+                Ok(n)
+            })
+            .expect("write");
+        assert!(n > 0);
     }
 }
 
@@ -507,7 +502,7 @@ fn an_atomic_waits_for_a_gathered_read_response_over_its_target() {
     // SAFETY: as above.
     assert_eq!(unsafe { (tva as *const u64).read() }, 7, "the atomic waits");
     let mut out = Vec::new();
-    write_out(&mut b, &mem, 3000, &mut out);
+    write_out(&mut b, &mem, || 3000, &mut out);
     // SAFETY: as above.
     assert_eq!(unsafe { (tva as *const u64).read() }, 8, "then runs");
     // The CRCs check (frames() deframes with CRC on).
