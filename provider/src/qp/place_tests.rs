@@ -247,6 +247,23 @@ fn post_write(a: &mut Connection, mem: &MrTable, len: usize, rkey: u32, addr: u6
     a.post_send(wr, &env).expect("post");
 }
 
+/// `a` posts an RDMA Read (wr_id 5) of `src` into `sink`.
+fn post_read(a: &mut Connection, mem: &MrTable, src: &Guarded, sink: Vec<Sge>) {
+    let wr = SendWr {
+        wr_id: 5,
+        op: SendOp::Read {
+            remote: Remote {
+                addr: src.va,
+                rkey: src.stag,
+            },
+        },
+        sg_list: sink,
+        signaled: true,
+        fence: false,
+    };
+    a.post_send(wr, &Env { mem, srq: None }).expect("post");
+}
+
 const BIG: usize = 150_000;
 
 #[test]
@@ -290,15 +307,11 @@ fn a_large_read_response_lands_directly_across_sges() {
         srq: None,
     };
     let first = 70_001u32;
-    let wr = SendWr {
-        wr_id: 5,
-        op: SendOp::Read {
-            remote: Remote {
-                addr: src.va,
-                rkey: src.stag,
-            },
-        },
-        sg_list: vec![
+    post_read(
+        &mut a,
+        &mem,
+        &src,
+        vec![
             Sge {
                 addr: sink.va,
                 length: first,
@@ -310,10 +323,7 @@ fn a_large_read_response_lands_directly_across_sges() {
                 lkey: sink.stag,
             },
         ],
-        signaled: true,
-        fence: false,
-    };
-    a.post_send(wr, &env).expect("post");
+    );
     let request = transmit(&mut a, &mem);
     b.handle_bytes(&request, &env);
     let responses = transmit(&mut b, &mem);
@@ -433,23 +443,16 @@ fn a_crc_error_after_placement_terminates_and_completes_nothing() {
         mem: &mem,
         srq: None,
     };
-    let wr = SendWr {
-        wr_id: 5,
-        op: SendOp::Read {
-            remote: Remote {
-                addr: src.va,
-                rkey: src.stag,
-            },
-        },
-        sg_list: vec![Sge {
+    post_read(
+        &mut a,
+        &mem,
+        &src,
+        vec![Sge {
             addr: sink.va,
             length: BIG as u32,
             lkey: sink.stag,
         }],
-        signaled: true,
-        fence: false,
-    };
-    a.post_send(wr, &env).expect("post");
+    );
     b.handle_bytes(&transmit(&mut a, &mem), &env);
     let mut responses = transmit(&mut b, &mem);
     // Corrupt one payload octet near the end of the last segment.
@@ -504,23 +507,16 @@ fn a_peer_gone_mid_payload_flushes_the_read() {
         mem: &mem,
         srq: None,
     };
-    let wr = SendWr {
-        wr_id: 5,
-        op: SendOp::Read {
-            remote: Remote {
-                addr: src.va,
-                rkey: src.stag,
-            },
-        },
-        sg_list: vec![Sge {
+    post_read(
+        &mut a,
+        &mem,
+        &src,
+        vec![Sge {
             addr: sink.va,
             length: BIG as u32,
             lkey: sink.stag,
         }],
-        signaled: true,
-        fence: false,
-    };
-    a.post_send(wr, &env).expect("post");
+    );
     b.handle_bytes(&transmit(&mut a, &mem), &env);
     let responses = transmit(&mut b, &mem);
     let mut rx = Rx::new(4096);
