@@ -12,8 +12,8 @@ use std::ptr::NonNull;
 use super::*;
 use crate::mem::Access;
 use crate::wire::fpdu::LENGTH_LEN;
-use crate::wire::marker::{Deframer, DeframerConfig};
 use crate::wire::rdmap::RdmapRepr;
+use crate::wire::stream::{Deframer, DeframerConfig};
 use crate::wire::{Error, ErrorType, Layer};
 use crate::wr::Remote;
 
