@@ -20,7 +20,7 @@
 //! wire least-significant octet first — the same octet order as iSCSI's
 //! digests (RFC 3720 appendix B.4: 32 zero octets give `aa 36 91 8a`).
 //!
-//! This module handles FPDUs without markers; [`super::marker`] frames and
+//! This module handles FPDUs without markers; [`super::stream`] frames and
 //! deframes a whole stream, with or without markers.
 
 use super::{be_u16, Error, Field, Layer, Result};
