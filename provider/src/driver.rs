@@ -8,7 +8,7 @@
 //! (write only), or a thread polling or waiting on one of its CQs.
 
 use std::collections::VecDeque;
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, Read};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,6 +19,7 @@ use tracing::debug;
 use crate::cq::{CompletionQueue, CqQp};
 use crate::engine::{Engine, EngineQp, Ownership, Progress};
 use crate::mem::{MrTable, PdId};
+use crate::nosignal::send_vectored;
 use crate::qp::{Connection, CqSide, Env, Event, QpCaps, QpState};
 use crate::srq::Srq;
 use crate::wr::RecvWr;
@@ -321,7 +322,7 @@ impl QpShared {
                 conn.handle_commit_done(job.req_id, job.run(env.mem));
                 continue;
             }
-            match conn.write_transmit(env, |iov| sock.write_vectored(iov)) {
+            match conn.write_transmit(env, |iov| send_vectored(sock, iov)) {
                 Ok(0) => return true,
                 Ok(_) => {}
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return true,
