@@ -274,6 +274,17 @@ impl QueuePair {
         self.shared.set_event_hook(hook)
     }
 
+    /// Have `hook` called with each connection event as it happens (from
+    /// whichever thread drives the QP, with the QP locked: it must not
+    /// block or call back into the QP), besides queuing it for
+    /// [`take_events`](Self::take_events): how the rdma-core plugin raises
+    /// `ibv_get_async_event`'s events. One per QP; returns false if one was
+    /// already set.
+    pub fn set_async_hook(&self, hook: impl Fn(&Event) + Send + Sync + 'static) -> bool {
+        self.shared
+            .set_async_hook(crate::driver::AsyncHook(Box::new(hook)))
+    }
+
     /// `ibv_post_send`. The request is framed and written from the calling
     /// thread (which does not read the socket: input is for whoever polls,
     /// the device's engine when nobody does).

@@ -76,6 +76,18 @@ pub(crate) struct QpShared {
     closed: AtomicBool,
     /// Called (under the QP's lock) when connection events were queued.
     event_hook: OnceLock<fn()>,
+    /// Called (under the QP's lock) with each connection event as it
+    /// happens: the plugin's asynchronous events.
+    async_hook: OnceLock<AsyncHook>,
+}
+
+/// See [`QueuePair::set_async_hook`](crate::device::QueuePair::set_async_hook).
+pub(crate) struct AsyncHook(pub(crate) Box<dyn Fn(&Event) + Send + Sync>);
+
+impl std::fmt::Debug for AsyncHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AsyncHook")
+    }
 }
 
 impl QpShared {
@@ -107,6 +119,7 @@ impl QpShared {
             tx_blocked: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             event_hook: OnceLock::new(),
+            async_hook: OnceLock::new(),
         });
         let weak: Weak<dyn CqQp> = Arc::downgrade(&shared) as Weak<dyn CqQp>;
         send_cq.attach(weak.clone());
@@ -156,6 +169,11 @@ impl QpShared {
     /// Install the hook [`QueuePair::set_event_hook`] describes.
     pub(crate) fn set_event_hook(&self, hook: fn()) -> bool {
         self.event_hook.set(hook).is_ok()
+    }
+
+    /// Install the hook [`QueuePair::set_async_hook`] describes.
+    pub(crate) fn set_async_hook(&self, hook: AsyncHook) -> bool {
+        self.async_hook.set(hook).is_ok()
     }
 
     /// Close the stream and stop watching it (the QP handle is dropped).
@@ -290,6 +308,9 @@ impl QpShared {
         let mut evented = false;
         while let Some(ev) = conn.poll_event() {
             debug!(qpn = self.qpn, ?ev, "event");
+            if let Some(hook) = self.async_hook.get() {
+                (hook.0)(&ev);
+            }
             events.push_back(ev);
             evented = true;
         }

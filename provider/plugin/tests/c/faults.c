@@ -26,10 +26,13 @@
  *                  succeed and complete with IBV_WC_WR_FLUSH_ERR.
  *   destroy_qp     ibv_destroy_qp with 16 x 4 MiB Writes in flight, then
  *                  dereg and munmap: nothing touches the memory again.
+ *   async          ibv_get_async_event on a polled async_fd: COMM_EST once
+ *                  connected, QP_FATAL when the peer sends a Terminate.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -579,6 +582,56 @@ static void case_destroy_qp(void)
 	rdma_destroy_event_channel(e.ch);
 }
 
+/* The next async event of `ctx` of type `type`, waiting on async_fd with
+ * poll() as an event loop would (at most `ms` for each); 0 if one came.
+ * Events of other types are skipped; so are those of earlier cases' QPs
+ * (rdma_cm shares one context per process, and they were never read),
+ * without an ack: their QPs are gone (stag does not yet drop a destroyed
+ * QP's unread events, as the kernel's destroy does by waiting for acks). */
+static int next_async(struct ibv_context *ctx, enum ibv_event_type type,
+		      struct ibv_async_event *ev, int ms)
+{
+	for (;;) {
+		struct pollfd pfd = { .fd = ctx->async_fd, .events = POLLIN };
+		if (poll(&pfd, 1, ms) != 1 || ibv_get_async_event(ctx, ev))
+			return -1;
+		if (ev->event_type == type)
+			return 0;
+	}
+}
+
+static void case_async(void)
+{
+	struct peer p = spawn_peer("async");
+	struct end e = { 0 };
+	connect_to(&e, p.port, 8);
+	struct ibv_async_event ev;
+	CHECK(next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0 && ev.element.qp == e.id->qp,
+	      "async: IBV_EVENT_COMM_EST for our QP once connected");
+	ibv_ack_async_event(&ev);
+	char *buf = map_big(4096, 0);
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, 4096, IBV_ACCESS_LOCAL_WRITE);
+	/* A Write to an STag the peer never gave: it answers with a
+	 * Terminate, and our QP goes to Error. */
+	e.peer.rkey ^= 0x80;
+	CHECK(post_write(&e, mr, buf, 64, 1, 0) == 0, "async: post a Write with a bad rkey");
+	struct ibv_wc wc;
+	/* iWARP completes a Write once it is sent (success); the peer's
+	 * refusal comes after. */
+	CHECK(poll_for(e.cq, &wc, 1, 5) == 1, "async: the Write completes");
+	CHECK(next_async(e.id->verbs, IBV_EVENT_QP_FATAL, &ev, 5000) == 0 && ev.element.qp == e.id->qp,
+	      "async: the peer's Terminate raises IBV_EVENT_QP_FATAL on our QP");
+	ibv_ack_async_event(&ev);
+	kill(p.pid, SIGKILL);
+	reap(&p);
+	rdma_destroy_qp(e.id);
+	ibv_dereg_mr(mr);
+	ibv_destroy_cq(e.cq);
+	ibv_dealloc_pd(e.pd);
+	rdma_destroy_id(e.id);
+	rdma_destroy_event_channel(e.ch);
+}
+
 static const struct {
 	const char *name;
 	void (*run)(void);
@@ -586,6 +639,7 @@ static const struct {
 	{ "sigpipe", case_sigpipe },	     { "kill_recv", case_kill_recv },
 	{ "dereg_inflight", case_dereg_inflight }, { "full_sq", case_full_sq },
 	{ "post_error", case_post_error },   { "destroy_qp", case_destroy_qp },
+	{ "async", case_async },
 };
 
 int main(int argc, char **argv)
