@@ -16,6 +16,7 @@ mod driver;
 pub mod engine;
 pub mod listener;
 pub mod mem;
+mod nosignal;
 pub mod qp;
 pub mod region;
 pub mod setup;
