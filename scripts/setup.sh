@@ -10,6 +10,10 @@ packages=(
     curl xz-utils
     perftest rdmacm-utils libfabric-bin
     cmake ninja-build libnl-3-dev libnl-route-3-dev libudev-dev
+    # scripts/cluster.sh and scripts/cluster-apps.sh: namespace hosts,
+    # Open MPI (mpicc, NetPIPE), qperf, the tgt iSER target and libiscsi.
+    iputils-ping util-linux openmpi-bin libopenmpi-dev netpipe-openmpi qperf
+    tgt libiscsi-bin
 )
 
 missing=()
