@@ -33,6 +33,13 @@ echo "examples: $ex_pass passed, 0 failed"
 # (~30 s).
 echo "== unmodified rdma-core programs on stag0 (prints rdma-core-apps: N passed, M failed)"
 bash scripts/rdma-core-apps.sh
+# Real clients the way their users run them: qperf -cm1 (completion
+# channels and polling), fio's rdma engine, rping in event mode, and the C
+# programs over librdmacm (cm_stress.c: 2000 connect cycles, 64 at once, a
+# connect before rdma_listen, rejects, a listener re-created on one port);
+# nothing retried (~45 s).
+echo "== real clients on stag0 (prints real-clients: N passed, M failed)"
+bash scripts/real-clients.sh
 # The verbs suite and the examples again, on kernel soft-RoCE (rxe0) and
 # soft-iWARP (siw0) in a QEMU guest, on both pinned kernels (6.12: rxe with
 # FLUSH and ATOMIC_WRITE; 6.1: without) and both rdma-core releases
