@@ -318,7 +318,16 @@ impl QueuePair {
         let mut io = self.shared.lock();
         let errored_early = io.errored_early;
         match io.conn.as_mut() {
-            Some(conn) => conn.post_recv(wr)?,
+            Some(conn) => {
+                conn.post_recv(wr)?;
+                if conn.rx_held() {
+                    // A message waited for this Receive: take it and the
+                    // input behind it, hand out what completed and read
+                    // the socket again.
+                    conn.resume_held(&self.shared.env());
+                    self.shared.drive_with(&mut io, false);
+                }
+            }
             None if errored_early => self.shared.recv_cq.push(WorkCompletion {
                 wr_id: wr.wr_id,
                 status: WcStatus::WrFlushErr,
