@@ -216,6 +216,18 @@ impl QueuePair {
             .unwrap_or(QpState::Rtr)
     }
 
+    /// Whether the stream ended (the peer closed it, or it was shut),
+    /// even while messages read before the end still wait for Receives
+    /// (the QP stays in RTS until they are taken).
+    pub fn stream_ended(&self) -> bool {
+        let io = self.shared.lock();
+        io.closed
+            || io
+                .conn
+                .as_ref()
+                .is_some_and(|c| c.state() == QpState::Error)
+    }
+
     /// What the MPA exchange settled, once connected.
     pub fn negotiated(&self) -> Option<Negotiated> {
         let io = self.shared.lock();

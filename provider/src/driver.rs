@@ -46,7 +46,7 @@ pub(crate) struct QpIo {
     pub(crate) errored_early: bool,
     writable_wanted: bool,
     /// What the socket is armed for on the input side (not readability
-    /// while input waits for a Receive: [`Connection::rx_held`]).
+    /// while input waits for a Receive: [`Connection::rx_blocked`]).
     input: Input,
     pub(crate) closed: bool,
     pub(crate) events: VecDeque<Event>,
@@ -205,10 +205,10 @@ impl QpShared {
         }
         // Bounded so that one busy QP cannot starve the others.
         for _ in 0..if read { 64 } else { 0 } {
-            // Input that waits for a Receive stops the reading, unless the
-            // peer closed: then the rest is read (it is finite) to learn
-            // of the close.
-            if *closed || (conn.rx_held() && !peer_closed(sock)) {
+            // Input that waits for a Receive, with all the input it may
+            // hold behind it, stops the reading, unless the peer closed:
+            // then the rest is read (it is finite) to learn of the close.
+            if *closed || (conn.rx_blocked() && !peer_closed(sock)) {
                 break;
             }
             if let Some(req) = conn.placement() {
@@ -275,10 +275,14 @@ impl QpShared {
         }
         let pending = Self::flush(conn, &mut sock, &env);
         let engine = self.engine.upgrade();
-        let want = match (conn.rx_held(), *closed) {
-            (false, _) => Input::Read,
-            (true, false) => Input::CloseOnly,
-            (true, true) => Input::Nothing,
+        // A stream that ended may stay registered while what it carried
+        // waits for Receives: nothing more to read from it.
+        let want = if *closed {
+            Input::Nothing
+        } else if conn.rx_blocked() {
+            Input::CloseOnly
+        } else {
+            Input::Read
         };
         if pending != *writable_wanted || want != *input {
             *writable_wanted = pending;

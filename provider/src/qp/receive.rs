@@ -35,6 +35,10 @@ impl From<Error> for RxFail {
 
 type RxResult = Result<(), RxFail>;
 
+/// Octets a QP reads past a message that waits for a Receive before it
+/// stops reading its socket ([`Held`]).
+pub const HELD_INPUT_MAX: usize = 16 << 20;
+
 /// Input held back because a message on QN 0 (a Send, or Immediate Data)
 /// found no Receive posted: that message, whole and checked, and the
 /// stream octets that followed it, not yet deframed.
@@ -48,6 +52,13 @@ type RxResult = Result<(), RxFail>;
 /// socket: TCP's window holds the sender back, as RNR retries would.
 /// Nothing of this shows on the wire. A QP on an SRQ is not held (its
 /// posts do not reach the QP): it terminates as before.
+///
+/// The driver keeps reading into `input` up to [`HELD_INPUT_MAX`] first:
+/// a peer that closes after a burst (qperf's client at the end of a
+/// bandwidth test) has its FIN queued behind the burst, and a receiver
+/// that stopped reading at once would never learn of the close (nor
+/// report DISCONNECTED). The socket buffers of both ends together stay
+/// below that on Linux (`tcp_rmem`/`tcp_wmem` maxima: 6 and 4 MiB).
 #[derive(Debug)]
 pub(super) struct Held {
     ulpdu: Vec<u8>,
@@ -88,10 +99,18 @@ impl Connection {
         }
     }
 
-    /// Whether input waits for a Receive ([`Held`]): the driver reads no
-    /// more until [`resume_held`](Self::resume_held) took it.
+    /// Whether input waits for a Receive ([`Held`]).
     pub fn rx_held(&self) -> bool {
         self.held.is_some()
+    }
+
+    /// Whether the driver should read no more: input waits for a Receive
+    /// and [`HELD_INPUT_MAX`] octets are already held behind it. Reading
+    /// resumes once [`resume_held`](Self::resume_held) took them.
+    pub fn rx_blocked(&self) -> bool {
+        self.held
+            .as_ref()
+            .is_some_and(|h| h.input.len() >= HELD_INPUT_MAX)
     }
 
     /// After a Receive was posted: process the held message and the input
