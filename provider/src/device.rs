@@ -216,18 +216,6 @@ impl QueuePair {
             .unwrap_or(QpState::Rtr)
     }
 
-    /// Whether the stream ended (the peer closed it, or it was shut),
-    /// even while messages read before the end still wait for Receives
-    /// (the QP stays in RTS until they are taken).
-    pub fn stream_ended(&self) -> bool {
-        let io = self.shared.lock();
-        io.closed
-            || io
-                .conn
-                .as_ref()
-                .is_some_and(|c| c.state() == QpState::Error)
-    }
-
     /// What the MPA exchange settled, once connected.
     pub fn negotiated(&self) -> Option<Negotiated> {
         let io = self.shared.lock();
@@ -330,16 +318,7 @@ impl QueuePair {
         let mut io = self.shared.lock();
         let errored_early = io.errored_early;
         match io.conn.as_mut() {
-            Some(conn) => {
-                conn.post_recv(wr)?;
-                if conn.rx_held() {
-                    // A message waited for this Receive: take it and the
-                    // input behind it, hand out what completed and read
-                    // the socket again.
-                    conn.resume_held(&self.shared.env());
-                    self.shared.drive_with(&mut io, false);
-                }
-            }
+            Some(conn) => conn.post_recv(wr)?,
             None if errored_early => self.shared.recv_cq.push(WorkCompletion {
                 wr_id: wr.wr_id,
                 status: WcStatus::WrFlushErr,

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use tracing::debug;
 
 use crate::cq::{CompletionQueue, CqQp};
-use crate::engine::{Engine, EngineQp, Input, Ownership, Progress};
+use crate::engine::{Engine, EngineQp, Ownership, Progress};
 use crate::mem::{MrTable, PdId};
 use crate::qp::{Connection, CqSide, Env, Event, QpCaps, QpState};
 use crate::srq::Srq;
@@ -45,9 +45,6 @@ pub(crate) struct QpIo {
     /// connection may start on it.
     pub(crate) errored_early: bool,
     writable_wanted: bool,
-    /// What the socket is armed for on the input side (not readability
-    /// while input waits for a Receive: [`Connection::rx_blocked`]).
-    input: Input,
     pub(crate) closed: bool,
     pub(crate) events: VecDeque<Event>,
     /// Socket reads that returned bytes (how a caller tells whether a
@@ -186,7 +183,6 @@ impl QpShared {
             conn,
             rbuf,
             writable_wanted,
-            input,
             closed,
             events,
             rx_reads,
@@ -205,10 +201,7 @@ impl QpShared {
         }
         // Bounded so that one busy QP cannot starve the others.
         for _ in 0..if read { 64 } else { 0 } {
-            // Input that waits for a Receive, with all the input it may
-            // hold behind it, stops the reading, unless the peer closed:
-            // then the rest is read (it is finite) to learn of the close.
-            if *closed || (conn.rx_blocked() && !peer_closed(sock)) {
+            if *closed {
                 break;
             }
             if let Some(req) = conn.placement() {
@@ -275,25 +268,15 @@ impl QpShared {
         }
         let pending = Self::flush(conn, &mut sock, &env);
         let engine = self.engine.upgrade();
-        // A stream that ended may stay registered while what it carried
-        // waits for Receives: nothing more to read from it.
-        let want = if *closed {
-            Input::Nothing
-        } else if conn.rx_blocked() {
-            Input::CloseOnly
-        } else {
-            Input::Read
-        };
-        if pending != *writable_wanted || want != *input {
+        if pending != *writable_wanted {
             *writable_wanted = pending;
-            *input = want;
             self.tx_blocked.store(pending, Ordering::Release);
             // A parked socket is re-armed with the right flags when the
             // engine takes it back; application waiters poll for output
             // through `tx_blocked`.
             if let Some(engine) = &engine {
                 if self.own.armed.load(Ordering::Relaxed) {
-                    engine.arm(self.qpn as u64, sock.as_fd(), want, pending);
+                    engine.arm(self.qpn as u64, sock.as_fd(), pending);
                 }
             }
         }
@@ -372,7 +355,7 @@ impl EngineQp for QpShared {
             return;
         };
         self.own.armed.store(true, Ordering::Relaxed);
-        engine.arm(self.qpn as u64, sock.as_fd(), io.input, io.writable_wanted);
+        engine.arm(self.qpn as u64, sock.as_fd(), io.writable_wanted);
     }
 }
 
@@ -412,17 +395,5 @@ impl CqQp for QpShared {
 
     fn release_to_engine(&self) {
         self.own.release(self.engine.upgrade().as_deref());
-    }
-}
-
-/// Whether the peer shut its side of `sock` down (or the socket failed).
-fn peer_closed(sock: &TcpStream) -> bool {
-    let mut fds = [nix::poll::PollFd::new(
-        sock.as_fd(),
-        nix::poll::PollFlags::from_bits_retain(libc::POLLRDHUP),
-    )];
-    match nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO) {
-        Ok(n) => n > 0,
-        Err(_) => true,
     }
 }

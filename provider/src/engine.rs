@@ -321,20 +321,10 @@ impl Engine {
         flags
     }
 
-    /// (Re-)arm a QP's socket for `input`, with writability if `write`.
-    /// Called with the QP's io lock held, so the flags match its state.
-    pub(crate) fn arm(&self, token: u64, sock: BorrowedFd<'_>, input: Input, write: bool) {
-        let mut flags = match input {
-            Input::Read => Self::flags(false),
-            // The peer's close still wakes: the driver then reads to the
-            // end of the stream.
-            Input::CloseOnly => EpollFlags::EPOLLRDHUP,
-            Input::Nothing => EpollFlags::empty(),
-        };
-        if write {
-            flags |= EpollFlags::EPOLLOUT;
-        }
-        let mut ev = EpollEvent::new(flags, token);
+    /// (Re-)arm a QP's socket, with writability if `write`. Called with the
+    /// QP's io lock held, so the flags match its state.
+    pub(crate) fn arm(&self, token: u64, sock: BorrowedFd<'_>, write: bool) {
+        let mut ev = EpollEvent::new(Self::flags(write), token);
         if let Err(e) = self.epoll.modify(sock, &mut ev) {
             debug!(token, error = %e, "epoll modify failed");
         }
@@ -640,19 +630,6 @@ impl Run {
             }
         }
     }
-}
-
-/// What a QP's socket is armed for on the input side.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) enum Input {
-    /// Readability (and the peer's close): the usual.
-    #[default]
-    Read,
-    /// Only the peer's close: input waits for a Receive, and a
-    /// level-triggered readable socket would only spin the engine.
-    CloseOnly,
-    /// Nothing: the stream ended, what was read waits for Receives.
-    Nothing,
 }
 
 /// Stop watching a QP's socket. One-shot with no events: an error or

@@ -299,9 +299,6 @@ pub struct Connection {
     receiving: Option<RecvWr>,
     /// The tagged segment whose payload is being placed directly.
     placing: Option<place::Placing>,
-    /// Input held back while a message on QN 0 waits for a Receive
-    /// ([`Connection::rx_held`]).
-    held: Option<receive::Held>,
     /// Large tagged segments are arriving (the last one was placed
     /// directly): the driver reads header by header ([`Connection::read_hint`]).
     streaming: bool,
@@ -392,7 +389,6 @@ impl Connection {
             rx_send: UntaggedReassembly::new(),
             receiving: None,
             placing: None,
-            held: None,
             streaming: false,
             inbound: VecDeque::new(),
             durability: VecDeque::new(),

@@ -35,117 +35,22 @@ impl From<Error> for RxFail {
 
 type RxResult = Result<(), RxFail>;
 
-/// Octets a QP reads past a message that waits for a Receive before it
-/// stops reading its socket ([`Held`]).
-pub const HELD_INPUT_MAX: usize = 16 << 20;
-
-/// Input held back because a message on QN 0 (a Send, or Immediate Data)
-/// found no Receive posted: that message, whole and checked, and the
-/// stream octets that followed it, not yet deframed.
-///
-/// InfiniBand answers such a message with an RNR NAK and the sender
-/// retries; iWARP has no RNR (RFC 5041 §7.2 makes it a Terminate), so
-/// programs written for InfiniBand (qperf's bandwidth tests, fio's send
-/// verb) that let a sender run ahead of the Receives its peer re-posts
-/// failed on stag0 with "WR flush failure". Instead, the message waits
-/// for the next `post_recv` here while the driver stops reading the
-/// socket: TCP's window holds the sender back, as RNR retries would.
-/// Nothing of this shows on the wire. A QP on an SRQ is not held (its
-/// posts do not reach the QP): it terminates as before.
-///
-/// The driver keeps reading into `input` up to [`HELD_INPUT_MAX`] first:
-/// a peer that closes after a burst (qperf's client at the end of a
-/// bandwidth test) has its FIN queued behind the burst, and a receiver
-/// that stopped reading at once would never learn of the close (nor
-/// report DISCONNECTED). The socket buffers of both ends together stay
-/// below that on Linux (`tcp_rmem`/`tcp_wmem` maxima: 6 and 4 MiB).
-#[derive(Debug)]
-pub(super) struct Held {
-    ulpdu: Vec<u8>,
-    input: Vec<u8>,
-    /// The stream ended after `input` (the close was reported).
-    eof: bool,
-}
-
 impl Connection {
     /// The byte stream closed or broke.
     pub fn handle_closed(&mut self) {
-        if let Some(held) = self.held.as_mut() {
-            if !held.eof && !self.phase.is_error() {
-                // The messages that arrived whole before the close are
-                // still delivered as Receives are posted (as the sender's
-                // completions said they were sent); the close is reported
-                // now, the flush follows the last of them.
-                held.eof = true;
-                self.events.push_back(Event::Closed);
-                return;
-            }
-        }
-        self.close_stream(true);
-    }
-
-    /// The stream is over: flush, and report it unless `report` is false
-    /// (already reported while held input was still delivered).
-    fn close_stream(&mut self, report: bool) {
-        self.held = None;
         if !self.phase.is_error() {
             debug!(qp = self.qp_num, "stream closed by peer");
             self.flush();
         }
         self.phase = super::Phase::Closed;
         self.tx.clear();
-        if report && !self.events.contains(&Event::Closed) {
+        if !self.events.contains(&Event::Closed) {
             self.events.push_back(Event::Closed);
         }
     }
 
-    /// Whether input waits for a Receive ([`Held`]).
-    pub fn rx_held(&self) -> bool {
-        self.held.is_some()
-    }
-
-    /// Whether the driver should read no more: input waits for a Receive
-    /// and [`HELD_INPUT_MAX`] octets are already held behind it. Reading
-    /// resumes once [`resume_held`](Self::resume_held) took them.
-    pub fn rx_blocked(&self) -> bool {
-        self.held
-            .as_ref()
-            .is_some_and(|h| h.input.len() >= HELD_INPUT_MAX)
-    }
-
-    /// After a Receive was posted: process the held message and the input
-    /// behind it (which may be held again at the next message without a
-    /// Receive).
-    pub fn resume_held(&mut self, env: &Env) {
-        if self.rq.is_empty() || self.phase.is_error() {
-            return;
-        }
-        let Some(held) = self.held.take() else {
-            return;
-        };
-        match self.process_ulpdu(&held.ulpdu, env) {
-            Ok(()) => {
-                self.deliver_completions();
-                self.handle_bytes(&held.input, env);
-            }
-            Err(fail) => self.fail_ulpdu(fail, &held.ulpdu),
-        }
-        if held.eof {
-            match self.held.as_mut() {
-                // Held again: the end still follows it.
-                Some(again) => again.eof = true,
-                None => self.close_stream(false),
-            }
-        }
-    }
-
-    /// Feed bytes received from the stream. Every byte is consumed (kept
-    /// in [`Held`] while a message waits for a Receive).
+    /// Feed bytes received from the stream. Every byte is consumed.
     pub fn handle_bytes(&mut self, mut input: &[u8], env: &Env) {
-        if let Some(held) = self.held.as_mut() {
-            held.input.extend_from_slice(input);
-            return;
-        }
         // The ULPDU may borrow the deframer's buffer: lend the deframer out
         // of `self` for the loop (a fresh one allocates nothing) so that the
         // handlers can take `&mut self`.
@@ -188,35 +93,17 @@ impl Connection {
                 continue;
             }
             if let Err(fail) = self.process_ulpdu(&ulpdu, env) {
-                if matches!(fail, RxFail::Local(Error::NoBuffer(_))) && env.srq.is_none() {
-                    // Wait for a Receive (see `Held`): the message was
-                    // checked and changed nothing, so it is processed
-                    // again as it is.
-                    trace!(qp = self.qp_num, "a message waits for a Receive");
-                    self.held = Some(Held {
-                        ulpdu: ulpdu.to_vec(),
-                        input: input.to_vec(),
-                        eof: false,
-                    });
-                    *input = &[];
-                    break;
+                match fail {
+                    RxFail::Local(e) => {
+                        // A Terminate copies the offending headers.
+                        let header = ulpdu.get(..ulpdu.len().min(64)).unwrap_or(&[]);
+                        self.terminate(e, header);
+                    }
+                    RxFail::Remote(cause) => self.peer_terminated(cause),
                 }
-                self.fail_ulpdu(fail, &ulpdu);
                 break;
             }
             self.deliver_completions();
-        }
-    }
-
-    /// `ulpdu` failed: Terminate for our error, or the peer's Terminate.
-    fn fail_ulpdu(&mut self, fail: RxFail, ulpdu: &[u8]) {
-        match fail {
-            RxFail::Local(e) => {
-                // A Terminate copies the offending headers.
-                let header = ulpdu.get(..ulpdu.len().min(64)).unwrap_or(&[]);
-                self.terminate(e, header);
-            }
-            RxFail::Remote(cause) => self.peer_terminated(cause),
         }
     }
 

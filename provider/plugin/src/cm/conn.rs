@@ -10,6 +10,7 @@ use std::sync::{Arc, Condvar, Mutex, Once, Weak};
 use std::time::Duration;
 
 use provider::device::{DeviceError, QueuePair};
+use provider::qp::QpState;
 use provider::setup::MpaParams;
 use tracing::{debug, error, warn};
 
@@ -540,9 +541,7 @@ fn watcher() {
             }
             let closed = match live_qp(&st) {
                 None => true,
-                // Messages read before the end may still wait for
-                // Receives: the stream's end is what disconnects.
-                Some(qp) => qp.stream_ended(),
+                Some(qp) => qp.state() == QpState::Error,
             } || st.phase == Phase::Disconnecting;
             if closed {
                 debug!("rdma_cm: stream closed; DISCONNECTED");
