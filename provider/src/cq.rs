@@ -11,9 +11,10 @@
 //! without waking it.
 
 use std::collections::VecDeque;
+use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
@@ -25,8 +26,11 @@ use crate::wr::{WcStatus, WorkCompletion};
 /// What a CQ needs of the QPs that feed it.
 pub(crate) trait CqQp: Send + Sync {
     /// Drive the QP once from this (application) thread, unless another
-    /// thread is at it.
-    fn try_progress(&self);
+    /// thread is at it. `claim`: the thread keeps driving it (it polls a
+    /// CQ whose notifications are not armed), so the device's engine
+    /// stands back; a thread polling an armed CQ is about to sleep on
+    /// its notification and leaves the QP with the engine.
+    fn try_progress(&self, claim: bool);
     /// The socket to sleep on in [`CompletionQueue::wait`], with whether
     /// to wait for writability too; `None` when waiters leave the QP to
     /// the device's engine (the polling progress modes), before connection
@@ -44,6 +48,25 @@ pub(crate) trait CqQp: Send + Sync {
 const ARM_NONE: u8 = 0;
 const ARM_ANY: u8 = 1;
 const ARM_SOLICITED: u8 = 2;
+
+/// What a fired notification calls instead of writing the event fd: the
+/// plugin writes its completion channel's record from the thread that
+/// delivered the completion, so the sleeping application is the one
+/// thread woken (no relay thread in between).
+pub struct NotifySink(Box<dyn Fn() + Send + Sync>);
+
+impl NotifySink {
+    /// A sink calling `f` once per fired notification.
+    pub fn new(f: impl Fn() + Send + Sync + 'static) -> NotifySink {
+        NotifySink(Box::new(f))
+    }
+}
+
+impl fmt::Debug for NotifySink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("NotifySink")
+    }
+}
 
 /// A completion queue.
 #[derive(Debug)]
@@ -63,6 +86,8 @@ pub struct CompletionQueue {
     /// Set by [`interrupt_wait`](Self::interrupt_wait): the next (or
     /// current) wait returns early.
     interrupted: AtomicBool,
+    /// Replaces the event fd when set ([`set_notify_sink`](Self::set_notify_sink)).
+    sink: OnceLock<NotifySink>,
 }
 
 impl CompletionQueue {
@@ -82,6 +107,7 @@ impl CompletionQueue {
             wake,
             waiters: AtomicU32::new(0),
             interrupted: AtomicBool::new(false),
+            sink: OnceLock::new(),
         }))
     }
 
@@ -109,11 +135,41 @@ impl CompletionQueue {
         if self.waiters.load(Ordering::SeqCst) > 0 {
             let _ = self.wake.write(1);
         }
-        let arm = self.armed.load(Ordering::Acquire);
-        if arm == ARM_ANY || (arm == ARM_SOLICITED && solicited) {
-            self.armed.store(ARM_NONE, Ordering::Release);
-            let _ = self.event_fd.write(1);
+        // Pairs with the SeqCst store in `req_notify` before its look at
+        // the queue: an arming that raced with this push either sees the
+        // completion or is seen here.
+        let arm = self.armed.load(Ordering::SeqCst);
+        if (arm == ARM_ANY || (arm == ARM_SOLICITED && solicited))
+            && self
+                .armed
+                .compare_exchange(arm, ARM_NONE, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        {
+            self.fire();
         }
+    }
+
+    /// A notification fires: once per arming.
+    fn fire(&self) {
+        match self.sink.get() {
+            Some(sink) => (sink.0)(),
+            None => {
+                let _ = self.event_fd.write(1);
+            }
+        }
+    }
+
+    /// Deliver fired notifications to `sink` instead of the event fd
+    /// ([`AsFd`]); false if a sink was set already.
+    pub fn set_notify_sink(&self, sink: NotifySink) -> bool {
+        self.sink.set(sink).is_ok()
+    }
+
+    /// Whether notifications are armed ([`req_notify`](Self::req_notify)
+    /// and no completion fired them yet): the application means to sleep
+    /// on them.
+    pub fn is_armed(&self) -> bool {
+        self.armed.load(Ordering::SeqCst) != ARM_NONE
     }
 
     /// Take up to `out.len()` completions without driving any QP.
@@ -134,7 +190,11 @@ impl CompletionQueue {
         if n > 0 || out.is_empty() {
             return n;
         }
-        self.drive_qps();
+        // A thread polling an armed CQ found it empty: it is about to
+        // sleep on the notification, so it drives without taking the QPs
+        // from the engine (which would then leave an arrival to a thread
+        // that is asleep).
+        self.drive_qps(!self.is_armed());
         self.try_poll(out)
     }
 
@@ -164,17 +224,18 @@ impl CompletionQueue {
     pub fn wait_ready(&self, timeout: Duration) -> usize {
         self.sleep_until(timeout, |drive| {
             if drive {
-                self.drive_qps();
+                self.drive_qps(true);
             }
             self.len()
         })
     }
 
-    /// Drive the CQ's QPs once from this thread.
-    fn drive_qps(&self) {
+    /// Drive the CQ's QPs once from this thread (`claim`: see
+    /// [`CqQp::try_progress`]).
+    fn drive_qps(&self, claim: bool) {
         let qps = self.qps.read().unwrap_or_else(|p| p.into_inner());
         for qp in qps.iter().filter_map(Weak::upgrade) {
-            qp.try_progress();
+            qp.try_progress(claim);
         }
     }
 
@@ -263,24 +324,23 @@ impl CompletionQueue {
                 qp.release_to_engine();
             }
         }
-        self.armed.store(
-            if solicited_only {
-                ARM_SOLICITED
-            } else {
-                ARM_ANY
-            },
-            Ordering::Release,
-        );
-        // A completion that arrived before arming must not be missed.
+        let arm = if solicited_only {
+            ARM_SOLICITED
+        } else {
+            ARM_ANY
+        };
+        self.armed.store(arm, Ordering::SeqCst);
+        // A completion that arrived before arming must not be missed (a
+        // solicited-only arming waits for the next solicited one, as
+        // verbs says).
         if !solicited_only
-            && !self
-                .queue
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_empty()
+            && !self.is_empty()
+            && self
+                .armed
+                .compare_exchange(arm, ARM_NONE, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
         {
-            self.armed.store(ARM_NONE, Ordering::Release);
-            let _ = self.event_fd.write(1);
+            self.fire();
         }
     }
 

@@ -382,7 +382,7 @@ impl QueuePair {
     /// thread that polls on behalf of QPs it does not own and must not
     /// wait behind their engine.
     pub fn try_progress(&self) {
-        crate::cq::CqQp::try_progress(&*self.shared);
+        crate::cq::CqQp::try_progress(&*self.shared, true);
     }
 
     /// [`try_progress`](Self::try_progress), telling whether it read

@@ -374,8 +374,10 @@ impl QpShared {
 }
 
 impl CqQp for QpShared {
-    fn try_progress(&self) {
-        self.own.note_app();
+    fn try_progress(&self, claim: bool) {
+        if claim {
+            self.own.note_app();
+        }
         if let Ok(mut io) = self.io.try_lock() {
             self.drive(&mut io);
         }
