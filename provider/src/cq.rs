@@ -32,12 +32,13 @@ pub(crate) trait CqQp: Send + Sync {
     /// its notification and leaves the QP with the engine.
     fn try_progress(&self, claim: bool);
     /// The socket to sleep on in [`CompletionQueue::wait`], with whether
-    /// to wait for writability too; `None` when waiters leave the QP to
-    /// the device's engine (the polling progress modes), before connection
-    /// and after close.
-    fn wait_fd(&self) -> Option<(BorrowedFd<'_>, bool)>;
+    /// to wait for writability too; `None` before connection, after
+    /// close, and unless `always` when waiters leave the QP to the
+    /// device's engine (the polling progress modes).
+    fn wait_fd(&self, always: bool) -> Option<(BorrowedFd<'_>, bool)>;
     /// An application thread starts (`true`) or stops sleeping on the
-    /// socket.
+    /// socket. While one does, the engine does not watch it: the arrival
+    /// wakes the waiter alone, which drives the QP.
     fn set_waiting(&self, on: bool);
     /// Hand the QP to the device's engine: the application is going to
     /// sleep without driving it.
@@ -135,9 +136,6 @@ impl CompletionQueue {
         if self.waiters.load(Ordering::SeqCst) > 0 {
             let _ = self.wake.write(1);
         }
-        // Pairs with the SeqCst store in `req_notify` before its look at
-        // the queue: an arming that raced with this push either sees the
-        // completion or is seen here.
         let arm = self.armed.load(Ordering::SeqCst);
         if (arm == ARM_ANY || (arm == ARM_SOLICITED && solicited))
             && self
@@ -209,11 +207,14 @@ impl CompletionQueue {
             return 0;
         }
         self.sleep_until(timeout, |drive| {
-            if drive {
-                self.poll(out)
-            } else {
-                self.try_poll(out)
+            let n = self.try_poll(out);
+            if n > 0 || !drive {
+                return n;
             }
+            // Woken by a socket: drive, leaving the QPs with the engine
+            // (the waiter goes back to sleep if this brought nothing).
+            self.drive_qps(false);
+            self.try_poll(out)
         })
     }
 
@@ -224,7 +225,7 @@ impl CompletionQueue {
     pub fn wait_ready(&self, timeout: Duration) -> usize {
         self.sleep_until(timeout, |drive| {
             if drive {
-                self.drive_qps(true);
+                self.drive_qps(false);
             }
             self.len()
         })
@@ -268,7 +269,7 @@ impl CompletionQueue {
             fds.push(PollFd::new(self.wake.as_fd(), PollFlags::POLLIN));
             let mut sleeping = Vec::with_capacity(qps.len());
             for qp in &qps {
-                if let Some((fd, write)) = qp.wait_fd() {
+                if let Some((fd, write)) = qp.wait_fd(false) {
                     let mut ev = PollFlags::POLLIN;
                     if write {
                         ev |= PollFlags::POLLOUT;
@@ -304,6 +305,85 @@ impl CompletionQueue {
         }
     }
 
+    /// Sleep until `fd` is readable or `timeout` passes (forever with
+    /// `None`); whether it is. A signal ends the sleep with `EINTR`, as
+    /// it would end a `read` of `fd` (a C program may be waiting for it). `fd` is what the notifications of `cqs`
+    /// make readable (a completion channel). The calling thread sleeps on
+    /// the sockets of the QPs feeding the armed CQs among them as well,
+    /// and drives a QP when its socket wakes it (without taking it from
+    /// the engine): the arrival wakes this one thread, which delivers
+    /// the completion, fires the notification and returns, or does the
+    /// responder work the arrival asked for and sleeps again.
+    ///
+    /// `delivered` tells whether a notification reached the caller some
+    /// other way (a sink that hands this thread's own notifications to it
+    /// directly): looked at after each drive, it ends the sleep too.
+    pub fn wait_notified(
+        fd: BorrowedFd<'_>,
+        cqs: &[Arc<CompletionQueue>],
+        timeout: Option<Duration>,
+        delivered: &dyn Fn() -> bool,
+    ) -> nix::Result<bool> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            if delivered() {
+                return Ok(true);
+            }
+            let qps: Vec<Arc<dyn CqQp>> = cqs
+                .iter()
+                .filter(|cq| cq.is_armed())
+                .flat_map(|cq| {
+                    let qps = cq.qps.read().unwrap_or_else(|p| p.into_inner());
+                    qps.iter().filter_map(Weak::upgrade).collect::<Vec<_>>()
+                })
+                .collect();
+            let mut fds = Vec::with_capacity(qps.len() + 1);
+            fds.push(PollFd::new(fd, PollFlags::POLLIN));
+            let mut sleeping = Vec::with_capacity(qps.len());
+            for qp in &qps {
+                if let Some((sock, write)) = qp.wait_fd(true) {
+                    let mut ev = PollFlags::POLLIN;
+                    if write {
+                        ev |= PollFlags::POLLOUT;
+                    }
+                    fds.push(PollFd::new(sock, ev));
+                    sleeping.push(qp);
+                }
+            }
+            for qp in &sleeping {
+                qp.set_waiting(true);
+            }
+            // Input that arrived before we took the sockets keeps them
+            // readable, and a notification fired meanwhile is in `fd`:
+            // nothing is lost between the look and the sleep.
+            let left = match deadline {
+                None => PollTimeout::NONE,
+                Some(d) => {
+                    // Round up so that a short remainder still sleeps.
+                    let left =
+                        d.saturating_duration_since(Instant::now()) + Duration::from_micros(999);
+                    PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX)
+                }
+            };
+            let polled = nix::poll::poll(&mut fds, left);
+            for qp in &sleeping {
+                qp.set_waiting(false);
+            }
+            if fds[0].any().unwrap_or(false) {
+                return Ok(true);
+            }
+            polled?;
+            for (qp, f) in sleeping.iter().zip(&fds[1..]) {
+                if f.any().unwrap_or(false) {
+                    qp.try_progress(false);
+                }
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(false);
+            }
+        }
+    }
+
     /// Make a [`wait`](Self::wait) in progress, or else the next one,
     /// return at once (with what it has): for a layer above that queues
     /// completions of its own and needs the waiter to look at them.
@@ -313,7 +393,8 @@ impl CompletionQueue {
     }
 
     /// `ibv_req_notify_cq`: make the event fd readable at the next
-    /// completion (only solicited ones and errors if `solicited_only`).
+    /// completion (only solicited ones and errors if `solicited_only`);
+    /// completions already queued do not count.
     ///
     /// An application that arms notifications is about to sleep on them:
     /// the device's engine takes over driving this CQ's QPs at once.
@@ -329,19 +410,11 @@ impl CompletionQueue {
         } else {
             ARM_ANY
         };
+        // Completions already queued fire nothing, as on a kernel device
+        // (`ibv_req_notify_cq` has no "report missed events"): the caller
+        // polls once after arming. Firing here would leave the CQ unarmed
+        // while the program sleeps on a spurious event's successor.
         self.armed.store(arm, Ordering::SeqCst);
-        // A completion that arrived before arming must not be missed (a
-        // solicited-only arming waits for the next solicited one, as
-        // verbs says).
-        if !solicited_only
-            && !self.is_empty()
-            && self
-                .armed
-                .compare_exchange(arm, ARM_NONE, Ordering::SeqCst, Ordering::SeqCst)
-                .is_ok()
-        {
-            self.fire();
-        }
     }
 
     /// Consume the event fd's pending notifications (`ibv_get_cq_event` +

@@ -177,22 +177,42 @@ impl Ownership {
     }
 
     /// Engine only: whether an application thread drove the QP since the
-    /// engine last looked, or sleeps on its socket.
+    /// engine last looked (and did not hand it back). A thread asleep on
+    /// the socket does not count: it took the socket out of the engine's
+    /// set itself and gives it back when it wakes.
     fn app_active(&self) -> bool {
         let polls = self.app_polls.load(Ordering::Relaxed);
         let seen = self.engine_seen.swap(polls, Ordering::Relaxed);
-        self.app_waiters.load(Ordering::SeqCst) > 0
-            || (polls != seen && !self.released.load(Ordering::Relaxed))
+        polls != seen && !self.released.load(Ordering::Relaxed)
     }
 
-    /// An application thread starts (`true`) or stops sleeping on the
-    /// socket.
-    pub(crate) fn set_waiting(&self, on: bool) {
-        if on {
-            self.app_waiters.fetch_add(1, Ordering::SeqCst);
-        } else {
-            self.app_waiters.fetch_sub(1, Ordering::SeqCst);
-        }
+    /// The engine takes a parked QP back (under the QP's io lock): whether
+    /// to re-arm its socket now, which waits for the last thread asleep on
+    /// it to wake ([`end_wait`](Self::end_wait) re-arms it then).
+    pub(crate) fn unpark(&self) -> bool {
+        self.parked.store(false, Ordering::SeqCst);
+        !self.waited_on()
+    }
+
+    /// An application thread starts sleeping on the socket (called under
+    /// the QP's io lock): whether it is the first, which takes the socket
+    /// out of the engine's epoll set so that an arrival wakes the waiter
+    /// alone.
+    pub(crate) fn begin_wait(&self) -> bool {
+        self.app_waiters.fetch_add(1, Ordering::SeqCst) == 0
+    }
+
+    /// An application thread stops sleeping on the socket (under the
+    /// QP's io lock): whether it was the last and the engine should watch
+    /// the socket again at once (it is not parked for a polling thread).
+    pub(crate) fn end_wait(&self) -> bool {
+        self.app_waiters.fetch_sub(1, Ordering::SeqCst) == 1 && !self.parked.load(Ordering::SeqCst)
+    }
+
+    /// Whether an application thread sleeps on the socket (and drives
+    /// the QP when it wakes).
+    fn waited_on(&self) -> bool {
+        self.app_waiters.load(Ordering::SeqCst) > 0
     }
 
     /// Hand the QP to the engine now (the application is going to sleep
@@ -214,8 +234,9 @@ pub(crate) trait EngineQp: Send + Sync {
     fn ownership(&self) -> &Ownership;
     /// The QP's socket, while it has one.
     fn fd(&self) -> Option<BorrowedFd<'_>>;
-    /// Read, process and write what is due, from the engine thread; then
-    /// re-arm the socket with the engine if `rearm` (the QP was parked).
+    /// Read, process and write what is due, from the engine thread; then,
+    /// if `rearm` (the QP was parked), take it back
+    /// ([`Ownership::unpark`]) and re-arm the socket.
     fn engine_drive(&self, rearm: bool);
 }
 
@@ -328,6 +349,12 @@ impl Engine {
         if let Err(e) = self.epoll.modify(sock, &mut ev) {
             debug!(token, error = %e, "epoll modify failed");
         }
+    }
+
+    /// Take a QP's socket out of the epoll set (an application thread
+    /// sleeps on it). Called with the QP's io lock held.
+    pub(crate) fn disarm(&self, token: u64, sock: BorrowedFd<'_>) {
+        disarm(&self.epoll, token, sock);
     }
 
     /// Make the engine look at its parked QPs now.
@@ -592,6 +619,12 @@ impl Run {
                     .and_then(Weak::upgrade);
                 let Some(qp) = qp else { continue };
                 let own = qp.ownership();
+                if own.waited_on() {
+                    // A thread asleep on the socket took it out of the
+                    // set (this event raced with that): it is woken by
+                    // the same arrival and drives the QP.
+                    continue;
+                }
                 if own.parked.load(Ordering::Relaxed) || own.app_active() {
                     // Disarmed here (again, if a racing application
                     // thread re-armed it) until the recheck.
@@ -600,6 +633,7 @@ impl Run {
                         disarm(&self.epoll, token, fd);
                     }
                     if !own.parked.swap(true, Ordering::Relaxed) {
+                        debug!(token, "parked: an application thread drives it");
                         self.parked.push(Arc::downgrade(&qp));
                     }
                 } else {
@@ -623,7 +657,6 @@ impl Run {
                     if own.app_active() {
                         return true;
                     }
-                    own.parked.store(false, Ordering::Relaxed);
                     qp.engine_drive(true);
                     false
                 });

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::ffi::c_int;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr;
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 
 use provider::cq::{CompletionQueue, NotifySink};
 use provider::wr::{WcOpcode, WcStatus, WorkCompletion};
@@ -34,12 +34,23 @@ pub(crate) struct StagCq {
     pub(crate) mark: Arc<PollMark>,
 }
 
+thread_local! {
+    /// The channel this thread sleeps on in [`get_cq_event`] (0: none),
+    /// and the records of that channel's notifications this thread fired
+    /// itself meanwhile: they go to it directly, not through the pipe it
+    /// would then have to poll and read.
+    static WAITING: std::cell::RefCell<(usize, Vec<u64>)> =
+        const { std::cell::RefCell::new((0, Vec::new())) };
+}
+
 /// The write end of a CQ's completion channel, and whether the CQ still
 /// exists: the provider CQ may outlive its `ibv_cq` for a moment (a QP
 /// being torn down holds it), and a record naming a freed `ibv_cq` must
 /// never reach the application.
 struct ChannelWriter {
     fd: OwnedFd,
+    /// The channel's address.
+    channel: usize,
     /// The `ibv_cq` address, the record's content.
     token: u64,
     /// Written (false) by `destroy_cq`; read for the whole of a write, so
@@ -53,6 +64,16 @@ impl ChannelWriter {
     fn notify(&self) {
         let open = self.open.read().unwrap_or_else(|p| p.into_inner());
         if !*open {
+            return;
+        }
+        let direct = WAITING.with(|w| match w.try_borrow_mut() {
+            Ok(mut w) if w.0 == self.channel => {
+                w.1.push(self.token);
+                true
+            }
+            _ => false,
+        });
+        if direct {
             return;
         }
         let desc = self.token.to_ne_bytes();
@@ -81,6 +102,106 @@ pub(crate) unsafe fn cq<'a>(cq: *const ibv_cq) -> Option<&'a Arc<CompletionQueue
 pub(crate) unsafe fn mark(cq: *const ibv_cq) -> Option<Arc<PollMark>> {
     // SAFETY: forwarded; `cq` checked it is ours.
     unsafe { self::cq(cq) }.map(|_| unsafe { (*cq.cast::<StagCq>()).mark.clone() })
+}
+
+/// The CQs of each completion channel: channel address → (`ibv_cq`
+/// address, its RNIC CQ).
+type ChannelCqs = HashMap<usize, Vec<(usize, Weak<CompletionQueue>)>>;
+
+fn channel_cqs() -> &'static Mutex<ChannelCqs> {
+    static CQS: OnceLock<Mutex<ChannelCqs>> = OnceLock::new();
+    CQS.get_or_init(Default::default)
+}
+
+/// `ibv_get_cq_event` on one of our channels (`None`: not ours).
+///
+/// The thread sleeps on the channel's pipe and on the sockets of the QPs
+/// that feed its armed CQs ([`CompletionQueue::wait_notified`]): the
+/// peer's message wakes this thread, which places it, delivers the
+/// completion and finds its own record in the pipe, instead of waking
+/// the engine to do so and then this thread through the pipe.
+///
+/// # Safety
+/// `ch` must be NULL or a live channel; `out_cq` and `out_ctx` writable.
+pub(crate) unsafe fn get_cq_event(
+    ch: *mut ibv_comp_channel,
+    out_cq: *mut *mut ibv_cq,
+    out_ctx: *mut *mut std::ffi::c_void,
+) -> Option<c_int> {
+    if ch.is_null()
+        || !channels()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(&(ch as usize))
+    {
+        return None;
+    }
+    Some(guard("ibv_get_cq_event", -1, || {
+        let cqs: Vec<Arc<CompletionQueue>> = channel_cqs()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&(ch as usize))
+            .map(|v| v.iter().filter_map(|(_, w)| w.upgrade()).collect())
+            .unwrap_or_default();
+        // SAFETY: a live channel (the caller's contract); its fd stays
+        // open while the channel exists.
+        let fd = unsafe { (*ch).fd };
+        // SAFETY: as above.
+        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        WAITING.with(|w| w.borrow_mut().0 = ch as usize);
+        let waited = CompletionQueue::wait_notified(borrowed, &cqs, None, &|| {
+            WAITING.with(|w| !w.borrow().1.is_empty())
+        });
+        let mut mine = WAITING.with(|w| {
+            let mut w = w.borrow_mut();
+            w.0 = 0;
+            std::mem::take(&mut w.1)
+        });
+        let token = if mine.is_empty() {
+            if let Err(e) = waited {
+                errno::set(e as i32);
+                return -1;
+            }
+            let mut desc = [0u8; 8];
+            // SAFETY: reads 8 bytes into a local buffer. Blocks only if
+            // another thread took the record first, as libibverbs' own
+            // read would.
+            let n = unsafe { libc::read(fd, desc.as_mut_ptr().cast(), desc.len()) };
+            if n != desc.len() as isize {
+                if n >= 0 {
+                    errno::set(libc::EIO);
+                }
+                return -1;
+            }
+            u64::from_ne_bytes(desc)
+        } else {
+            // One is the answer; any others (several CQs on the channel)
+            // go where every other thread and poll(2) can see them.
+            let first = mine.remove(0);
+            for token in mine {
+                let desc = token.to_ne_bytes();
+                // SAFETY: writes 8 bytes from a local buffer to our pipe;
+                // the write end is the channel's, kept in `channels`.
+                if let Some(tx) = channels()
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get(&(ch as usize))
+                {
+                    let _ =
+                        unsafe { libc::write(tx.as_raw_fd(), desc.as_ptr().cast(), desc.len()) };
+                }
+            }
+            first
+        };
+        let cq = token as usize as *mut ibv_cq;
+        // SAFETY: the record names one of our live CQs (destroy_cq stops
+        // records before it frees one); the out pointers are the caller's.
+        unsafe {
+            *out_cq = cq;
+            *out_ctx = (*cq).cq_context;
+        }
+        0
+    }))
 }
 
 /// The completion channels this plugin made: channel address → the pipe's
@@ -152,6 +273,7 @@ pub(crate) unsafe extern "C" fn create_cq(
             }
             let writer = Arc::new(ChannelWriter {
                 fd,
+                channel: channel as usize,
                 token: raw as u64,
                 open: RwLock::new(true),
             });
@@ -159,6 +281,12 @@ pub(crate) unsafe extern "C" fn create_cq(
             inner.set_notify_sink(NotifySink::new(move || sink.notify()));
             // SAFETY: just allocated, not handed out yet.
             unsafe { (*raw).channel = Some(writer) };
+            channel_cqs()
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(channel as usize)
+                .or_default()
+                .push((raw as usize, Arc::downgrade(&inner)));
         }
         raw.cast()
     })
@@ -175,6 +303,14 @@ pub(crate) unsafe extern "C" fn destroy_cq(cq: *mut ibv_cq) -> c_int {
         let sc = unsafe { &*raw };
         if let Some(channel) = &sc.channel {
             *channel.open.write().unwrap_or_else(|p| p.into_inner()) = false;
+            let mut cqs = channel_cqs().lock().unwrap_or_else(|p| p.into_inner());
+            let chan = sc.cq.channel as usize;
+            if let Some(v) = cqs.get_mut(&chan) {
+                v.retain(|(c, _)| *c != raw as usize);
+                if v.is_empty() {
+                    cqs.remove(&chan);
+                }
+            }
         }
         // SAFETY: ours, freed once; no record names it any more.
         drop(unsafe { Box::from_raw(raw) });
