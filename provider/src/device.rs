@@ -98,6 +98,15 @@ impl Device {
         self.inner.engine.progress()
     }
 
+    /// How many times the engine found input for a QP that an application
+    /// thread was driving (it polled a CQ with no notification armed) and
+    /// left it to that thread. An application that sleeps on completion
+    /// notifications never causes one: its arrivals are the engine's, or
+    /// the sleeping thread's own.
+    pub fn engine_parks(&self) -> u64 {
+        self.inner.engine.parks()
+    }
+
     /// The device name.
     pub fn name(&self) -> &str {
         &self.inner.name

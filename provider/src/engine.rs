@@ -251,6 +251,8 @@ pub(crate) struct Engine {
     qps: Arc<QpMap>,
     /// QPs registered (armed or parked).
     registered: Arc<AtomicUsize>,
+    /// Arrivals the engine left to an application thread (parks).
+    parks: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
@@ -278,6 +280,7 @@ impl Engine {
         )?;
         let qps: Arc<QpMap> = Arc::default();
         let registered = Arc::new(AtomicUsize::new(0));
+        let parks = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let run = Run {
@@ -285,6 +288,7 @@ impl Engine {
                 wake: wake.clone(),
                 qps: qps.clone(),
                 registered: registered.clone(),
+                parks: parks.clone(),
                 stop: stop.clone(),
                 spinner: Spinner::new(progress),
                 parked: Vec::new(),
@@ -303,6 +307,7 @@ impl Engine {
             wake,
             qps,
             registered,
+            parks,
             stop,
             thread: Mutex::new(Some(thread)),
         })
@@ -311,6 +316,12 @@ impl Engine {
     /// The engine's progress mode.
     pub(crate) fn progress(&self) -> Progress {
         self.progress
+    }
+
+    /// How many times an arrival found an application thread driving its
+    /// QP, so that the engine left it alone (parked the QP).
+    pub(crate) fn parks(&self) -> u64 {
+        self.parks.load(Ordering::Relaxed)
     }
 
     /// Start watching a connected QP's socket under `token`, armed.
@@ -573,6 +584,7 @@ struct Run {
     wake: Arc<EventFd>,
     qps: Arc<QpMap>,
     registered: Arc<AtomicUsize>,
+    parks: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     spinner: Spinner,
     /// QPs whose socket is disarmed because an application thread drives
@@ -633,7 +645,7 @@ impl Run {
                         disarm(&self.epoll, token, fd);
                     }
                     if !own.parked.swap(true, Ordering::Relaxed) {
-                        debug!(token, "parked: an application thread drives it");
+                        self.parks.fetch_add(1, Ordering::Relaxed);
                         self.parked.push(Arc::downgrade(&qp));
                     }
                 } else {
