@@ -20,7 +20,8 @@
 # Not in the test gate (timings). A run that fails or hangs (LIMIT seconds)
 # counts as missing and its cell says so; nothing is retried.
 #
-#   scripts/bench-apps.sh [--json] [ROUNDS]     (default 3 rounds)
+#   scripts/bench-apps.sh [--json] [ROUNDS]     (default 3 rounds; STAG_BIN=path/to/stag
+#                                               measures that build instead)
 #
 # Writes target/bench-apps.{md,json}; prints the table (or the JSON).
 set -uo pipefail
@@ -35,8 +36,11 @@ LIMIT=${LIMIT:-90}
 # qperf runs each test for this many seconds.
 QT=${QT:-3}
 RPING_COUNT=${RPING_COUNT:-2000}
-cargo build --release --quiet -p stag -p stag-rdma
-STAG=$PWD/target/release/stag
+# STAG_BIN measures another build (its plugin is the one beside it).
+if [[ -z ${STAG_BIN:-} ]]; then
+    cargo build --release --quiet -p stag -p stag-rdma
+fi
+STAG=${STAG_BIN:-$PWD/target/release/stag}
 port=24000
 
 source scripts/lib.sh

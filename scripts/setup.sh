@@ -9,6 +9,7 @@ packages=(
     iproute2 procps
     curl xz-utils
     perftest rdmacm-utils libfabric-bin
+    qperf fio
     cmake ninja-build libnl-3-dev libnl-route-3-dev libudev-dev
 )
 
