@@ -11,6 +11,10 @@ packages=(
     perftest rdmacm-utils libfabric-bin
     qperf fio
     cmake ninja-build libnl-3-dev libnl-route-3-dev libudev-dev
+    # scripts/cluster.sh and scripts/cluster-apps.sh: namespace hosts,
+    # Open MPI (mpicc, NetPIPE), qperf, the tgt iSER target and libiscsi.
+    iputils-ping util-linux openmpi-bin libopenmpi-dev netpipe-openmpi qperf
+    tgt libiscsi-bin
 )
 
 missing=()

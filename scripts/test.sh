@@ -33,6 +33,11 @@ echo "examples: $ex_pass passed, 0 failed"
 # (~30 s).
 echo "== unmodified rdma-core programs on stag0 (prints rdma-core-apps: N passed, M failed)"
 bash scripts/rdma-core-apps.sh
+# stag0 across 2 and 8 network-namespace hosts: libfabric's addresses,
+# fi_pingpong (verbs;ofi_rxm, three rxm modes), NetPIPE and a
+# result-checking MPI test, each against a tcp;ofi_rxm control (~3.5 min).
+echo "== stag0 across hosts (prints cluster-apps: N passed, M failed)"
+bash scripts/cluster-apps.sh
 # The verbs suite and the examples again, on kernel soft-RoCE (rxe0) and
 # soft-iWARP (siw0) in a QEMU guest, on both pinned kernels (6.12: rxe with
 # FLUSH and ATOMIC_WRITE; 6.1: without) and both rdma-core releases

@@ -5,7 +5,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use provider::wire::marker::{Deframer, DeframerConfig};
+use provider::wire::stream::{Deframer, DeframerConfig};
 use provider::wire::Error;
 
 fn run(config: DeframerConfig, stream: &[u8], chunk: usize) -> (Vec<Vec<u8>>, Option<Error>) {

@@ -18,8 +18,9 @@ use provider::qp::QpCaps;
 use provider::region::Region;
 use provider::setup::MpaParams;
 use provider::wire::atomic::AtomicOpcode;
-use provider::wire::marker::{Deframer, DeframerConfig, Framer, FramerConfig};
+use provider::wire::fpdu::Crc32c;
 use provider::wire::rdmap::{RdmapRepr, SendKind};
+use provider::wire::stream::{Deframer, DeframerConfig, Framer, FramerConfig};
 use provider::wire::terminate::TerminateRepr;
 use provider::wire::Error;
 use provider::wr::{RecvWr, Remote, SendOp, SendWr, Sge, WorkCompletion};
@@ -123,11 +124,20 @@ fn rdmap(c: &mut Criterion) {
 
 fn crc(c: &mut Criterion) {
     let mut g = c.benchmark_group("crc32c");
-    for kib in [1usize, 64] {
-        let data = vec![0xa5u8; kib * 1024];
+    for len in [28usize, 256, 1024, 4096, 65536, 1 << 20] {
+        let data = vec![0xa5u8; len];
         g.throughput(Throughput::Bytes(data.len() as u64));
-        g.bench_function(BenchmarkId::from_parameter(format!("{kib}KiB")), |b| {
+        // The `crc32` instruction chain alone, and the length-dispatched
+        // update the data path uses.
+        g.bench_function(BenchmarkId::new("sse42", len), |b| {
             b.iter(|| black_box(crc32c::crc32c(black_box(&data))))
+        });
+        g.bench_function(BenchmarkId::new("update", len), |b| {
+            b.iter(|| {
+                let mut crc = Crc32c::new();
+                crc.update(black_box(&data));
+                black_box(crc.value())
+            })
         });
     }
     g.finish();

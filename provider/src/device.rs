@@ -10,7 +10,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use crate::cq::CompletionQueue;
@@ -18,6 +18,7 @@ use crate::driver::QpShared;
 use crate::engine::{Engine, Progress};
 pub use crate::listener::Listener;
 use crate::mem::{Access, MrTable, PdId, RegisterError};
+use crate::nosignal::NoSignal;
 use crate::qp::{Connection, Event, PostError, QpCaps, QpState};
 use crate::setup::{Answer, Initiator, MpaParams, Negotiated, Request};
 use crate::srq::Srq;
@@ -71,6 +72,9 @@ pub(crate) struct DeviceInner {
     next_pd: AtomicU32,
     next_qpn: AtomicU32,
     engine: Arc<Engine>,
+    /// Every QP made on the device, for deregistration to find the output
+    /// that still reads a region.
+    qps: Mutex<Vec<Weak<QpShared>>>,
 }
 
 impl Device {
@@ -89,6 +93,7 @@ impl Device {
                 next_pd: AtomicU32::new(1),
                 next_qpn: AtomicU32::new(1),
                 engine: Arc::new(Engine::start(name, progress)?),
+                qps: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -171,9 +176,31 @@ impl ProtectionDomain {
         Ok(stag)
     }
 
-    /// `ibv_dereg_mr`.
+    /// `ibv_dereg_mr`. Once it returns the region is never read or
+    /// written again. Output already framed from it (a Send's segments,
+    /// a Read Response, waiting for the socket) is copied first, so that
+    /// it leaves exactly as its CRC says; a posted WR whose octets are not
+    /// framed yet completes with `IBV_WC_LOC_PROT_ERR` and its QP goes to
+    /// Error, as on an RNIC.
     pub fn dereg_mr(&self, stag: u32) -> Result<(), DeviceError> {
-        Ok(self.device.inner.mem.deregister(stag)?)
+        let inner = &self.device.inner;
+        // New checks of the STag fail from here on, so no QP frames more
+        // output from it while the queued output is copied.
+        inner.mem.revoke(stag)?;
+        let qps: Vec<Arc<QpShared>> = {
+            let mut list = inner.qps.lock().unwrap_or_else(|p| p.into_inner());
+            list.retain(|w| w.strong_count() > 0);
+            list.iter().filter_map(Weak::upgrade).collect()
+        };
+        for qp in qps.iter().filter(|qp| qp.pd == self.id) {
+            let env = qp.env();
+            let mut io = qp.lock();
+            if let Some(conn) = io.conn.as_mut() {
+                conn.detach_region(&env, stag);
+            }
+        }
+        inner.mem.remove_revoked(stag);
+        Ok(())
     }
 
     /// `ibv_create_qp` for an RC QP.
@@ -195,6 +222,16 @@ impl ProtectionDomain {
             recv_cq,
             srq,
         );
+        {
+            let mut list = self
+                .device
+                .inner
+                .qps
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            list.retain(|w| w.strong_count() > 0);
+            list.push(Arc::downgrade(&shared));
+        }
         QueuePair {
             shared,
             _device: self.device.clone(),
@@ -244,6 +281,17 @@ impl QueuePair {
     /// already set.
     pub fn set_event_hook(&self, hook: fn()) -> bool {
         self.shared.set_event_hook(hook)
+    }
+
+    /// Have `hook` called with each connection event as it happens (from
+    /// whichever thread drives the QP, with the QP locked: it must not
+    /// block or call back into the QP), besides queuing it for
+    /// [`take_events`](Self::take_events): how the rdma-core plugin raises
+    /// `ibv_get_async_event`'s events. One per QP; returns false if one was
+    /// already set.
+    pub fn set_async_hook(&self, hook: impl Fn(&Event) + Send + Sync + 'static) -> bool {
+        self.shared
+            .set_async_hook(crate::driver::AsyncHook(Box::new(hook)))
     }
 
     /// `ibv_post_send`. The request is framed and written from the calling
@@ -421,7 +469,7 @@ impl QueuePair {
         let mut sock = TcpStream::connect_timeout(&addr, SETUP_TIMEOUT)?;
         sock.set_nodelay(true)?;
         let (mut initiator, request) = Initiator::new(params.clone())?;
-        sock.write_all(&request)?;
+        NoSignal(&sock).write_all(&request)?;
         let (answer, leftover) = read_until(&mut sock, |input| initiator.handle_bytes(input))?;
         match answer {
             Answer::Rejected(pd) => Err(DeviceError::Rejected(pd)),
@@ -537,24 +585,24 @@ impl ConnRequest {
     /// Accept onto `qp` with `params` (our IRD/ORD, CRC wish, private data).
     /// If RFC 6581's rules leave no agreement, the request is rejected and
     /// the error returned.
-    pub fn accept(mut self, qp: &QueuePair, params: &MpaParams) -> Result<(), DeviceError> {
+    pub fn accept(self, qp: &QueuePair, params: &MpaParams) -> Result<(), DeviceError> {
         let (neg, reply) = match self.request.accept(params) {
             Ok(x) => x,
             Err(e) => {
                 if let Ok(reply) = self.request.reject(&[]) {
-                    let _ = self.sock.write_all(&reply);
+                    let _ = NoSignal(&self.sock).write_all(&reply);
                 }
                 return Err(e.into());
             }
         };
-        self.sock.write_all(&reply)?;
+        NoSignal(&self.sock).write_all(&reply)?;
         qp.start(self.sock, neg, &self.leftover)
     }
 
     /// Reject with private data, then close.
-    pub fn reject(mut self, private_data: &[u8]) -> Result<(), DeviceError> {
+    pub fn reject(self, private_data: &[u8]) -> Result<(), DeviceError> {
         let reply = self.request.reject(private_data)?;
-        self.sock.write_all(&reply)?;
+        NoSignal(&self.sock).write_all(&reply)?;
         let _ = self.sock.shutdown(Shutdown::Write);
         Ok(())
     }

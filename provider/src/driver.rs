@@ -8,7 +8,7 @@
 //! (write only), or a thread polling or waiting on one of its CQs.
 
 use std::collections::VecDeque;
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, Read};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,6 +19,7 @@ use tracing::debug;
 use crate::cq::{CompletionQueue, CqQp};
 use crate::engine::{Engine, EngineQp, Ownership, Progress};
 use crate::mem::{MrTable, PdId};
+use crate::nosignal::send_vectored;
 use crate::qp::{Connection, CqSide, Env, Event, QpCaps, QpState};
 use crate::srq::Srq;
 use crate::wr::RecvWr;
@@ -75,6 +76,18 @@ pub(crate) struct QpShared {
     closed: AtomicBool,
     /// Called (under the QP's lock) when connection events were queued.
     event_hook: OnceLock<fn()>,
+    /// Called (under the QP's lock) with each connection event as it
+    /// happens: the plugin's asynchronous events.
+    async_hook: OnceLock<AsyncHook>,
+}
+
+/// See [`QueuePair::set_async_hook`](crate::device::QueuePair::set_async_hook).
+pub(crate) struct AsyncHook(pub(crate) Box<dyn Fn(&Event) + Send + Sync>);
+
+impl std::fmt::Debug for AsyncHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AsyncHook")
+    }
 }
 
 impl QpShared {
@@ -106,6 +119,7 @@ impl QpShared {
             tx_blocked: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             event_hook: OnceLock::new(),
+            async_hook: OnceLock::new(),
         });
         let weak: Weak<dyn CqQp> = Arc::downgrade(&shared) as Weak<dyn CqQp>;
         send_cq.attach(weak.clone());
@@ -155,6 +169,11 @@ impl QpShared {
     /// Install the hook [`QueuePair::set_event_hook`] describes.
     pub(crate) fn set_event_hook(&self, hook: fn()) -> bool {
         self.event_hook.set(hook).is_ok()
+    }
+
+    /// Install the hook [`QueuePair::set_async_hook`] describes.
+    pub(crate) fn set_async_hook(&self, hook: AsyncHook) -> bool {
+        self.async_hook.set(hook).is_ok()
     }
 
     /// Close the stream and stop watching it (the QP handle is dropped).
@@ -289,6 +308,9 @@ impl QpShared {
         let mut evented = false;
         while let Some(ev) = conn.poll_event() {
             debug!(qpn = self.qpn, ?ev, "event");
+            if let Some(hook) = self.async_hook.get() {
+                (hook.0)(&ev);
+            }
             events.push_back(ev);
             evented = true;
         }
@@ -321,7 +343,7 @@ impl QpShared {
                 conn.handle_commit_done(job.req_id, job.run(env.mem));
                 continue;
             }
-            match conn.write_transmit(env, |iov| sock.write_vectored(iov)) {
+            match conn.write_transmit(env, |iov| send_vectored(sock, iov)) {
                 Ok(0) => return true,
                 Ok(_) => {}
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return true,

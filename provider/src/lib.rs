@@ -16,6 +16,7 @@ mod driver;
 pub mod engine;
 pub mod listener;
 pub mod mem;
+mod nosignal;
 pub mod qp;
 pub mod region;
 pub mod setup;
@@ -47,9 +48,14 @@ pub mod identity {
     pub const VENDOR_ID: u32 = 0x0053_5447;
     /// `ibv_device_attr::vendor_part_id`.
     pub const VENDOR_PART_ID: u32 = 0x7306;
-    /// The GID of port 1 (an iWARP GID carries the MAC; bytes 8..16 must
-    /// not be zero or `ibv_devinfo` hides it).
+    /// The GID of port 1: the interface id in bytes 8..16 (`ibv_devinfo`
+    /// hides a GID whose bytes 8..16 are zero) and a zero subnet prefix in
+    /// bytes 0..8. An iWARP device is in no InfiniBand subnet, and
+    /// libfabric's verbs provider turns every GID whose prefix and
+    /// interface id are both non-zero into `FI_SOCKADDR_IB` addresses that
+    /// rdma_cm then refuses (kernel siw's GID, its MAC and zeros, gives it
+    /// none either). iWARP carries no GID on the wire.
     pub const GID: [u8; 16] = [
-        0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0x02, 0x73, 0x74, 0xff, 0xfe, 0x61, 0x67, 0x00,
+        0, 0, 0, 0, 0, 0, 0, 0, 0x02, 0x73, 0x74, 0xff, 0xfe, 0x61, 0x67, 0x00,
     ];
 }

@@ -51,7 +51,12 @@ impl Listener {
     /// Listen on `addr`, giving each handshake `timeout` to deliver its
     /// MPA Request.
     pub fn bind_with(addr: impl ToSocketAddrs, timeout: Duration) -> Result<Listener, DeviceError> {
-        let tcp = TcpListener::bind(addr)?;
+        Self::from_tcp(TcpListener::bind(addr)?, timeout)
+    }
+
+    /// Take over a socket the caller bound and made listen itself (with
+    /// socket options `bind` does not set, such as `IPV6_V6ONLY`).
+    pub fn from_tcp(tcp: TcpListener, timeout: Duration) -> Result<Listener, DeviceError> {
         tcp.set_nonblocking(true)?;
         let local = tcp.local_addr()?;
         let stop = Arc::new(EventFd::from_value_and_flags(

@@ -86,6 +86,9 @@ struct Entry {
     access: Access,
     /// File-backed: a Commit msyncs the range.
     durable: bool,
+    /// Being deregistered ([`MrTable::revoke`]): every check fails, only
+    /// [`MrTable::snapshot`] still reads it.
+    revoked: bool,
 }
 
 // SAFETY: an Entry is only a description of memory the registrant promised
@@ -214,23 +217,73 @@ impl MrTable {
             len,
             access,
             durable,
+            revoked: false,
         });
         Ok(((index as u32) << 8) | key as u32)
     }
 
     /// Remove a registration. Waits for any access in progress; afterwards
-    /// the memory is never touched again through this STag.
+    /// the memory is never touched again through this STag. (Output
+    /// already framed from it is not rescued: the device's deregistration,
+    /// [`ProtectionDomain::dereg_mr`](crate::device::ProtectionDomain::dereg_mr),
+    /// does that between [`revoke`](Self::revoke) and
+    /// [`remove_revoked`](Self::remove_revoked).)
     pub fn deregister(&self, stag: u32) -> Result<(), Error> {
+        self.revoke(stag)?;
+        self.remove_revoked(stag);
+        Ok(())
+    }
+
+    /// First step of a deregistration: from now on every check of `stag`
+    /// fails as if it were gone (new WRs, framing, placement, peers), but
+    /// the entry stays so that output already framed from it can be
+    /// copied out with [`snapshot`](Self::snapshot). Waits for any access
+    /// in progress.
+    pub fn revoke(&self, stag: u32) -> Result<(), Error> {
         let mut slots = self.inner.write().unwrap_or_else(|p| p.into_inner());
-        let index = (stag >> 8) as usize;
-        match slots.entries.get(index) {
-            Some(Some(e)) if e.key == stag as u8 => {
-                slots.entries[index] = None;
-                slots.free.push(index as u32);
+        match slots.entries.get_mut((stag >> 8) as usize) {
+            Some(Some(e)) if e.key == stag as u8 && !e.revoked => {
+                e.revoked = true;
                 Ok(())
             }
             _ => Err(Error::InvalidStag(stag)),
         }
+    }
+
+    /// Last step of a deregistration: drop the revoked entry. Waits for
+    /// any access in progress; afterwards the memory is never touched.
+    pub fn remove_revoked(&self, stag: u32) {
+        let mut slots = self.inner.write().unwrap_or_else(|p| p.into_inner());
+        let index = (stag >> 8) as usize;
+        if let Some(Some(e)) = slots.entries.get(index) {
+            if e.key == stag as u8 && e.revoked {
+                slots.entries[index] = None;
+                slots.free.push(index as u32);
+            }
+        }
+    }
+
+    /// Append `[addr, addr+len)` of `stag` to `out`, whether or not the
+    /// STag is revoked (the copy a deregistration makes of payloads that
+    /// are framed but not yet written). Only bounds are checked: the
+    /// octets were checked when they were framed. Returns false (and
+    /// appends nothing) if the entry or the range is not there.
+    pub fn snapshot(&self, stag: u32, addr: u64, len: u64, out: &mut Vec<u8>) -> bool {
+        let slots = self.inner.read().unwrap_or_else(|p| p.into_inner());
+        let Some(Some(e)) = slots.entries.get((stag >> 8) as usize) else {
+            return false;
+        };
+        let inside = matches!(addr.checked_add(len), Some(end) if end <= e.iova + e.len);
+        if e.key != stag as u8 || addr < e.iova || !inside {
+            return false;
+        }
+        let offset = (addr - e.iova) as usize;
+        // SAFETY: `offset + len <= e.len` (checked above), inside memory the
+        // registrant keeps valid until the entry is removed, which waits for
+        // the read lock held here; the slice lives only for the copy.
+        let src = unsafe { std::slice::from_raw_parts(e.base.as_ptr().add(offset), len as usize) };
+        out.extend_from_slice(src);
+        true
     }
 
     /// Invalidate an STag on behalf of a peer's Send with Invalidate.
@@ -238,7 +291,7 @@ impl MrTable {
         let mut slots = self.inner.write().unwrap_or_else(|p| p.into_inner());
         let index = (stag >> 8) as usize;
         match slots.entries.get(index) {
-            Some(Some(e)) if e.key == stag as u8 => {
+            Some(Some(e)) if e.key == stag as u8 && !e.revoked => {
                 if e.pd != pd {
                     return Err(Error::StagNotAssociated(stag));
                 }
@@ -256,7 +309,7 @@ impl MrTable {
     /// Whether `stag` is currently registered.
     pub fn is_valid(&self, stag: u32) -> bool {
         let slots = self.inner.read().unwrap_or_else(|p| p.into_inner());
-        matches!(slots.entries.get((stag >> 8) as usize), Some(Some(e)) if e.key == stag as u8)
+        matches!(slots.entries.get((stag >> 8) as usize), Some(Some(e)) if e.key == stag as u8 && !e.revoked)
     }
 
     /// Run `f` on the checked bytes `[addr, addr+len)` of `stag`.
@@ -733,7 +786,7 @@ fn checked_range(
     need: Access,
 ) -> Result<(&Entry, NonNull<u8>), Error> {
     let entry = match slots.entries.get((stag >> 8) as usize) {
-        Some(Some(e)) if e.key == stag as u8 => e,
+        Some(Some(e)) if e.key == stag as u8 && !e.revoked => e,
         _ => {
             return Err(match origin {
                 Origin::RemoteDdp => Error::DdpInvalidStag(stag),

@@ -18,13 +18,19 @@ pub(crate) unsafe fn sge_list(list: *const ibv_sge, n: c_int) -> Result<Vec<Sge>
     if n == 0 {
         return Ok(Vec::new());
     }
-    // SAFETY: forwarded contract.
-    let s = unsafe { std::slice::from_raw_parts(list, n as usize) };
-    Ok(s.iter()
-        .map(|g| Sge {
-            addr: g.addr,
-            length: g.length,
-            lkey: g.lkey,
+    // Read each entry unaligned: C callers may keep the array inside a
+    // packed struct (libiscsi's iSER initiator does), which x86 C reads
+    // fine and a Rust slice may not be made over.
+    Ok((0..n as usize)
+        .map(|i| {
+            // SAFETY: entry `i` of `n` readable ones (forwarded contract);
+            // read_unaligned has no alignment requirement.
+            let g = unsafe { list.add(i).read_unaligned() };
+            Sge {
+                addr: g.addr,
+                length: g.length,
+                lkey: g.lkey,
+            }
         })
         .collect())
 }

@@ -6,9 +6,9 @@
 //! QPs and the progress engine are per process, as with a kernel device.
 
 use std::ffi::c_int;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use provider::device::Device;
 use provider::identity;
@@ -27,10 +27,41 @@ pub(crate) struct StagContext {
 pub(crate) struct ContextState {
     /// The process's userspace RNIC.
     pub(crate) device: Device,
-    /// Write end of the async event pipe (`context->async_fd` reads it).
-    /// Held open even though nothing is posted yet: with it closed,
+    /// Our end of the async event socket pair (`context->async_fd` is
+    /// the other): [`post_async_event`] writes events into it. Held open
+    /// while anything may post (the QPs hold it too): with it closed,
     /// `async_fd` would read as EOF, readable forever to a poller.
-    _async_tx: OwnedFd,
+    pub(crate) async_tx: Arc<OwnedFd>,
+}
+
+/// Queue one asynchronous event for `ibv_get_async_event`, which reads
+/// `struct ib_uverbs_async_event_desc` from `async_fd` as the kernel
+/// writes it: `element` is the QP, CQ or SRQ pointer (the kernel's user
+/// handle), or the port number. Never blocks and never raises SIGPIPE
+/// (the context may be closed already): an event that does not fit is
+/// dropped and logged.
+pub(crate) fn post_async_event(tx: &OwnedFd, element: u64, event_type: u32) {
+    let desc = ib_uverbs_async_event_desc {
+        element,
+        event_type,
+        reserved: 0,
+    };
+    let flags = libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT;
+    // SAFETY: sends the bytes of a local plain-data struct on our socket.
+    let n = unsafe {
+        libc::send(
+            tx.as_raw_fd(),
+            ptr::addr_of!(desc).cast(),
+            std::mem::size_of_val(&desc),
+            flags,
+        )
+    };
+    if n != std::mem::size_of_val(&desc) as isize {
+        tracing::debug!(
+            event_type,
+            "stag0: async event dropped (queue full or context closed)"
+        );
+    }
 }
 
 /// The process's RNIC, started by the first `ibv_open_device`.
@@ -82,13 +113,24 @@ pub(crate) unsafe extern "C" fn alloc_context(
             }
         };
         let mut fds = [0; 2];
-        // SAFETY: pipe2 fills two fds.
-        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        // A socket pair rather than a pipe: sends take MSG_NOSIGNAL, so an
+        // event posted after the application closed the context raises no
+        // SIGPIPE. libibverbs read()s and polls it like the kernel's fd.
+        // SAFETY: socketpair fills two fds.
+        if unsafe {
+            libc::socketpair(
+                libc::AF_UNIX,
+                libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+                0,
+                fds.as_mut_ptr(),
+            )
+        } != 0
+        {
             return ptr::null_mut();
         }
-        // SAFETY: fresh fds we own; the read end becomes async_fd, which
+        // SAFETY: fresh fds we own; fds[0] becomes async_fd, which
         // verbs_uninit_context closes.
-        let async_tx = unsafe { OwnedFd::from_raw_fd(fds[1]) };
+        let async_tx = Arc::new(unsafe { OwnedFd::from_raw_fd(fds[1]) });
         // SAFETY: libibverbs allocates size_of::<StagContext>() zeroed
         // bytes and initialises the verbs_context at the offset we give.
         let sc = unsafe {
@@ -111,10 +153,7 @@ pub(crate) unsafe extern "C" fn alloc_context(
             (*sc).vctx.context.async_fd = fds[0];
             (*sc).vctx.context.num_comp_vectors = 1;
             verbs_set_ops(&mut (*sc).vctx, &OPS.0);
-            (*sc).state = Box::into_raw(Box::new(ContextState {
-                device,
-                _async_tx: async_tx,
-            }));
+            (*sc).state = Box::into_raw(Box::new(ContextState { device, async_tx }));
             &mut (*sc).vctx
         }
     })

@@ -366,6 +366,23 @@ unsafe fn try_create(
         libc::pthread_cond_init(ptr::addr_of_mut!((*base).cond).cast(), ptr::null());
         *shared.ibv.lock().unwrap_or_else(|p| p.into_inner()) = base;
     }
+    // SAFETY: ctx is the pd's live context (libibverbs passes both).
+    if let Some(st) = unsafe { crate::context::state(ctx) } {
+        let tx = st.async_tx.clone();
+        // The kernel's user handle for a QP is the ibv_qp pointer.
+        let element = raw as usize as u64;
+        shared.prov.set_async_hook(move |ev| {
+            use provider::qp::Event;
+            let event_type = match ev {
+                Event::Established => IBV_EVENT_COMM_EST,
+                // A Terminate either way, or the stream failed: the QP is
+                // in Error.
+                Event::TerminateSent(_) | Event::TerminateReceived(_) => IBV_EVENT_QP_FATAL,
+                Event::Closed => return,
+            };
+            crate::context::post_async_event(&tx, element, event_type);
+        });
+    }
     cap.max_send_wr = caps.max_send_wr;
     cap.max_recv_wr = caps.max_recv_wr;
     cap.max_send_sge = caps.max_send_sge;

@@ -38,7 +38,7 @@ use crate::mem::{MrTable, PdId};
 use crate::setup::{Negotiated, Rtr};
 use crate::srq::{PostRecvError, Srq};
 use crate::wire::ddp::{Segments, UntaggedReassembly};
-use crate::wire::marker::{Deframer, DeframerConfig, Framer, FramerConfig};
+use crate::wire::stream::{Deframer, DeframerConfig, Framer, FramerConfig};
 use crate::wire::TerminateCause;
 use crate::wr::{RecvWr, SendOp, SendWr, SendWrRef, Sge, WcOpcode, WcStatus, WorkCompletion};
 

@@ -6,7 +6,10 @@
 use std::collections::VecDeque;
 use std::io::IoSlice;
 
+use tracing::debug;
+
 use crate::mem::{MrTable, PdId, ReadScope};
+use crate::wire::Error;
 
 /// At most this many iovecs go to one `writev` (well below `IOV_MAX`).
 pub(super) const MAX_IOV: usize = 64;
@@ -24,10 +27,12 @@ pub(super) enum Piece {
     Local { lkey: u32, addr: u64, len: u32 },
     /// A payload in a peer-readable region (Read Response).
     Remote { stag: u32, to: u64, len: u32 },
-    /// Payload bytes that could not be read (the region was deregistered
-    /// under a posted WR, which the safe APIs prevent): zeros keep the
+    /// Payload bytes that could not be read at write time: zeros keep the
     /// framing intact, and the CRC, computed over what was there at
-    /// framing time, makes the peer terminate.
+    /// framing time, makes the peer terminate. A deregistration never
+    /// leads here ([`TxQueue::detach`] copies the octets first); only a
+    /// peer's Send with Invalidate of a region our own output still reads
+    /// does.
     Zeros { len: u32 },
 }
 
@@ -41,23 +46,36 @@ impl Piece {
         }
     }
 
-    /// The octets of a payload piece inside `scope`; `None` if its region
-    /// is gone.
-    pub(super) fn try_payload<'s>(&self, scope: &'s ReadScope<'_>, pd: PdId) -> Option<&'s [u8]> {
-        let got = match *self {
+    /// The octets of a payload piece inside `scope`; an error if its
+    /// region is gone.
+    pub(super) fn try_payload<'s>(
+        &self,
+        scope: &'s ReadScope<'_>,
+        pd: PdId,
+    ) -> Result<&'s [u8], Error> {
+        match *self {
             Piece::Local { lkey, addr, len } => scope.local(lkey, pd, addr, len),
             Piece::Remote { stag, to, len } => scope.remote(stag, pd, to, len),
-            Piece::Zeros { len } => return ZEROS.get(..len as usize),
-            Piece::Bytes { .. } => return Some(&[]),
-        };
-        got.map_err(|e| tracing::warn!(error = %e, "payload region gone before transmit"))
-            .ok()
+            Piece::Zeros { len } => Ok(&ZEROS[..(len as usize).min(ZEROS.len())]),
+            Piece::Bytes { .. } => Ok(&[]),
+        }
     }
 
     /// [`try_payload`](Self::try_payload), zeros if the region is gone.
     pub(super) fn payload<'s>(&self, scope: &'s ReadScope<'_>, pd: PdId) -> &'s [u8] {
-        self.try_payload(scope, pd)
-            .unwrap_or(&ZEROS[..self.len().min(ZEROS.len())])
+        self.try_payload(scope, pd).unwrap_or_else(|e| {
+            debug!(error = %e, "payload region gone before transmit");
+            &ZEROS[..self.len().min(ZEROS.len())]
+        })
+    }
+
+    /// The region a payload piece reads: `(stag, address)`.
+    fn region(&self) -> Option<(u32, u64)> {
+        match *self {
+            Piece::Local { lkey, addr, .. } => Some((lkey, addr)),
+            Piece::Remote { stag, to, .. } => Some((stag, to)),
+            Piece::Bytes { .. } | Piece::Zeros { .. } => None,
+        }
     }
 }
 
@@ -180,6 +198,37 @@ impl TxQueue {
         })?;
         self.consume(n);
         Ok(n)
+    }
+
+    /// The region `stag` is being deregistered: copy the octets queued
+    /// pieces still read from it into `bytes`, so that what is framed goes
+    /// out exactly as its CRC says and the region is never read again.
+    /// Returns how many pieces were copied.
+    pub(super) fn detach(&mut self, mem: &MrTable, stag: u32) -> usize {
+        let mut copied = 0;
+        for piece in self.pieces.iter_mut() {
+            let Some((key, addr)) = piece.region() else {
+                continue;
+            };
+            if key != stag {
+                continue;
+            }
+            let start = self.bytes.len();
+            let len = piece.len();
+            *piece = if mem.snapshot(stag, addr, len as u64, &mut self.bytes) {
+                Piece::Bytes {
+                    start,
+                    end: start + len,
+                }
+            } else {
+                // Framed from a region that is no longer there: cannot
+                // happen, since removal waits for this copy.
+                Piece::Zeros { len: len as u32 }
+            };
+            self.gathered -= 1;
+            copied += 1;
+        }
+        copied
     }
 
     /// Copy everything queued to `out` and consume it (for callers that

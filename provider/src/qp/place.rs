@@ -29,8 +29,8 @@ use super::{Connection, Phase};
 use crate::mem::{PlaceKind, PlaceSeg, PlaceTarget};
 use crate::wire::ddp::TAGGED_HEADER_LEN;
 use crate::wire::fpdu::{pad_len, Crc32c, CRC_LEN, LENGTH_LEN};
-use crate::wire::marker::Deframer;
 use crate::wire::rdmap::RdmapRepr;
+use crate::wire::stream::Deframer;
 use crate::wire::Error;
 use crate::wr::{SendOp, WcStatus};
 

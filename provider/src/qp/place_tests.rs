@@ -12,8 +12,8 @@ use std::ptr::NonNull;
 use super::*;
 use crate::mem::Access;
 use crate::wire::fpdu::LENGTH_LEN;
-use crate::wire::marker::{Deframer, DeframerConfig};
 use crate::wire::rdmap::RdmapRepr;
+use crate::wire::stream::{Deframer, DeframerConfig};
 use crate::wire::{Error, ErrorType, Layer};
 use crate::wr::Remote;
 
@@ -579,4 +579,71 @@ fn back_to_back_large_writes_stay_on_the_direct_path() {
     );
     let got = dst.contents(&mem);
     assert!(got.iter().enumerate().all(|(i, &x)| x == pattern(i)));
+}
+
+/// `ibv_dereg_mr` of a Write's source while part of it is framed and not
+/// yet written: the framed segments leave as framed (copied out at
+/// deregistration, so later changes to the memory do not reach the wire
+/// and the peer sees no CRC error), the rest of the WR fails with
+/// `IBV_WC_LOC_PROT_ERR`, and a Terminate follows.
+#[test]
+fn a_source_deregistered_with_output_queued_sends_it_intact_then_fails_local() {
+    let mem = MrTable::new();
+    let (mut a, mut b) = pair(true);
+    let env = Env {
+        mem: &mem,
+        srq: None,
+    };
+    let src = Guarded::new(&mem, BIG, Access::empty(), pattern);
+    let dst = Guarded::new(&mem, BIG, Access::REMOTE_WRITE, |_| 0);
+    let wr = SendWr {
+        wr_id: 11,
+        op: SendOp::Write {
+            remote: Remote {
+                addr: dst.va,
+                rkey: dst.stag,
+            },
+        },
+        sg_list: vec![Sge {
+            addr: src.va,
+            length: BIG as u32,
+            lkey: src.stag,
+        }],
+        signaled: true,
+        fence: false,
+    };
+    a.post_send(wr, &env).expect("post");
+    // One segment framed (its payload still in the source region).
+    assert!(a.prepare_transmit(&env, 1));
+    let framed = a.tx.len();
+    assert!(framed > 60_000 && framed < BIG, "{framed}");
+    mem.revoke(src.stag).expect("revoke");
+    assert_eq!(a.detach_region(&env, src.stag), 1);
+    mem.remove_revoked(src.stag);
+    // The application reuses the memory: none of this may go out.
+    // SAFETY: the source buffer is leaked (Guarded), so valid forever;
+    // nothing else refers to it now.
+    unsafe { std::ptr::write_bytes(src.va as *mut u8, 0x5a, BIG) };
+    let wire = transmit(&mut a, &mem);
+    assert_eq!(completions(&mut a), [(11, WcStatus::LocProtErr)]);
+    b.handle_bytes(&wire, &env);
+    // The peer placed the first segment as it was, then took our
+    // Terminate: no error of its own.
+    let evs = events(&mut b);
+    assert!(
+        evs.iter().any(|e| matches!(e, Event::TerminateReceived(_))),
+        "{evs:?}"
+    );
+    assert!(
+        !evs.iter().any(|e| matches!(e, Event::TerminateSent(_))),
+        "{evs:?}"
+    );
+    let got = dst.contents(&mem);
+    let placed = got.iter().rposition(|&x| x != 0).map_or(0, |p| p + 1);
+    assert!(placed > 60_000 && placed < BIG, "{placed}");
+    assert!(got[..placed]
+        .iter()
+        .enumerate()
+        .all(|(i, &x)| x == pattern(i)));
+    assert!(dst.guards_intact(&mem));
 }

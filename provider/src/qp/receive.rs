@@ -14,8 +14,8 @@ use crate::mem::{Access, AtomicOp, MrTable, PdId};
 use crate::setup::Rtr;
 use crate::wire::atomic::AtomicOpcode;
 use crate::wire::ddp::Segments;
-use crate::wire::marker::Deframer;
 use crate::wire::rdmap::{RdmapRepr, SendKind};
+use crate::wire::stream::Deframer;
 use crate::wire::{Error, TerminateCause};
 use crate::wr::{RecvWr, SendOp, Sge, WcOpcode, WcStatus};
 

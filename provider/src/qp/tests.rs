@@ -5,8 +5,8 @@ use std::ptr::NonNull;
 
 use super::*;
 use crate::mem::Access;
-use crate::wire::marker::{Deframer, DeframerConfig};
 use crate::wire::rdmap::RdmapRepr;
+use crate::wire::stream::{Deframer, DeframerConfig};
 use crate::wr::Remote;
 
 const PD: PdId = 1;

@@ -181,8 +181,10 @@ impl Connection {
     }
 
     /// Frame one ULPDU whose payload is `self.pieces` (read in place from
-    /// registered memory, never copied, unless markers are in use).
-    fn frame_pieces(&mut self, env: &Env, repr: &RdmapRepr) {
+    /// registered memory, never copied, unless markers are in use). If a
+    /// piece's region is gone (deregistered, or invalidated by the peer,
+    /// since the WR was checked), nothing is framed and the error says why.
+    fn frame_pieces(&mut self, env: &Env, repr: &RdmapRepr) -> Result<(), crate::wire::Error> {
         /// Payloads up to this size are copied into the output rather than
         /// gathered from registered memory at write time.
         const SNAPSHOT_MAX: usize = 4096;
@@ -190,6 +192,7 @@ impl Connection {
         let mut header = [0u8; MAX_HEADER_LEN];
         repr.emit(&mut header[..hlen]);
         let payload_len: usize = self.pieces.iter().map(|p| p.len()).sum();
+        let pd = self.pd;
         if self.framer.config().markers || payload_len <= SNAPSHOT_MAX {
             // Markers fall inside payloads every 512 octets: copy (rare;
             // siw does not ask for them by default). A small payload is
@@ -198,31 +201,43 @@ impl Connection {
             // socket takes them.
             let mut payload = std::mem::take(&mut self.scratch);
             payload.clear();
-            self.tx_drain_pieces_into(env, &mut payload);
-            self.frame(repr, &payload);
+            let pieces = &self.pieces;
+            let copied = env.mem.read_scope(|scope| {
+                pieces.iter().try_for_each(|piece| {
+                    payload.extend_from_slice(piece.try_payload(scope, pd)?);
+                    Ok(())
+                })
+            });
+            self.pieces.clear();
+            if copied.is_ok() {
+                self.frame(repr, &payload);
+            }
             self.scratch = payload;
-            return;
+            return copied;
         }
         let start = self.tx.bytes.len();
-        let (pd, pieces, tx, framer) = (self.pd, &mut self.pieces, &mut self.tx, &mut self.framer);
+        let (pieces, tx, framer) = (&mut self.pieces, &mut self.tx, &mut self.framer);
+        // One read scope for the check and the CRC: no region can go in
+        // between, and queued pieces are copied out by a deregistration
+        // (TxQueue::detach) before their region goes.
         let framed = env.mem.read_scope(|scope| {
-            framer.frame_gather(&header[..hlen], payload_len, &mut tx.bytes, |crc| {
-                for piece in pieces.iter_mut() {
-                    match piece.try_payload(scope, pd) {
-                        Some(bytes) => crc.update(bytes),
-                        None => {
-                            // Gone already: zeros go (see Piece::Zeros).
-                            *piece = Piece::Zeros {
-                                len: piece.len() as u32,
-                            };
-                            crc.update(piece.payload(scope, pd));
-                        }
+            for piece in pieces.iter() {
+                piece.try_payload(scope, pd)?;
+            }
+            Ok(
+                framer.frame_gather(&header[..hlen], payload_len, &mut tx.bytes, |crc| {
+                    for piece in pieces.iter() {
+                        crc.update(piece.payload(scope, pd));
                     }
-                }
-            })
+                }),
+            )
         });
         match framed {
-            Ok(trailer) => {
+            Err(gone) => {
+                self.pieces.clear();
+                return Err(gone);
+            }
+            Ok(Ok(trailer)) => {
                 self.tx.push_bytes(start);
                 for piece in self.pieces.drain(..) {
                     self.tx.push_payload(piece);
@@ -231,19 +246,37 @@ impl Connection {
                 self.tx.bytes.extend_from_slice(trailer.as_bytes());
                 self.tx.push_bytes(start);
             }
-            Err(e) => self.frame_failed(e),
+            Ok(Err(e)) => self.frame_failed(e),
         }
+        Ok(())
     }
 
-    /// Copy the payload of `self.pieces` into `out` (the markers path).
-    fn tx_drain_pieces_into(&mut self, env: &Env, out: &mut Vec<u8>) {
-        let pd = self.pd;
-        env.mem.read_scope(|scope| {
-            for piece in self.pieces.drain(..) {
-                let bytes = piece.payload(scope, pd);
-                out.extend_from_slice(bytes);
-            }
-        });
+    /// The region `stag` is being deregistered: copy what framed output
+    /// still reads from it (see [`MrTable::revoke`]). Returns how many
+    /// payload pieces were copied.
+    pub fn detach_region(&mut self, env: &Env, stag: u32) -> usize {
+        self.tx.detach(env.mem, stag)
+    }
+
+    /// A region the head WR reads went away after the WR was posted (it
+    /// was deregistered with the WR in flight): the WR completes with
+    /// `IBV_WC_LOC_PROT_ERR`, as on an RNIC, and the QP goes to Error.
+    fn fail_head_local(&mut self) {
+        self.cursor = TxCursor::default();
+        if let Some(wr) = self.sq.pop_front() {
+            self.in_flight.push_back(InFlight {
+                wr_id: wr.wr_id,
+                op: wr.op,
+                sg_list: wr.sg_list,
+                signaled: true,
+                status: Some(WcStatus::LocProtErr),
+                byte_len: 0,
+                vendor_err: 0,
+                req_id: 0,
+                tx_mark: 0,
+            });
+        }
+        self.fail_local();
     }
 
     fn frame_failed(&mut self, e: crate::wire::Error) {
@@ -353,7 +386,7 @@ impl Connection {
                     to: src,
                     len: span.len,
                 });
-                self.frame_pieces(
+                let framed = self.frame_pieces(
                     env,
                     &RdmapRepr::ReadResponse {
                         last: span.last,
@@ -361,6 +394,11 @@ impl Connection {
                         to,
                     },
                 );
+                if let Err(e) = framed {
+                    // Deregistered (or invalidated) since the check above.
+                    self.terminate(e, &[]);
+                    return true;
+                }
                 if span.last {
                     self.inbound.pop_front();
                 }
@@ -500,7 +538,7 @@ impl Connection {
                     self.tx_msn[QN_SEND] = msn.wrapping_add(1);
                 }
                 self.collect_pieces(span);
-                self.frame_pieces(
+                let framed = self.frame_pieces(
                     env,
                     &RdmapRepr::Send {
                         kind,
@@ -510,6 +548,10 @@ impl Connection {
                         invalidate_stag: invalidate.unwrap_or(0),
                     },
                 );
+                if framed.is_err() {
+                    self.fail_head_local();
+                    return true;
+                }
                 if span.last {
                     self.finish_head(total);
                 }
@@ -603,7 +645,7 @@ impl Connection {
             return;
         };
         self.collect_pieces(span);
-        self.frame_pieces(
+        let framed = self.frame_pieces(
             env,
             &RdmapRepr::Write {
                 last: span.last,
@@ -611,6 +653,10 @@ impl Connection {
                 to: remote.addr.wrapping_add(span.offset as u64),
             },
         );
+        if framed.is_err() {
+            self.fail_head_local();
+            return;
+        }
         if !span.last {
             return;
         }
@@ -716,7 +762,7 @@ impl Connection {
             }
             let n = ((l - off).min(left as u64)) as u32;
             // Checked at post time; should the region go away before the
-            // bytes leave, zeros go instead (see Piece::Zeros).
+            // segment is framed, the WR fails (see fail_head_local).
             self.pieces.push(Piece::Local {
                 lkey: sge.lkey,
                 addr: sge.addr + off,

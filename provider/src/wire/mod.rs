@@ -20,6 +20,7 @@ pub mod fpdu;
 pub mod marker;
 pub mod mpa;
 pub mod rdmap;
+pub mod stream;
 pub mod terminate;
 
 pub use terminate::{ErrorType, Layer, TerminateCause};

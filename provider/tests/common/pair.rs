@@ -16,8 +16,8 @@ use provider::region::Region;
 use provider::setup::{Answer, Initiator, MpaParams, Request};
 use provider::srq::Srq;
 use provider::wire::fpdu::{fpdu_len, CRC_LEN, LENGTH_LEN};
-use provider::wire::marker::{Deframer, DeframerConfig, Framer, FramerConfig};
 use provider::wire::rdmap::RdmapRepr;
+use provider::wire::stream::{Deframer, DeframerConfig, Framer, FramerConfig};
 use provider::wire::{ErrorType, TerminateCause};
 use provider::wr::{RecvWr, Remote, SendOp, SendWr, Sge, WcStatus, WorkCompletion};
 

@@ -274,6 +274,25 @@ impl Reservation {
     }
 }
 
+impl Reservation {
+    /// The reserved socket, listening: the port passes to the listener
+    /// with the options it was bound with (`IPV6_V6ONLY` for
+    /// RDMA_OPTION_ID_AFONLY, so that `[::]` and `0.0.0.0` on one port can
+    /// both listen, as tgt's iSER portal does).
+    pub fn listen(self, backlog: c_int) -> CmResult<std::net::TcpListener> {
+        let fd = self
+            ._sock
+            .try_clone()
+            .map_err(|e| e.raw_os_error().unwrap_or(libc::EMFILE))?;
+        drop(self);
+        // SAFETY: listen(2) on a bound stream socket we own.
+        if unsafe { libc::listen(fd.as_raw_fd(), backlog) } != 0 {
+            return Err(super::verbs::last_errno(libc::EADDRINUSE));
+        }
+        Ok(std::net::TcpListener::from(fd))
+    }
+}
+
 impl Drop for Reservation {
     fn drop(&mut self) {
         if let Some(b) = lock(&BOUND).as_mut() {

@@ -9,7 +9,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use provider::device::Listener;
+use provider::device::{Listener, SETUP_TIMEOUT};
 use provider::wire::mpa::IRD_ORD_NO_NEGOTIATION;
 use tracing::debug;
 
@@ -48,14 +48,16 @@ pub(crate) fn listen(id: &Arc<Id>) -> CmResult<()> {
     if st.phase == Phase::Listening {
         return Ok(());
     }
-    let addr = match st.reservation.take() {
-        // Give the port up to the listening socket (SO_REUSEADDR both).
-        Some(r) => r.addr,
-        None => st
-            .src
-            .unwrap_or(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)),
-    };
-    let listener = Listener::bind(addr).map_err(|e| errno_of(&e))?;
+    let listener = match st.reservation.take() {
+        // The bound socket itself listens, with the options it was bound
+        // with.
+        Some(r) => Listener::from_tcp(r.listen(libc::SOMAXCONN)?, SETUP_TIMEOUT),
+        None => Listener::bind(
+            st.src
+                .unwrap_or(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)),
+        ),
+    }
+    .map_err(|e| errno_of(&e))?;
     let local = listener.local_addr().map_err(|e| errno_of(&e))?;
     let stop = Arc::new(AtomicBool::new(false));
     let (done_tx, done) = mpsc::channel();

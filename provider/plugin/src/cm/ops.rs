@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use tracing::{debug, error};
 
-use super::addr::{from_c, local_ip_for, set_dst, set_src, Reservation};
+use super::addr::{from_c, local_ip_for, set_dst, set_src, unmap, Reservation};
 use super::channel::{Channel, Pending};
 use super::event::{ack_held, complete};
 use super::id::{Id, Op, Phase};
@@ -84,9 +84,13 @@ pub(crate) fn bind(id: &Arc<Id>, addr: SocketAddr) -> CmResult<()> {
     debug!(%bound, "rdma_cm: bound");
     // SAFETY: application thread inside rdma_bind_addr.
     set_src(unsafe { id.c() }, Some(&bound));
-    // A specific address belongs to a device (every local address is
-    // stag0's); a wildcard binds none yet, as with the kernel.
-    if !bound.ip().is_unspecified() {
+    // A specific address belongs to a device (every interface address is
+    // stag0's); a wildcard binds none yet, as with the kernel. Nor does
+    // loopback, which no kernel RDMA device has: libfabric's verbs
+    // provider binds `localhost` to learn its source address and, finding
+    // no device there, takes the address of the interface it chose
+    // (FI_VERBS_IFACE) instead of 127.0.0.1, which no other host reaches.
+    if !bound.ip().is_unspecified() && !unmap(bound).ip().is_loopback() {
         attach_device(id)?;
     }
     Ok(())

@@ -6,10 +6,13 @@
 //! from which [`crate::qp::Connection`] is built. In peer-to-peer mode the
 //! initiator then sends the RTR frame and the responder sends nothing until
 //! it has arrived (RFC 6581 §4). The IRD/ORD and RTR rules themselves live
-//! in [`crate::wire::mpa`].
+//! in [`negotiate`].
 
-use crate::wire::mpa::{self, Frame, FrameKind, FrameReader, FrameRepr, IrdOrd, LocalIrdOrd};
+use crate::wire::mpa::{self, Frame, FrameKind, FrameReader, FrameRepr, IrdOrd};
+
+pub mod negotiate;
 use crate::wire::{Error, Result};
+use negotiate::{Agreement, LocalIrdOrd};
 
 pub use crate::wire::mpa::{Rtr, RtrModes};
 
@@ -149,11 +152,11 @@ impl Initiator {
             min_ord: 0,
         };
         let agreed = match (self.sent, reply.enhanced) {
-            (Some(sent), Some(answer)) => mpa::initiator_negotiate(&sent, &answer, &local)?,
+            (Some(sent), Some(answer)) => negotiate::initiator_negotiate(&sent, &answer, &local)?,
             // A revision 1 peer negotiates nothing: both sides keep their
             // own values, and peer-to-peer is not possible.
             _ if self.params.p2p.is_some() => return Err(Error::NoMatchingRtr),
-            _ => mpa::Negotiated {
+            _ => Agreement {
                 ird: local.ird,
                 ord: local.ord,
                 rtr: None,
@@ -221,7 +224,7 @@ impl Request {
         let (reply_word, agreed) = match self.ird_ord {
             Some(req) if revision >= 2 => {
                 let supported = params.p2p.unwrap_or(RtrModes::ALL);
-                let (reply, agreed) = mpa::responder_negotiate(&req, &local, supported)?;
+                let (reply, agreed) = negotiate::responder_negotiate(&req, &local, supported)?;
                 if req.peer_to_peer && agreed.rtr.is_none() {
                     // No model in common: rather than guess which of our
                     // offers the initiator will pick, refuse.
@@ -231,7 +234,7 @@ impl Request {
             }
             _ => (
                 None,
-                mpa::Negotiated {
+                Agreement {
                     ird: local.ird,
                     ord: local.ord,
                     rtr: None,

@@ -1,0 +1,670 @@
+/*
+ * Faults over stag0's libibverbs plugin: what a C program sees when its
+ * peer dies or it tears things down with work in flight, run under
+ * `stag run` (scripts/rdma-core-apps.sh does). Each case connects to a
+ * peer process (this program re-executed with --peer CASE) through
+ * rdma_cm, and checks the completions and errnos verbs promises; the
+ * program must survive every case (no signal, no crash).
+ *
+ *   faults [CASE...]      (no CASE: all of them)
+ *
+ * Prints "faults: N passed, M failed".
+ *
+ * Cases:
+ *   sigpipe        the peer disconnects and exits while we stream RDMA
+ *                  Writes: completions end in errors, posts after that
+ *                  flush, and no SIGPIPE kills us (MSG_NOSIGNAL).
+ *   kill_recv      the peer is killed while it streams RDMA Writes to us:
+ *                  our posted Receives complete with IBV_WC_WR_FLUSH_ERR.
+ *   dereg_inflight 16 x 4 MiB Sends posted while the peer is stopped,
+ *                  then ibv_dereg_mr and munmap: the framed output leaves
+ *                  as it was, the WR that cannot be sent completes with
+ *                  IBV_WC_LOC_PROT_ERR, the rest flush; the peer receives
+ *                  every message we saw succeed, intact (no CRC error).
+ *   full_sq        posting beyond max_send_wr fails with ENOMEM.
+ *   post_error     after the QP went to Error (ibv_modify_qp), posts
+ *                  succeed and complete with IBV_WC_WR_FLUSH_ERR.
+ *   destroy_qp     ibv_destroy_qp with 16 x 4 MiB Writes in flight, then
+ *                  dereg and munmap: nothing touches the memory again.
+ *   async          ibv_get_async_event on a polled async_fd: COMM_EST once
+ *                  connected, QP_FATAL when the peer sends a Terminate.
+ */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <infiniband/verbs.h>
+#include <rdma/rdma_cma.h>
+
+static int passed, failed;
+#define CHECK(cond, ...)                                                  \
+	do {                                                              \
+		if (cond) {                                               \
+			passed++;                                         \
+		} else {                                                  \
+			failed++;                                         \
+			fprintf(stderr, "FAILED line %d: ", __LINE__);    \
+			fprintf(stderr, __VA_ARGS__);                     \
+			fputc('\n', stderr);                              \
+		}                                                         \
+	} while (0)
+#define DIE(what)                                                          \
+	do {                                                               \
+		fprintf(stderr, "faults: %s: %s\n", what, strerror(errno)); \
+		exit(1);                                                   \
+	} while (0)
+
+#define BIG (4u << 20) /* one large message */
+#define NBIG 16
+
+/* What the peer offers in its accept's private data. */
+struct offer {
+	uint64_t addr;
+	uint32_t rkey;
+};
+
+/* One end of a connection. */
+struct end {
+	struct rdma_event_channel *ch;
+	struct rdma_cm_id *listen, *id;
+	struct ibv_pd *pd;
+	struct ibv_cq *cq;
+	struct offer peer;
+	uint32_t sq_depth; /* max_send_wr as created */
+};
+
+static struct rdma_cm_event *expect(struct rdma_event_channel *ch, enum rdma_cm_event_type t)
+{
+	struct rdma_cm_event *ev;
+	if (rdma_get_cm_event(ch, &ev))
+		DIE("get_cm_event");
+	if (ev->event != t) {
+		fprintf(stderr, "faults: expected %s, got %s\n", rdma_event_str(t),
+			rdma_event_str(ev->event));
+		exit(1);
+	}
+	return ev;
+}
+
+static double now(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+/* Poll up to n completions, for at most `secs`. */
+static int poll_for(struct ibv_cq *cq, struct ibv_wc *wc, int n, double secs)
+{
+	int got = 0;
+	double end = now() + secs;
+	while (got < n && now() < end) {
+		int r = ibv_poll_cq(cq, n - got, wc + got);
+		if (r < 0)
+			DIE("poll_cq");
+		got += r;
+		if (!r)
+			usleep(100);
+	}
+	return got;
+}
+
+static void make_qp(struct end *e, int depth)
+{
+	e->pd = ibv_alloc_pd(e->id->verbs);
+	e->cq = ibv_create_cq(e->id->verbs, 4 * depth, NULL, NULL, 0);
+	struct ibv_qp_init_attr qa = { .send_cq = e->cq, .recv_cq = e->cq, .qp_type = IBV_QPT_RC,
+				       .cap = { depth, depth, 1, 1, 0 } };
+	if (!e->pd || !e->cq || rdma_create_qp(e->id, e->pd, &qa))
+		DIE("create qp");
+	e->sq_depth = qa.cap.max_send_wr;
+}
+
+/* Peer side: listen on an ephemeral port, print it, take one connection. */
+static void peer_listen(struct end *e)
+{
+	struct sockaddr_in sin = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	e->ch = rdma_create_event_channel();
+	if (!e->ch || rdma_create_id(e->ch, &e->listen, NULL, RDMA_PS_TCP) ||
+	    rdma_bind_addr(e->listen, (struct sockaddr *)&sin) || rdma_listen(e->listen, 1))
+		DIE("peer listen");
+	printf("port %u\n", ntohs(rdma_get_src_port(e->listen)));
+	fflush(stdout);
+	struct rdma_cm_event *ev = expect(e->ch, RDMA_CM_EVENT_CONNECT_REQUEST);
+	e->id = ev->id;
+	if (ev->param.conn.private_data_len >= sizeof(struct offer))
+		memcpy(&e->peer, ev->param.conn.private_data, sizeof(struct offer));
+	rdma_ack_cm_event(ev);
+}
+
+static void peer_accept(struct end *e, struct offer o)
+{
+	struct rdma_conn_param cp = { .private_data = &o, .private_data_len = sizeof o,
+				      .responder_resources = 8, .initiator_depth = 8 };
+	if (rdma_accept(e->id, &cp))
+		DIE("accept");
+	rdma_ack_cm_event(expect(e->ch, RDMA_CM_EVENT_ESTABLISHED));
+}
+
+static void connect_to_offering(struct end *e, uint16_t port, int depth, struct ibv_mr *(*reg)(struct ibv_pd *))
+{
+	struct sockaddr_in sin = { .sin_family = AF_INET, .sin_port = htons(port),
+				   .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	e->ch = rdma_create_event_channel();
+	if (!e->ch || rdma_create_id(e->ch, &e->id, NULL, RDMA_PS_TCP) ||
+	    rdma_resolve_addr(e->id, NULL, (struct sockaddr *)&sin, 2000))
+		DIE("resolve");
+	rdma_ack_cm_event(expect(e->ch, RDMA_CM_EVENT_ADDR_RESOLVED));
+	if (rdma_resolve_route(e->id, 2000))
+		DIE("route");
+	rdma_ack_cm_event(expect(e->ch, RDMA_CM_EVENT_ROUTE_RESOLVED));
+	make_qp(e, depth);
+	struct rdma_conn_param cp = { .responder_resources = 8, .initiator_depth = 8 };
+	struct offer o;
+	if (reg) {
+		struct ibv_mr *mr = reg(e->pd);
+		o = (struct offer){ (uintptr_t)mr->addr, mr->rkey };
+		cp.private_data = &o;
+		cp.private_data_len = sizeof o;
+	}
+	if (rdma_connect(e->id, &cp))
+		DIE("connect");
+	struct rdma_cm_event *ev = expect(e->ch, RDMA_CM_EVENT_ESTABLISHED);
+	if (ev->param.conn.private_data_len >= sizeof(struct offer))
+		memcpy(&e->peer, ev->param.conn.private_data, sizeof(struct offer));
+	rdma_ack_cm_event(ev);
+}
+
+static void connect_to(struct end *e, uint16_t port, int depth)
+{
+	connect_to_offering(e, port, depth, NULL);
+}
+
+/* ---- the peer process ---- */
+
+static int peer_main(const char *cas)
+{
+	struct end e = { 0 };
+	peer_listen(&e);
+	make_qp(&e, NBIG);
+	size_t len = (size_t)BIG * NBIG;
+	char *buf = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (buf == MAP_FAILED)
+		DIE("mmap");
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, len, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+	if (!mr)
+		DIE("peer reg_mr");
+	if (!strcmp(cas, "dereg_inflight")) {
+		for (int i = 0; i < NBIG; i++) {
+			struct ibv_sge s = { (uintptr_t)(buf + (size_t)i * BIG), BIG, mr->lkey };
+			struct ibv_recv_wr w = { .wr_id = i, .sg_list = &s, .num_sge = 1 }, *bad;
+			if (ibv_post_recv(e.id->qp, &w, &bad))
+				DIE("post_recv");
+		}
+	}
+	peer_accept(&e, (struct offer){ (uintptr_t)buf, mr->rkey });
+	if (!strcmp(cas, "dereg_inflight")) {
+		/* Every Receive completes; a successful one holds the whole
+		 * message, each octet (i + 1). */
+		struct ibv_wc wc[NBIG];
+		int n = poll_for(e.cq, wc, NBIG, 30), ok = 0, bad = 0;
+		for (int i = 0; i < n; i++) {
+			if (wc[i].status != IBV_WC_SUCCESS) {
+				if (wc[i].status != IBV_WC_WR_FLUSH_ERR)
+					bad++;
+				continue;
+			}
+			const char *m = buf + wc[i].wr_id * BIG;
+			int intact = wc[i].byte_len == BIG;
+			for (size_t k = 0; intact && k < BIG; k++)
+				intact = m[k] == (char)(wc[i].wr_id + 1);
+			intact ? ok++ : bad++;
+		}
+		printf("peer %d %d %d\n", n, ok, bad);
+		fflush(stdout);
+		return 0;
+	}
+	if (!strcmp(cas, "kill_recv")) {
+		/* Stream 1 MiB RDMA Writes into the client's buffer (offered in
+		 * its connect's private data) until killed. */
+		struct ibv_sge s = { (uintptr_t)buf, 1 << 20, mr->lkey };
+		memset(buf, 0xab, 1 << 20);
+		for (uint64_t i = 0;; i++) {
+			struct ibv_send_wr w = { .wr_id = i, .sg_list = &s, .num_sge = 1,
+						 .opcode = IBV_WR_RDMA_WRITE,
+						 .send_flags = IBV_SEND_SIGNALED,
+						 .wr.rdma = { e.peer.addr, e.peer.rkey } },
+					   *bad;
+			if (ibv_post_send(e.id->qp, &w, &bad) == 0) {
+				struct ibv_wc wc;
+				poll_for(e.cq, &wc, 1, 1);
+			}
+		}
+	}
+	if (!strcmp(cas, "sigpipe")) {
+		/* Close our end while the client streams: FIN, then (once the
+		 * process is gone) RST to a client in CLOSE_WAIT, whose next
+		 * write fails with EPIPE, which raises SIGPIPE without
+		 * MSG_NOSIGNAL. */
+		usleep(100000);
+		rdma_disconnect(e.id);
+		usleep(100000);
+		_exit(0);
+	}
+	/* Otherwise: stay until killed or the client disconnects. */
+	struct rdma_cm_event *ev;
+	while (rdma_get_cm_event(e.ch, &ev) == 0) {
+		int done = ev->event == RDMA_CM_EVENT_DISCONNECTED;
+		rdma_ack_cm_event(ev);
+		if (done)
+			break;
+	}
+	return 0;
+}
+
+/* ---- the client side ---- */
+
+static const char *self_exe;
+
+struct peer {
+	pid_t pid;
+	FILE *out;
+	uint16_t port;
+};
+
+static struct peer spawn_peer(const char *cas)
+{
+	int fds[2];
+	if (pipe(fds))
+		DIE("pipe");
+	struct peer p = { 0 };
+	p.pid = fork();
+	if (p.pid < 0)
+		DIE("fork");
+	if (p.pid == 0) {
+		dup2(fds[1], 1);
+		close(fds[0]);
+		close(fds[1]);
+		execl(self_exe, self_exe, "--peer", cas, (char *)NULL);
+		_exit(127);
+	}
+	close(fds[1]);
+	p.out = fdopen(fds[0], "r");
+	unsigned port = 0;
+	if (!p.out || fscanf(p.out, "port %u", &port) != 1)
+		DIE("peer did not start");
+	p.port = port;
+	return p;
+}
+
+static int reap(struct peer *p)
+{
+	int st = 0;
+	waitpid(p->pid, &st, 0);
+	fclose(p->out);
+	return st;
+}
+
+static void *map_big(size_t len, int fill_by_message)
+{
+	char *buf = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (buf == MAP_FAILED)
+		DIE("mmap");
+	for (size_t i = 0; i < len; i++)
+		buf[i] = fill_by_message ? (char)(i / BIG + 1) : (char)i;
+	return buf;
+}
+
+static int post_write(struct end *e, struct ibv_mr *mr, char *src, uint32_t len, uint64_t id,
+		      uint64_t remote_off)
+{
+	struct ibv_sge s = { (uintptr_t)src, len, mr->lkey };
+	struct ibv_send_wr w = { .wr_id = id, .sg_list = &s, .num_sge = 1,
+				 .opcode = IBV_WR_RDMA_WRITE, .send_flags = IBV_SEND_SIGNALED,
+				 .wr.rdma = { e->peer.addr + remote_off, e->peer.rkey } },
+			   *bad;
+	return ibv_post_send(e->id->qp, &w, &bad);
+}
+
+static void case_sigpipe(void)
+{
+	struct peer p = spawn_peer("sigpipe");
+	struct end e = { 0 };
+	connect_to(&e, p.port, NBIG);
+	size_t len = (size_t)BIG * NBIG;
+	char *buf = map_big(len, 0);
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, len, IBV_ACCESS_LOCAL_WRITE);
+	if (!mr)
+		DIE("reg_mr");
+	/* Keep NBIG 1 MiB Writes in flight while the peer closes and exits,
+	 * until the QP fails. */
+	int inflight = 0, done = 0, errors = 0, post_failed = 0;
+	uint64_t next = 0;
+	double end = now() + 20;
+	while (!errors && now() < end) {
+		while (inflight < NBIG) {
+			if (post_write(&e, mr, buf + (next % NBIG) * (1u << 20), 1u << 20, next,
+				       (next % NBIG) * (1u << 20))) {
+				post_failed++;
+				break;
+			}
+			next++;
+			inflight++;
+		}
+		struct ibv_wc wc[NBIG];
+		int n = ibv_poll_cq(e.cq, NBIG, wc);
+		for (int i = 0; i < n; i++) {
+			inflight--;
+			if (wc[i].status == IBV_WC_SUCCESS)
+				done++;
+			else
+				errors++;
+		}
+		if (!n)
+			usleep(50);
+	}
+	CHECK(errors > 0, "sigpipe: Writes to a closed peer end in error completions (%d ok, %d errors)",
+	      done, errors);
+	CHECK(post_failed == 0, "sigpipe: posts are accepted while the QP fails (%d refused)", post_failed);
+	/* Drain, then one more post: it flushes. */
+	struct ibv_wc wc[NBIG];
+	poll_for(e.cq, wc, inflight, 5);
+	CHECK(post_write(&e, mr, buf, 4096, 999, 0) == 0, "sigpipe: post after the error: %s",
+	      strerror(errno));
+	CHECK(poll_for(e.cq, wc, 1, 5) == 1 && wc[0].wr_id == 999 &&
+		      wc[0].status == IBV_WC_WR_FLUSH_ERR,
+	      "sigpipe: a post after the error completes with WR_FLUSH_ERR");
+	reap(&p);
+	rdma_destroy_qp(e.id);
+	CHECK(ibv_dereg_mr(mr) == 0, "sigpipe: dereg_mr");
+	munmap(buf, len);
+	ibv_destroy_cq(e.cq);
+	ibv_dealloc_pd(e.pd);
+	rdma_destroy_id(e.id);
+	rdma_destroy_event_channel(e.ch);
+}
+
+static char *kill_recv_buf;
+static struct ibv_mr *kill_recv_reg(struct ibv_pd *pd)
+{
+	kill_recv_buf = calloc(1, 1 << 20);
+	struct ibv_mr *mr = ibv_reg_mr(pd, kill_recv_buf, 1 << 20,
+				       IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+	if (!mr)
+		DIE("reg_mr");
+	return mr;
+}
+
+static void case_kill_recv(void)
+{
+	struct peer p = spawn_peer("kill_recv");
+	struct end e = { 0 };
+	connect_to_offering(&e, p.port, 8, kill_recv_reg);
+	char *rbuf = calloc(8, 4096);
+	struct ibv_mr *rmr = ibv_reg_mr(e.pd, rbuf, 8 * 4096, IBV_ACCESS_LOCAL_WRITE);
+	for (int i = 0; i < 8; i++) {
+		struct ibv_sge s = { (uintptr_t)(rbuf + 4096 * i), 4096, rmr->lkey };
+		struct ibv_recv_wr w = { .wr_id = i, .sg_list = &s, .num_sge = 1 }, *bad;
+		if (ibv_post_recv(e.id->qp, &w, &bad))
+			DIE("post_recv");
+	}
+	/* Wait until the peer's Writes land, let them stream, kill it. */
+	double end = now() + 10;
+	while (((volatile char *)kill_recv_buf)[(1 << 20) - 1] != (char)0xab && now() < end)
+		usleep(100);
+	usleep(50000);
+	kill(p.pid, SIGKILL);
+	struct ibv_wc wc[8];
+	int n = poll_for(e.cq, wc, 8, 10), flushed = 0;
+	for (int i = 0; i < n; i++)
+		flushed += wc[i].status == IBV_WC_WR_FLUSH_ERR;
+	CHECK(kill_recv_buf[(1 << 20) - 1] == (char)0xab && n == 8 && flushed == 8,
+	      "kill_recv: the peer's Writes arrived, then its death flushed our 8 Receives (%d completions, %d flushed)",
+	      n, flushed);
+	reap(&p);
+	rdma_destroy_qp(e.id);
+	ibv_dereg_mr(rmr);
+	ibv_destroy_cq(e.cq);
+	ibv_dealloc_pd(e.pd);
+	rdma_destroy_id(e.id);
+	rdma_destroy_event_channel(e.ch);
+}
+
+static void case_dereg_inflight(void)
+{
+	struct peer p = spawn_peer("dereg_inflight");
+	struct end e = { 0 };
+	connect_to(&e, p.port, NBIG);
+	size_t len = (size_t)BIG * NBIG;
+	char *buf = map_big(len, 1);
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, len, IBV_ACCESS_LOCAL_WRITE);
+	if (!mr)
+		DIE("reg_mr");
+	/* The peer stops reading, so the Sends back up in our queue. */
+	kill(p.pid, SIGSTOP);
+	for (int i = 0; i < NBIG; i++) {
+		struct ibv_sge s = { (uintptr_t)(buf + (size_t)i * BIG), BIG, mr->lkey };
+		struct ibv_send_wr w = { .wr_id = i, .sg_list = &s, .num_sge = 1,
+					 .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED },
+				   *bad;
+		if (ibv_post_send(e.id->qp, &w, &bad))
+			DIE("post_send");
+	}
+	usleep(20000);
+	CHECK(ibv_dereg_mr(mr) == 0, "dereg_inflight: dereg_mr with Sends in flight");
+	/* Anything stag still read from here on would fault. */
+	munmap(buf, len);
+	kill(p.pid, SIGCONT);
+	struct ibv_wc wc[NBIG];
+	int n = poll_for(e.cq, wc, NBIG, 30), ok = 0, prot = 0, flush = 0, other = 0;
+	for (int i = 0; i < n; i++) {
+		switch (wc[i].status) {
+		case IBV_WC_SUCCESS: ok++; break;
+		case IBV_WC_LOC_PROT_ERR: prot++; break;
+		case IBV_WC_WR_FLUSH_ERR: flush++; break;
+		default: other++;
+		}
+	}
+	CHECK(n == NBIG && other == 0 && prot == 1 && ok + prot + flush == NBIG,
+	      "dereg_inflight: %d completions: %d ok, one LOC_PROT_ERR (%d), %d flushed, %d other", n, ok,
+	      prot, flush, other);
+	int pn = -1, pok = -1, pbad = -1;
+	CHECK(fscanf(p.out, " peer %d %d %d", &pn, &pok, &pbad) == 3 && pn == NBIG && pbad == 0 &&
+		      pok >= ok,
+	      "dereg_inflight: the peer got every message we saw succeed, intact (%d receives: %d intact, %d bad; we saw %d ok)",
+	      pn, pok, pbad, ok);
+	reap(&p);
+	rdma_destroy_qp(e.id);
+	ibv_destroy_cq(e.cq);
+	ibv_dealloc_pd(e.pd);
+	rdma_destroy_id(e.id);
+	rdma_destroy_event_channel(e.ch);
+}
+
+static void case_full_sq(void)
+{
+	struct peer p = spawn_peer("full_sq");
+	struct end e = { 0 };
+	connect_to(&e, p.port, 8);
+	char *buf = map_big(BIG, 0);
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, BIG, IBV_ACCESS_LOCAL_WRITE);
+	kill(p.pid, SIGSTOP); /* nothing drains: the Writes stay queued */
+	/* A WR leaves the queue once its octets are in the socket, which
+	 * takes a few MiB while the peer sleeps: the queue is full after
+	 * max_send_wr posts plus those few. */
+	int d = (int)e.sq_depth, k = 0, rc = 0;
+	while (k < d + 8 && (rc = post_write(&e, mr, buf, BIG, k, 0)) == 0)
+		k++;
+	CHECK(d >= 8 && d <= 32 && rc == ENOMEM && k >= d && k < d + 8,
+	      "full_sq: ENOMEM once max_send_wr (%d) WRs are outstanding (after %d posts, rc %d)", d, k, rc);
+	kill(p.pid, SIGCONT);
+	struct ibv_wc wc[40];
+	int n = poll_for(e.cq, wc, k, 20), ok = 0;
+	for (int i = 0; i < n; i++)
+		ok += wc[i].status == IBV_WC_SUCCESS;
+	CHECK(n == k && ok == k, "full_sq: all %d complete once the peer reads (%d, %d ok)", k, n, ok);
+	CHECK(post_write(&e, mr, buf, 4096, 99, 0) == 0 && poll_for(e.cq, wc, 1, 5) == 1 &&
+		      wc[0].status == IBV_WC_SUCCESS,
+	      "full_sq: room again after the completions");
+	rdma_disconnect(e.id);
+	reap(&p);
+	rdma_destroy_qp(e.id);
+	ibv_dereg_mr(mr);
+	ibv_destroy_cq(e.cq);
+	ibv_dealloc_pd(e.pd);
+	rdma_destroy_id(e.id);
+	rdma_destroy_event_channel(e.ch);
+}
+
+static void case_post_error(void)
+{
+	struct peer p = spawn_peer("post_error");
+	struct end e = { 0 };
+	connect_to(&e, p.port, 8);
+	char *buf = map_big(4096, 0);
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, 4096, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_qp_attr a = { .qp_state = IBV_QPS_ERR };
+	CHECK(ibv_modify_qp(e.id->qp, &a, IBV_QP_STATE) == 0, "post_error: modify to ERR");
+	struct ibv_sge s = { (uintptr_t)buf, 64, mr->lkey };
+	struct ibv_recv_wr rw = { .wr_id = 7, .sg_list = &s, .num_sge = 1 }, *rbad;
+	CHECK(post_write(&e, mr, buf, 64, 6, 0) == 0 && ibv_post_recv(e.id->qp, &rw, &rbad) == 0,
+	      "post_error: posts are accepted in Error");
+	struct ibv_wc wc[2];
+	int n = poll_for(e.cq, wc, 2, 5);
+	CHECK(n == 2 && wc[0].status == IBV_WC_WR_FLUSH_ERR && wc[1].status == IBV_WC_WR_FLUSH_ERR,
+	      "post_error: both complete with WR_FLUSH_ERR (%d completions)", n);
+	rdma_disconnect(e.id);
+	reap(&p);
+	rdma_destroy_qp(e.id);
+	ibv_dereg_mr(mr);
+	ibv_destroy_cq(e.cq);
+	ibv_dealloc_pd(e.pd);
+	rdma_destroy_id(e.id);
+	rdma_destroy_event_channel(e.ch);
+}
+
+static void case_destroy_qp(void)
+{
+	struct peer p = spawn_peer("destroy_qp");
+	struct end e = { 0 };
+	connect_to(&e, p.port, NBIG);
+	size_t len = (size_t)BIG * NBIG;
+	char *buf = map_big(len, 0);
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, len, IBV_ACCESS_LOCAL_WRITE);
+	kill(p.pid, SIGSTOP);
+	int ok = 0;
+	for (int i = 0; i < NBIG; i++)
+		ok += post_write(&e, mr, buf + (size_t)i * BIG, BIG, i, 0) == 0;
+	CHECK(ok == NBIG, "destroy_qp: 16 x 4 MiB Writes posted");
+	/* ibv_destroy_qp directly (rdma_destroy_qp would too). */
+	CHECK(ibv_destroy_qp(e.id->qp) == 0, "destroy_qp: destroy with Writes in flight");
+	e.id->qp = NULL;
+	CHECK(ibv_dereg_mr(mr) == 0, "destroy_qp: dereg after");
+	munmap(buf, len);
+	kill(p.pid, SIGCONT);
+	struct ibv_wc wc[NBIG];
+	CHECK(ibv_destroy_cq(e.cq) == 0 || errno == EBUSY, "destroy_qp: destroy_cq");
+	(void)wc;
+	kill(p.pid, SIGKILL);
+	reap(&p);
+	ibv_dealloc_pd(e.pd);
+	rdma_destroy_id(e.id);
+	rdma_destroy_event_channel(e.ch);
+}
+
+/* The next async event of `ctx` of type `type`, waiting on async_fd with
+ * poll() as an event loop would (at most `ms` for each); 0 if one came.
+ * Events of other types are skipped; so are those of earlier cases' QPs
+ * (rdma_cm shares one context per process, and they were never read),
+ * without an ack: their QPs are gone (stag does not yet drop a destroyed
+ * QP's unread events, as the kernel's destroy does by waiting for acks). */
+static int next_async(struct ibv_context *ctx, enum ibv_event_type type,
+		      struct ibv_async_event *ev, int ms)
+{
+	for (;;) {
+		struct pollfd pfd = { .fd = ctx->async_fd, .events = POLLIN };
+		if (poll(&pfd, 1, ms) != 1 || ibv_get_async_event(ctx, ev))
+			return -1;
+		if (ev->event_type == type)
+			return 0;
+	}
+}
+
+static void case_async(void)
+{
+	struct peer p = spawn_peer("async");
+	struct end e = { 0 };
+	connect_to(&e, p.port, 8);
+	struct ibv_async_event ev;
+	CHECK(next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0 && ev.element.qp == e.id->qp,
+	      "async: IBV_EVENT_COMM_EST for our QP once connected");
+	ibv_ack_async_event(&ev);
+	char *buf = map_big(4096, 0);
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, 4096, IBV_ACCESS_LOCAL_WRITE);
+	/* A Write to an STag the peer never gave: it answers with a
+	 * Terminate, and our QP goes to Error. */
+	e.peer.rkey ^= 0x80;
+	CHECK(post_write(&e, mr, buf, 64, 1, 0) == 0, "async: post a Write with a bad rkey");
+	struct ibv_wc wc;
+	/* iWARP completes a Write once it is sent (success); the peer's
+	 * refusal comes after. */
+	CHECK(poll_for(e.cq, &wc, 1, 5) == 1, "async: the Write completes");
+	CHECK(next_async(e.id->verbs, IBV_EVENT_QP_FATAL, &ev, 5000) == 0 && ev.element.qp == e.id->qp,
+	      "async: the peer's Terminate raises IBV_EVENT_QP_FATAL on our QP");
+	ibv_ack_async_event(&ev);
+	kill(p.pid, SIGKILL);
+	reap(&p);
+	rdma_destroy_qp(e.id);
+	ibv_dereg_mr(mr);
+	ibv_destroy_cq(e.cq);
+	ibv_dealloc_pd(e.pd);
+	rdma_destroy_id(e.id);
+	rdma_destroy_event_channel(e.ch);
+}
+
+static const struct {
+	const char *name;
+	void (*run)(void);
+} cases[] = {
+	{ "sigpipe", case_sigpipe },	     { "kill_recv", case_kill_recv },
+	{ "dereg_inflight", case_dereg_inflight }, { "full_sq", case_full_sq },
+	{ "post_error", case_post_error },   { "destroy_qp", case_destroy_qp },
+	{ "async", case_async },
+};
+
+int main(int argc, char **argv)
+{
+	/* SIGPIPE as a C program started from a shell has it, whatever
+	 * started us (a Rust parent may leave it ignored). */
+	signal(SIGPIPE, SIG_DFL);
+	if (argc == 3 && !strcmp(argv[1], "--peer"))
+		return peer_main(argv[2]);
+	static char exe[4096];
+	ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+	if (n <= 0)
+		DIE("readlink");
+	self_exe = exe;
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+		int want = argc == 1;
+		for (int a = 1; a < argc; a++)
+			want |= !strcmp(argv[a], cases[i].name);
+		if (!want)
+			continue;
+		int before = failed;
+		cases[i].run();
+		printf("%s %s\n", failed == before ? "ok  " : "FAIL", cases[i].name);
+	}
+	printf("faults: %d passed, %d failed\n", passed, failed);
+	return failed != 0;
+}
