@@ -12,20 +12,28 @@
 //!
 //! Application threads drive QPs too: a post writes its request from the
 //! posting thread, polling an empty CQ reads the sockets from the polling
-//! thread, and in `Blocking` mode a thread in `CompletionQueue::wait`
+//! thread, and a thread in `CompletionQueue::wait` (`Blocking` mode) or
+//! `CompletionQueue::wait_notified` (the plugin's `ibv_get_cq_event`)
 //! sleeps in `poll(2)` on the sockets itself (one wake-up per completion,
-//! as on a plain socket). The two must not fight over a socket: on two
-//! cores an engine woken for every message that a spinning application
-//! thread then finds already handled costs a wake-up and a context switch
-//! per message. So when an event fires while an application thread is
-//! driving that QP (it polled since the engine last looked, or sleeps on
-//! its socket), the engine disarms the socket in its epoll set ("parks"
-//! it) and looks again every [`PARK_RECHECK`]; once the application has
-//! stopped driving it, the engine drives the QP and re-arms. While the
-//! engine owns a QP its socket stays armed, level-triggered: no
-//! `epoll_ctl` per message. An application that arms a CQ's notifications
-//! or sleeps on the CQ in the polling modes hands its QPs back at once
-//! ([`Ownership::release`]).
+//! as on a plain socket). While it sleeps there the socket is out of the
+//! engine's epoll set, and it goes back in when the thread wakes: the
+//! arrival wakes one thread, and no timer is involved.
+//!
+//! The engine and a spinning application thread must not fight over a
+//! socket either: on two cores an engine woken for every message that a
+//! spinning application thread then finds already handled costs a wake-up
+//! and a context switch per message. So when an event fires while an
+//! application thread is driving that QP (it polled a CQ with no
+//! notification armed since the engine last looked), the engine disarms
+//! the socket in its epoll set ("parks" it) and looks again every
+//! [`PARK_RECHECK`]; once the application has stopped driving it, the
+//! engine drives the QP and re-arms. That recheck is the one timer left:
+//! it matters only to a program that polls a CQ unarmed and then stops
+//! without arming or waiting. While the engine owns a QP its socket stays
+//! armed, level-triggered: no `epoll_ctl` per message. An application
+//! that arms a CQ's notifications or sleeps on the CQ in the polling modes
+//! hands its QPs back at once ([`Ownership::release`]), and a poll of an
+//! armed CQ does not take them back.
 
 use std::collections::HashMap;
 use std::fmt;
