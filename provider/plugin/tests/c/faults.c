@@ -11,9 +11,16 @@
  * Prints "faults: N passed, M failed".
  *
  * Cases:
- *   sigpipe        the peer disconnects and exits while we stream RDMA
+ *   sigpipe        a raw TCP peer stops us (SIGSTOP), sends a bad FPDU,
+ *                  FIN and RST, and resumes us: stag answers the FPDU with
+ *                  a Terminate, written to a socket that holds EPIPE. On a
+ *                  plugin without MSG_NOSIGNAL that raises SIGPIPE every
+ *                  time (exit 141); here the QP goes to Error instead.
+ *   peer_close     the peer disconnects and exits while we stream RDMA
  *                  Writes: completions end in errors, posts after that
- *                  flush, and no SIGPIPE kills us (MSG_NOSIGNAL).
+ *                  flush, and no signal kills us. (Whether stag writes
+ *                  after the reset here depends on timing: `sigpipe` is
+ *                  the deterministic check of MSG_NOSIGNAL.)
  *   kill_recv      the peer is killed while it streams RDMA Writes to us:
  *                  our posted Receives complete with IBV_WC_WR_FLUSH_ERR.
  *   dereg_inflight 16 x 4 MiB Sends posted while the peer is stopped,
@@ -39,6 +46,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -251,7 +259,7 @@ static int peer_main(const char *cas)
 			}
 		}
 	}
-	if (!strcmp(cas, "sigpipe")) {
+	if (!strcmp(cas, "peer_close")) {
 		/* Close our end while the client streams: FIN, then (once the
 		 * process is gone) RST to a client in CLOSE_WAIT, whose next
 		 * write fails with EPIPE, which raises SIGPIPE without
@@ -336,9 +344,9 @@ static int post_write(struct end *e, struct ibv_mr *mr, char *src, uint32_t len,
 	return ibv_post_send(e->id->qp, &w, &bad);
 }
 
-static void case_sigpipe(void)
+static void case_peer_close(void)
 {
-	struct peer p = spawn_peer("sigpipe");
+	struct peer p = spawn_peer("peer_close");
 	struct end e = { 0 };
 	connect_to(&e, p.port, NBIG);
 	size_t len = (size_t)BIG * NBIG;
@@ -373,24 +381,134 @@ static void case_sigpipe(void)
 		if (!n)
 			usleep(50);
 	}
-	CHECK(errors > 0, "sigpipe: Writes to a closed peer end in error completions (%d ok, %d errors)",
+	CHECK(errors > 0, "peer_close: Writes to a closed peer end in error completions (%d ok, %d errors)",
 	      done, errors);
-	CHECK(post_failed == 0, "sigpipe: posts are accepted while the QP fails (%d refused)", post_failed);
+	CHECK(post_failed == 0, "peer_close: posts are accepted while the QP fails (%d refused)", post_failed);
 	/* Drain, then one more post: it flushes. */
 	struct ibv_wc wc[NBIG];
 	poll_for(e.cq, wc, inflight, 5);
-	CHECK(post_write(&e, mr, buf, 4096, 999, 0) == 0, "sigpipe: post after the error: %s",
+	CHECK(post_write(&e, mr, buf, 4096, 999, 0) == 0, "peer_close: post after the error: %s",
 	      strerror(errno));
 	CHECK(poll_for(e.cq, wc, 1, 5) == 1 && wc[0].wr_id == 999 &&
 		      wc[0].status == IBV_WC_WR_FLUSH_ERR,
-	      "sigpipe: a post after the error completes with WR_FLUSH_ERR");
+	      "peer_close: a post after the error completes with WR_FLUSH_ERR");
 	reap(&p);
 	rdma_destroy_qp(e.id);
-	CHECK(ibv_dereg_mr(mr) == 0, "sigpipe: dereg_mr");
+	CHECK(ibv_dereg_mr(mr) == 0, "peer_close: dereg_mr");
 	munmap(buf, len);
 	ibv_destroy_cq(e.cq);
 	ibv_dealloc_pd(e.pd);
 	rdma_destroy_id(e.id);
+	rdma_destroy_event_channel(e.ch);
+}
+
+/* Whether process `pid` is stopped (state T in /proc/PID/stat). */
+static int is_stopped(pid_t pid)
+{
+	char path[64], buf[256];
+	snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+	FILE *f = fopen(path, "r");
+	if (!f)
+		return 0;
+	size_t n = fread(buf, 1, sizeof buf - 1, f);
+	fclose(f);
+	buf[n] = 0;
+	char *p = strrchr(buf, ')');
+	return p && p[1] == ' ' && p[2] == 'T';
+}
+
+/* The raw TCP peer of `sigpipe` (a forked child: plain socket calls,
+ * then _exit). It connects with an enhanced MPA Request as kernel siw
+ * sends it (rev 2, IRD/ORD 16) and reads the Reply. On "g" from `ctl` it
+ * stops the application (SIGSTOP), sends an FPDU stag must refuse,
+ * then FIN, then RST (SO_LINGER 0), and lets the application go on
+ * (SIGCONT). So whichever of its threads drives the QP first reads the
+ * bad FPDU before anything else, and answers it with a Terminate: a
+ * write to a stream that is already reset, after the FIN, which leaves
+ * EPIPE (not ECONNRESET) on the socket: without MSG_NOSIGNAL that write
+ * raises SIGPIPE, every time. */
+static void raw_peer_reset(uint16_t port, int ctl)
+{
+	static const unsigned char request[24] = {
+		'M', 'P', 'A', ' ', 'I', 'D', ' ', 'R', 'e', 'q', ' ', 'F', 'r', 'a', 'm', 'e',
+		0x10, 0x02, 0x00, 0x04, 0x00, 0x10, 0x00, 0x10,
+	};
+	/* MPA length 18, an untagged DDP header with DV 0, no pad, CRC 0:
+	 * refused whether or not CRCs were negotiated. */
+	static const unsigned char bad_fpdu[24] = { 0x00, 18, 0x40, 0x40 };
+	struct sockaddr_in sin = { .sin_family = AF_INET, .sin_port = htons(port),
+				   .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	char reply[512], go;
+	pid_t app = getppid();
+	int s = socket(AF_INET, SOCK_STREAM, 0);
+	if (s < 0 || connect(s, (struct sockaddr *)&sin, sizeof sin) ||
+	    write(s, request, sizeof request) != sizeof request || read(s, reply, sizeof reply) < 20 ||
+	    read(ctl, &go, 1) != 1)
+		_exit(2);
+	kill(app, SIGSTOP);
+	double end = now() + 10;
+	while (!is_stopped(app) && now() < end)
+		usleep(1000);
+	/* FIN first: the application's end is in CLOSE_WAIT when the RST
+	 * arrives, so the kernel records EPIPE on it. */
+	struct linger lg = { 1, 0 };
+	int ok = is_stopped(app) && write(s, bad_fpdu, sizeof bad_fpdu) == sizeof bad_fpdu &&
+		 !shutdown(s, SHUT_WR) && !setsockopt(s, SOL_SOCKET, SO_LINGER, &lg, sizeof lg) &&
+		 !close(s);
+	/* Loopback delivers within the calls above; settle before resuming. */
+	usleep(20000);
+	kill(app, SIGCONT);
+	_exit(ok && write(ctl, "r", 1) == 1 ? 0 : 2);
+}
+
+static void case_sigpipe(void)
+{
+	struct end e = { 0 };
+	struct sockaddr_in sin = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	e.ch = rdma_create_event_channel();
+	if (!e.ch || rdma_create_id(e.ch, &e.listen, NULL, RDMA_PS_TCP) ||
+	    rdma_bind_addr(e.listen, (struct sockaddr *)&sin) || rdma_listen(e.listen, 1))
+		DIE("listen");
+	uint16_t port = ntohs(rdma_get_src_port(e.listen));
+	int sv[2];
+	if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv))
+		DIE("socketpair");
+	pid_t pid = fork();
+	if (pid < 0)
+		DIE("fork");
+	if (pid == 0) {
+		close(sv[0]);
+		raw_peer_reset(port, sv[1]);
+	}
+	close(sv[1]);
+	struct rdma_cm_event *ev = expect(e.ch, RDMA_CM_EVENT_CONNECT_REQUEST);
+	e.id = ev->id;
+	rdma_ack_cm_event(ev);
+	make_qp(&e, 8);
+	struct rdma_conn_param cp = { .responder_resources = 8, .initiator_depth = 8 };
+	if (rdma_accept(e.id, &cp))
+		DIE("accept");
+	rdma_ack_cm_event(expect(e.ch, RDMA_CM_EVENT_ESTABLISHED));
+	/* This thread sleeps in read() while the peer does its part. */
+	char r = 0;
+	CHECK(write(sv[0], "g", 1) == 1 && read(sv[0], &r, 1) == 1 && r == 'r',
+	      "sigpipe: the peer stopped us, sent a bad FPDU, FIN and RST");
+	int st = 0;
+	waitpid(pid, &st, 0);
+	CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "sigpipe: the raw peer ran (status %#x)", st);
+	/* Still alive: the Terminate's write returned EPIPE, not a signal.
+	 * Posts now flush: the QP is in Error. */
+	struct ibv_wc wc;
+	struct ibv_recv_wr rw = { .wr_id = 5 }, *rbad;
+	CHECK(ibv_post_recv(e.id->qp, &rw, &rbad) == 0 && poll_for(e.cq, &wc, 1, 5) == 1 &&
+		      wc.wr_id == 5 && wc.status == IBV_WC_WR_FLUSH_ERR,
+	      "sigpipe: the QP is in Error: a Receive flushes");
+	close(sv[0]);
+	rdma_destroy_qp(e.id);
+	ibv_destroy_cq(e.cq);
+	ibv_dealloc_pd(e.pd);
+	rdma_destroy_id(e.id);
+	rdma_destroy_id(e.listen);
 	rdma_destroy_event_channel(e.ch);
 }
 
@@ -636,7 +754,8 @@ static const struct {
 	const char *name;
 	void (*run)(void);
 } cases[] = {
-	{ "sigpipe", case_sigpipe },	     { "kill_recv", case_kill_recv },
+	{ "sigpipe", case_sigpipe },	     { "peer_close", case_peer_close },
+	{ "kill_recv", case_kill_recv },
 	{ "dereg_inflight", case_dereg_inflight }, { "full_sq", case_full_sq },
 	{ "post_error", case_post_error },   { "destroy_qp", case_destroy_qp },
 	{ "async", case_async },
