@@ -23,6 +23,7 @@
 mod ffi;
 
 mod assist;
+mod async_events;
 mod c_list;
 mod context;
 mod cq;

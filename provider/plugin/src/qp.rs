@@ -16,6 +16,7 @@ use provider::mem::Access;
 use provider::qp::{QpCaps, QpState};
 use provider::wr::{RecvWr, Remote, SendOp, SendWr, Sge};
 
+use crate::async_events::AsyncSource;
 use crate::c_list::{post_chain, sge_list};
 use crate::context::limits;
 use crate::errno::{self, guard};
@@ -61,6 +62,8 @@ pub(crate) struct QpShared {
     send_ops: u64,
     /// Receive assist after Write reaps ([`crate::assist`]).
     assist: Arc<crate::assist::QpAssist>,
+    /// Where the QP's async events go, once it has its `ibv_qp`.
+    events: OnceLock<Arc<AsyncSource>>,
 }
 
 // SAFETY: the raw ibv_qp pointer is only dereferenced under its mutex while
@@ -324,6 +327,7 @@ unsafe fn try_create(
         has_srq: !srq.is_null(),
         send_ops: send_ops.unwrap_or(0),
         assist,
+        events: OnceLock::new(),
     });
     if max_inline > 0 && shared.ring().is_none() {
         return Err(libc::ENOMEM);
@@ -368,9 +372,9 @@ unsafe fn try_create(
     }
     // SAFETY: ctx is the pd's live context (libibverbs passes both).
     if let Some(st) = unsafe { crate::context::state(ctx) } {
-        let tx = st.async_tx.clone();
         // The kernel's user handle for a QP is the ibv_qp pointer.
-        let element = raw as usize as u64;
+        let source = AsyncSource::new(st.async_events.clone(), raw as usize as u64);
+        let _ = shared.events.set(source.clone());
         shared.prov.set_async_hook(move |ev| {
             use provider::qp::Event;
             let event_type = match ev {
@@ -380,7 +384,7 @@ unsafe fn try_create(
                 Event::TerminateSent(_) | Event::TerminateReceived(_) => IBV_EVENT_QP_FATAL,
                 Event::Closed => return,
             };
-            crate::context::post_async_event(&tx, element, event_type);
+            source.post(event_type);
         });
     }
     cap.max_send_wr = caps.max_send_wr;
@@ -449,6 +453,21 @@ pub(crate) unsafe extern "C" fn destroy_qp(qp: *mut ibv_qp) -> c_int {
         let Some(sh) = (unsafe { shared(qp) }) else {
             return libc::EINVAL;
         };
+        // As the kernel does: no more events, the unread ones dropped, and
+        // the ones the application read acked before the ibv_qp goes (an
+        // ack locks and counts on it).
+        if let Some(events) = sh.events.get() {
+            let reported = events.retire();
+            // SAFETY: the live qp's own members.
+            unsafe {
+                crate::async_events::wait_acked(
+                    ptr::addr_of_mut!((*qp).mutex).cast(),
+                    ptr::addr_of_mut!((*qp).cond).cast(),
+                    ptr::addr_of!((*qp).events_completed),
+                    reported,
+                )
+            };
+        }
         *sh.ibv.lock().unwrap_or_else(|p| p.into_inner()) = ptr::null_mut();
         // The stream closes when the RNIC QP drops with the last handle
         // (the connection manager holds one only for the length of a

@@ -35,11 +35,14 @@
  *                  dereg and munmap: nothing touches the memory again.
  *   async          ibv_get_async_event on a polled async_fd: COMM_EST once
  *                  connected, QP_FATAL when the peer sends a Terminate.
+ *   async_destroy  ibv_destroy_qp waits for the ack of an event the
+ *                  application read, and drops the QP's unread events.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -702,10 +705,8 @@ static void case_destroy_qp(void)
 
 /* The next async event of `ctx` of type `type`, waiting on async_fd with
  * poll() as an event loop would (at most `ms` for each); 0 if one came.
- * Events of other types are skipped; so are those of earlier cases' QPs
- * (rdma_cm shares one context per process, and they were never read),
- * without an ack: their QPs are gone (stag does not yet drop a destroyed
- * QP's unread events, as the kernel's destroy does by waiting for acks). */
+ * Events of other types are acked and skipped (a destroy waits for the
+ * acks of the events it reported). */
 static int next_async(struct ibv_context *ctx, enum ibv_event_type type,
 		      struct ibv_async_event *ev, int ms)
 {
@@ -715,7 +716,73 @@ static int next_async(struct ibv_context *ctx, enum ibv_event_type type,
 			return -1;
 		if (ev->event_type == type)
 			return 0;
+		ibv_ack_async_event(ev);
 	}
+}
+
+struct destroyer {
+	struct ibv_qp *qp;
+	volatile int done, rc;
+};
+
+static void *destroy_thread(void *arg)
+{
+	struct destroyer *d = arg;
+	d->rc = ibv_destroy_qp(d->qp);
+	d->done = 1;
+	return NULL;
+}
+
+static void case_async_destroy(void)
+{
+	/* An event read and not acked: destroy waits for the ack. */
+	struct peer p = spawn_peer("async_destroy");
+	struct end e = { 0 };
+	connect_to(&e, p.port, 8);
+	struct ibv_context *ctx = e.id->verbs;
+	struct ibv_async_event ev;
+	CHECK(next_async(ctx, IBV_EVENT_COMM_EST, &ev, 5000) == 0 && ev.element.qp == e.id->qp,
+	      "async_destroy: COMM_EST read");
+	struct destroyer d = { .qp = e.id->qp };
+	pthread_t t;
+	if (pthread_create(&t, NULL, destroy_thread, &d))
+		DIE("pthread_create");
+	usleep(200000);
+	CHECK(!d.done, "async_destroy: ibv_destroy_qp waits while a read event is not acked");
+	ibv_ack_async_event(&ev);
+	double end = now() + 5;
+	while (!d.done && now() < end)
+		usleep(1000);
+	CHECK(d.done && d.rc == 0, "async_destroy: the ack lets ibv_destroy_qp return (rc %d)", d.rc);
+	if (d.done)
+		pthread_join(t, NULL);
+	e.id->qp = NULL;
+	kill(p.pid, SIGKILL);
+	reap(&p);
+	ibv_destroy_cq(e.cq);
+	ibv_dealloc_pd(e.pd);
+	rdma_destroy_id(e.id);
+	rdma_destroy_event_channel(e.ch);
+
+	/* An event not read yet: destroy drops it, and returns at once. */
+	p = spawn_peer("async_destroy");
+	memset(&e, 0, sizeof e);
+	connect_to(&e, p.port, 8);
+	ctx = e.id->verbs;
+	struct pollfd pfd = { .fd = ctx->async_fd, .events = POLLIN };
+	CHECK(poll(&pfd, 1, 5000) == 1, "async_destroy: COMM_EST waiting on async_fd");
+	double t0 = now();
+	CHECK(ibv_destroy_qp(e.id->qp) == 0 && now() - t0 < 2,
+	      "async_destroy: ibv_destroy_qp with an unread event returns");
+	e.id->qp = NULL;
+	pfd.revents = 0;
+	CHECK(poll(&pfd, 1, 200) == 0, "async_destroy: the destroyed QP's unread event is gone");
+	kill(p.pid, SIGKILL);
+	reap(&p);
+	ibv_destroy_cq(e.cq);
+	ibv_dealloc_pd(e.pd);
+	rdma_destroy_id(e.id);
+	rdma_destroy_event_channel(e.ch);
 }
 
 static void case_async(void)
@@ -758,7 +825,7 @@ static const struct {
 	{ "kill_recv", case_kill_recv },
 	{ "dereg_inflight", case_dereg_inflight }, { "full_sq", case_full_sq },
 	{ "post_error", case_post_error },   { "destroy_qp", case_destroy_qp },
-	{ "async", case_async },
+	{ "async", case_async },	     { "async_destroy", case_async_destroy },
 };
 
 int main(int argc, char **argv)
