@@ -31,6 +31,8 @@ pub(crate) struct StagCq {
     notified: bool,
     /// Counts the `poll_cq`s on this CQ ([`crate::sweep`]).
     pub(crate) mark: Arc<PollMark>,
+    /// The QPs completing into this CQ.
+    pub(crate) users: Arc<crate::users::Users>,
 }
 
 /// The RNIC CQ behind one of our `ibv_cq`s.
@@ -53,6 +55,15 @@ pub(crate) unsafe fn cq<'a>(cq: *const ibv_cq) -> Option<&'a Arc<CompletionQueue
 pub(crate) unsafe fn mark(cq: *const ibv_cq) -> Option<Arc<PollMark>> {
     // SAFETY: forwarded; `cq` checked it is ours.
     unsafe { self::cq(cq) }.map(|_| unsafe { (*cq.cast::<StagCq>()).mark.clone() })
+}
+
+/// What uses one of our `ibv_cq`s.
+///
+/// # Safety
+/// As [`cq`].
+pub(crate) unsafe fn users<'a>(cq: *const ibv_cq) -> Option<&'a Arc<crate::users::Users>> {
+    // SAFETY: forwarded; `cq` checked it is ours.
+    unsafe { self::cq(cq) }.map(|_| unsafe { &(*cq.cast::<StagCq>()).users })
 }
 
 /// The completion channels this plugin made: channel address → the pipe's
@@ -166,6 +177,7 @@ pub(crate) unsafe extern "C" fn create_cq(
             inner: inner.clone(),
             notified: chan_fd.is_some(),
             mark: Arc::default(),
+            users: Arc::default(),
         }));
         if let Some(fd) = chan_fd {
             let Some(n) = notifier() else {
@@ -201,6 +213,9 @@ pub(crate) unsafe extern "C" fn destroy_cq(cq: *mut ibv_cq) -> c_int {
         let raw = cq.cast::<StagCq>();
         // SAFETY: ours (checked).
         let sc = unsafe { &*raw };
+        if sc.users.in_use() {
+            return libc::EBUSY;
+        }
         if sc.notified {
             if let Some(n) = notifier() {
                 let mut entries = n.entries.lock().unwrap_or_else(|p| p.into_inner());

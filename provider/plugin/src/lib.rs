@@ -35,6 +35,7 @@ mod mr;
 mod qp;
 mod srq;
 mod sweep;
+mod users;
 mod wr;
 
 pub mod cm;

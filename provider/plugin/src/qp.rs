@@ -36,6 +36,8 @@ pub(crate) struct StagQp {
     /// The newer layout's `comp_mask` (and `xrcd`), or this layout's `xrcd`.
     tail: [u64; 3],
     shared: Arc<QpShared>,
+    /// Its PD, CQs and SRQ stay (EBUSY) until the QP is destroyed.
+    _uses: Vec<crate::users::Use>,
 }
 
 const VERBS_QP_EX: u32 = 1 << 1;
@@ -301,6 +303,19 @@ unsafe fn try_create(
         // SAFETY: as above.
         Some(unsafe { crate::srq::srq(srq) }.ok_or(libc::EINVAL)?.clone())
     };
+    // SAFETY: as above (each checked to be ours, or NULL for the SRQ).
+    let uses = unsafe {
+        [
+            crate::mr::users(pd),
+            crate::cq::users(send_cq),
+            crate::cq::users(recv_cq),
+            crate::srq::users(srq),
+        ]
+    }
+    .into_iter()
+    .flatten()
+    .map(|u| u.hold())
+    .collect::<Vec<_>>();
     if let Some(ops) = send_ops {
         let unsupported = ops & !supported_send_ops();
         if unsupported != 0 {
@@ -361,6 +376,7 @@ unsafe fn try_create(
             0,
         ],
         shared: shared.clone(),
+        _uses: uses,
     }));
     // SAFETY: raw is the fresh allocation; the pthread objects are
     // initialised where they will stay.

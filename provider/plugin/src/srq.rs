@@ -11,6 +11,7 @@ use crate::c_list::{post_chain, sge_list};
 use crate::context::limits;
 use crate::errno::{self, guard};
 use crate::ffi::*;
+use crate::users::{Use, Users};
 
 /// `verbs_srq` first, then the RNIC's queue.
 #[repr(C)]
@@ -20,6 +21,10 @@ struct StagSrq {
     max_wr: u32,
     max_sge: u32,
     limit: u32,
+    /// The QPs receiving from this SRQ.
+    users: Arc<Users>,
+    /// Keeps the PD from being deallocated while the SRQ lives.
+    _on_pd: Use,
 }
 
 /// The RNIC queue behind one of our `ibv_srq`s.
@@ -35,13 +40,26 @@ pub(crate) unsafe fn srq<'a>(srq: *const ibv_srq) -> Option<&'a Arc<Srq>> {
     Some(unsafe { &(*srq.cast::<StagSrq>()).inner })
 }
 
+/// What uses one of our `ibv_srq`s.
+///
+/// # Safety
+/// As [`srq`].
+pub(crate) unsafe fn users<'a>(srq: *const ibv_srq) -> Option<&'a Arc<Users>> {
+    // SAFETY: forwarded; `srq` checked it is ours.
+    unsafe { self::srq(srq) }.map(|_| unsafe { &(*srq.cast::<StagSrq>()).users })
+}
+
 pub(crate) unsafe extern "C" fn create_srq(
     pd: *mut ibv_pd,
     attr: *mut ibv_srq_init_attr,
 ) -> *mut ibv_srq {
     guard("create_srq", ptr::null_mut(), || {
         // SAFETY: libibverbs passes a pd of this context.
-        if unsafe { crate::mr::pd(pd) }.is_none() || attr.is_null() {
+        let Some(pd_users) = (unsafe { crate::mr::users(pd) }) else {
+            errno::set(libc::EINVAL);
+            return ptr::null_mut();
+        };
+        if attr.is_null() {
             errno::set(libc::EINVAL);
             return ptr::null_mut();
         }
@@ -70,6 +88,8 @@ pub(crate) unsafe extern "C" fn create_srq(
             max_wr: a.attr.max_wr,
             max_sge,
             limit: a.attr.srq_limit,
+            users: Users::new(),
+            _on_pd: pd_users.hold(),
         }));
         // SAFETY: fresh allocation; initialised where they stay.
         unsafe {
@@ -125,8 +145,11 @@ pub(crate) unsafe extern "C" fn query_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_
 pub(crate) unsafe extern "C" fn destroy_srq(srq: *mut ibv_srq) -> c_int {
     guard("destroy_srq", libc::EIO, || {
         // SAFETY: libibverbs passes an srq of this context.
-        if unsafe { self::srq(srq) }.is_none() {
+        let Some(users) = (unsafe { self::users(srq) }) else {
             return libc::EINVAL;
+        };
+        if users.in_use() {
+            return libc::EBUSY;
         }
         // SAFETY: ours, freed once.
         unsafe {

@@ -37,6 +37,8 @@
  *                  connected, QP_FATAL when the peer sends a Terminate.
  *   async_destroy  ibv_destroy_qp waits for the ack of an event the
  *                  application read, and drops the QP's unread events.
+ *   busy           EBUSY from ibv_dealloc_pd with MRs/QPs/SRQs on it,
+ *                  ibv_destroy_cq and ibv_destroy_srq while a QP uses them.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -817,6 +819,51 @@ static void case_async(void)
 	rdma_destroy_event_channel(e.ch);
 }
 
+/* stag0's context, opened directly (no rdma_cm). */
+static struct ibv_context *open_stag0(void)
+{
+	int n = 0;
+	struct ibv_device **list = ibv_get_device_list(&n);
+	struct ibv_context *ctx = NULL;
+	for (int i = 0; list && i < n && !ctx; i++)
+		if (!strcmp(ibv_get_device_name(list[i]), "stag0"))
+			ctx = ibv_open_device(list[i]);
+	if (list)
+		ibv_free_device_list(list);
+	if (!ctx)
+		DIE("open stag0");
+	return ctx;
+}
+
+static void case_busy(void)
+{
+	struct ibv_context *ctx = open_stag0();
+	struct ibv_pd *pd = ibv_alloc_pd(ctx);
+	struct ibv_cq *cq = ibv_create_cq(ctx, 16, NULL, NULL, 0);
+	struct ibv_srq_init_attr sa = { .attr = { .max_wr = 8, .max_sge = 1 } };
+	struct ibv_srq *srq = pd ? ibv_create_srq(pd, &sa) : NULL;
+	static char buf[4096];
+	struct ibv_mr *mr = pd ? ibv_reg_mr(pd, buf, sizeof buf, IBV_ACCESS_LOCAL_WRITE) : NULL;
+	struct ibv_qp_init_attr qa = { .send_cq = cq, .recv_cq = cq, .srq = srq,
+				       .qp_type = IBV_QPT_RC, .cap = { 8, 8, 1, 1, 0 } };
+	struct ibv_qp *qp = pd && cq && srq ? ibv_create_qp(pd, &qa) : NULL;
+	if (!qp || !mr)
+		DIE("busy: objects");
+	CHECK(ibv_dealloc_pd(pd) == EBUSY, "busy: ibv_dealloc_pd with a QP, an SRQ and an MR on it: EBUSY");
+	CHECK(ibv_destroy_cq(cq) == EBUSY, "busy: ibv_destroy_cq while a QP uses it: EBUSY");
+	CHECK(ibv_destroy_srq(srq) == EBUSY, "busy: ibv_destroy_srq while a QP uses it: EBUSY");
+	/* Still whole: a post on the QP's SRQ works. */
+	struct ibv_sge s = { (uintptr_t)buf, 64, mr->lkey };
+	struct ibv_recv_wr w = { .wr_id = 1, .sg_list = &s, .num_sge = 1 }, *bad;
+	CHECK(ibv_post_srq_recv(srq, &w, &bad) == 0, "busy: the SRQ still works after the refusal");
+	CHECK(ibv_destroy_qp(qp) == 0, "busy: destroy the QP");
+	CHECK(ibv_destroy_cq(cq) == 0, "busy: then ibv_destroy_cq succeeds");
+	CHECK(ibv_destroy_srq(srq) == 0, "busy: then ibv_destroy_srq succeeds");
+	CHECK(ibv_dealloc_pd(pd) == EBUSY, "busy: ibv_dealloc_pd with an MR on it: EBUSY");
+	CHECK(ibv_dereg_mr(mr) == 0 && ibv_dealloc_pd(pd) == 0, "busy: dereg, then dealloc_pd succeeds");
+	CHECK(ibv_close_device(ctx) == 0, "busy: close the device");
+}
+
 static const struct {
 	const char *name;
 	void (*run)(void);
@@ -826,6 +873,7 @@ static const struct {
 	{ "dereg_inflight", case_dereg_inflight }, { "full_sq", case_full_sq },
 	{ "post_error", case_post_error },   { "destroy_qp", case_destroy_qp },
 	{ "async", case_async },	     { "async_destroy", case_async_destroy },
+	{ "busy", case_busy },
 };
 
 int main(int argc, char **argv)
