@@ -39,6 +39,9 @@
  *                  application read, and drops the QP's unread events.
  *   busy           EBUSY from ibv_dealloc_pd with MRs/QPs/SRQs on it,
  *                  ibv_destroy_cq and ibv_destroy_srq while a QP uses them.
+ *   log_flood      1001 identical warnings (STAG_LOG=warn) reach stderr
+ *                  as the first 10, then one a second, each after a line
+ *                  counting those suppressed.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -864,6 +867,79 @@ static void case_busy(void)
 	CHECK(ibv_close_device(ctx) == 0, "busy: close the device");
 }
 
+/* The child of `log_flood` (STAG_LOG=warn): 1000 calls that each log
+ * the same warning, a pause longer than the limiter's period, one more. */
+static int flood_main(void)
+{
+	struct ibv_context *ctx = open_stag0();
+	struct ibv_cq *cq = ibv_create_cq(ctx, 16, NULL, NULL, 0);
+	if (!cq)
+		DIE("flood: create_cq");
+	double t0 = now();
+	for (int i = 0; i < 1000; i++)
+		ibv_resize_cq(cq, 32); /* unsupported: a warning each time */
+	double took = now() - t0;
+	usleep(1100000);
+	ibv_resize_cq(cq, 32);
+	ibv_destroy_cq(cq);
+	ibv_close_device(ctx);
+	printf("flood %.3f\n", took);
+	return 0;
+}
+
+static void case_log_flood(void)
+{
+	char path[] = "/tmp/faults-flood-XXXXXX";
+	int fd = mkstemp(path);
+	if (fd < 0)
+		DIE("mkstemp");
+	unlink(path);
+	int out[2];
+	if (pipe(out))
+		DIE("pipe");
+	pid_t pid = fork();
+	if (pid < 0)
+		DIE("fork");
+	if (pid == 0) {
+		dup2(fd, 2);
+		dup2(out[1], 1);
+		setenv("STAG_LOG", "warn", 1);
+		execl(self_exe, self_exe, "--flood", (char *)NULL);
+		_exit(127);
+	}
+	close(out[1]);
+	FILE *o = fdopen(out[0], "r");
+	double took = -1;
+	if (!o || fscanf(o, "flood %lf", &took) != 1)
+		took = -1;
+	if (o)
+		fclose(o);
+	int st = 0;
+	waitpid(pid, &st, 0);
+	lseek(fd, 0, SEEK_SET);
+	FILE *f = fdopen(fd, "r");
+	char line[1024];
+	int warned = 0, notes = 0, suppressed = -1;
+	while (f && fgets(line, sizeof line, f)) {
+		if (strstr(line, "ibv_resize_cq is not supported"))
+			warned++;
+		char *m = strstr(line, "stag0: ");
+		if (m && sscanf(m, "stag0: %d more messages like the next one were suppressed",
+				&suppressed) == 1)
+			notes++;
+	}
+	if (f)
+		fclose(f);
+	/* The burst of 10, one a second while the flood lasted, then the
+	 * one after the pause with the count of the rest. */
+	int most = 10 + (int)took + 1;
+	CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0 && took >= 0, "log_flood: the child ran (%#x)", st);
+	CHECK(warned >= 11 && warned <= most + 1 && notes >= 1 && notes <= most - 9 &&
+		      suppressed > 0 && suppressed + warned >= 1001 - notes,
+	      "log_flood: 1001 identical warnings print as %d lines and %d suppression notes (last: %d suppressed; the flood took %.3f s)",
+	      warned, notes, suppressed, took);
+}
+
 static const struct {
 	const char *name;
 	void (*run)(void);
@@ -873,7 +949,7 @@ static const struct {
 	{ "dereg_inflight", case_dereg_inflight }, { "full_sq", case_full_sq },
 	{ "post_error", case_post_error },   { "destroy_qp", case_destroy_qp },
 	{ "async", case_async },	     { "async_destroy", case_async_destroy },
-	{ "busy", case_busy },
+	{ "busy", case_busy },	     { "log_flood", case_log_flood },
 };
 
 int main(int argc, char **argv)
@@ -883,6 +959,8 @@ int main(int argc, char **argv)
 	signal(SIGPIPE, SIG_DFL);
 	if (argc == 3 && !strcmp(argv[1], "--peer"))
 		return peer_main(argv[2]);
+	if (argc == 2 && !strcmp(argv[1], "--flood"))
+		return flood_main();
 	static char exe[4096];
 	ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
 	if (n <= 0)
