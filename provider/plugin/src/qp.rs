@@ -8,7 +8,7 @@
 
 use std::ffi::{c_int, c_uint};
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use provider::device::{ProtectionDomain, QueuePair};
@@ -65,7 +65,41 @@ pub(crate) struct QpShared {
     /// Receive assist after Write reaps ([`crate::assist`]).
     assist: Arc<crate::assist::QpAssist>,
     /// Where the QP's async events go, once it has its `ibv_qp`.
-    events: OnceLock<Arc<AsyncSource>>,
+    events: OnceLock<Arc<QpEvents>>,
+}
+
+/// A QP's asynchronous events, from its connection's events.
+struct QpEvents {
+    source: Arc<AsyncSource>,
+    /// The QP receives from an SRQ: it reports its last WQE.
+    on_srq: bool,
+    last_wqe_reported: AtomicBool,
+}
+
+impl QpEvents {
+    fn on(&self, ev: &provider::qp::Event) {
+        use provider::qp::Event;
+        match ev {
+            Event::Established => self.source.post(IBV_EVENT_COMM_EST),
+            // A Terminate either way, or the stream broke (a reset, not an
+            // orderly close): the QP is in Error by a fault.
+            Event::TerminateSent(_) | Event::TerminateReceived(_) | Event::StreamFailed => {
+                self.source.post(IBV_EVENT_QP_FATAL);
+                self.entered_error();
+            }
+            // A clean close (the peer's disconnect) is no fault: the
+            // connection manager reports it (RDMA_CM_EVENT_DISCONNECTED).
+            Event::Closed => self.entered_error(),
+        }
+    }
+
+    /// The QP is in Error: nothing more is taken from its SRQ, which the
+    /// kernel reports once as IBV_EVENT_QP_LAST_WQE_REACHED.
+    fn entered_error(&self) {
+        if self.on_srq && !self.last_wqe_reported.swap(true, Ordering::AcqRel) {
+            self.source.post(IBV_EVENT_QP_LAST_WQE_REACHED);
+        }
+    }
 }
 
 // SAFETY: the raw ibv_qp pointer is only dereferenced under its mutex while
@@ -389,19 +423,13 @@ unsafe fn try_create(
     // SAFETY: ctx is the pd's live context (libibverbs passes both).
     if let Some(st) = unsafe { crate::context::state(ctx) } {
         // The kernel's user handle for a QP is the ibv_qp pointer.
-        let source = AsyncSource::new(st.async_events.clone(), raw as usize as u64);
-        let _ = shared.events.set(source.clone());
-        shared.prov.set_async_hook(move |ev| {
-            use provider::qp::Event;
-            let event_type = match ev {
-                Event::Established => IBV_EVENT_COMM_EST,
-                // A Terminate either way, or the stream failed: the QP is
-                // in Error.
-                Event::TerminateSent(_) | Event::TerminateReceived(_) => IBV_EVENT_QP_FATAL,
-                Event::Closed => return,
-            };
-            source.post(event_type);
+        let events = Arc::new(QpEvents {
+            source: AsyncSource::new(st.async_events.clone(), raw as usize as u64),
+            on_srq: !srq.is_null(),
+            last_wqe_reported: AtomicBool::new(false),
         });
+        let _ = shared.events.set(events.clone());
+        shared.prov.set_async_hook(move |ev| events.on(ev));
     }
     cap.max_send_wr = caps.max_send_wr;
     cap.max_recv_wr = caps.max_recv_wr;
@@ -473,7 +501,7 @@ pub(crate) unsafe extern "C" fn destroy_qp(qp: *mut ibv_qp) -> c_int {
         // the ones the application read acked before the ibv_qp goes (an
         // ack locks and counts on it).
         if let Some(events) = sh.events.get() {
-            let reported = events.retire();
+            let reported = events.source.retire();
             // SAFETY: the live qp's own members.
             unsafe {
                 crate::async_events::wait_acked(
@@ -552,6 +580,9 @@ pub(crate) unsafe extern "C" fn modify_qp(
                 || (to == IBV_QPS_RESET && from != IBV_QPS_RESET && from != IBV_QPS_INIT)
             {
                 sh.prov.set_error();
+                if let Some(events) = sh.events.get() {
+                    events.entered_error();
+                }
             }
             sh.set_state(to);
         }

@@ -37,6 +37,11 @@
  *                  connected, QP_FATAL when the peer sends a Terminate.
  *   async_destroy  ibv_destroy_qp waits for the ack of an event the
  *                  application read, and drops the QP's unread events.
+ *   async_reset    the peer killed with our data unread resets the stream:
+ *                  IBV_EVENT_QP_FATAL.
+ *   async_disconnect  the peer's rdma_disconnect: DISCONNECTED, no QP_FATAL.
+ *   async_last_wqe an SRQ QP moved to Error: IBV_EVENT_QP_LAST_WQE_REACHED,
+ *                  once.
  *   busy           EBUSY from ibv_dealloc_pd with MRs/QPs/SRQs on it,
  *                  ibv_destroy_cq and ibv_destroy_srq while a QP uses them.
  *   log_flood      1001 identical warnings (STAG_LOG=warn) reach stderr
@@ -97,6 +102,8 @@ struct end {
 	struct ibv_cq *cq;
 	struct offer peer;
 	uint32_t sq_depth; /* max_send_wr as created */
+	int want_srq;	   /* make_qp: the QP receives from a new SRQ */
+	struct ibv_srq *srq;
 };
 
 static struct rdma_cm_event *expect(struct rdma_event_channel *ch, enum rdma_cm_event_type t)
@@ -139,8 +146,14 @@ static void make_qp(struct end *e, int depth)
 {
 	e->pd = ibv_alloc_pd(e->id->verbs);
 	e->cq = ibv_create_cq(e->id->verbs, 4 * depth, NULL, NULL, 0);
-	struct ibv_qp_init_attr qa = { .send_cq = e->cq, .recv_cq = e->cq, .qp_type = IBV_QPT_RC,
-				       .cap = { depth, depth, 1, 1, 0 } };
+	if (e->want_srq && e->pd) {
+		struct ibv_srq_init_attr sa = { .attr = { .max_wr = 16, .max_sge = 1 } };
+		e->srq = ibv_create_srq(e->pd, &sa);
+		if (!e->srq)
+			DIE("create srq");
+	}
+	struct ibv_qp_init_attr qa = { .send_cq = e->cq, .recv_cq = e->cq, .srq = e->srq,
+				       .qp_type = IBV_QPT_RC, .cap = { depth, depth, 1, 1, 0 } };
 	if (!e->pd || !e->cq || rdma_create_qp(e->id, e->pd, &qa))
 		DIE("create qp");
 	e->sq_depth = qa.cap.max_send_wr;
@@ -276,6 +289,13 @@ static int peer_main(const char *cas)
 		rdma_disconnect(e.id);
 		usleep(100000);
 		_exit(0);
+	}
+	if (!strcmp(cas, "async_disconnect")) {
+		/* A clean disconnect from our side. */
+		usleep(100000);
+		rdma_disconnect(e.id);
+		rdma_ack_cm_event(expect(e.ch, RDMA_CM_EVENT_DISCONNECTED));
+		return 0;
 	}
 	/* Otherwise: stay until killed or the client disconnects. */
 	struct rdma_cm_event *ev;
@@ -822,6 +842,103 @@ static void case_async(void)
 	rdma_destroy_event_channel(e.ch);
 }
 
+/* Events of `type` on `qp` that arrive within `ms` (acking each). */
+static int count_async(struct ibv_context *ctx, struct ibv_qp *qp, enum ibv_event_type type, int ms)
+{
+	int n = 0;
+	double end = now() + ms / 1e3;
+	struct ibv_async_event ev;
+	while (now() < end) {
+		struct pollfd pfd = { .fd = ctx->async_fd, .events = POLLIN };
+		if (poll(&pfd, 1, 10) != 1 || ibv_get_async_event(ctx, &ev))
+			continue;
+		n += ev.event_type == type && ev.element.qp == qp;
+		ibv_ack_async_event(&ev);
+	}
+	return n;
+}
+
+static void teardown(struct end *e, struct peer *p)
+{
+	if (p) {
+		kill(p->pid, SIGKILL);
+		reap(p);
+	}
+	rdma_destroy_qp(e->id);
+	if (e->srq)
+		ibv_destroy_srq(e->srq);
+	ibv_destroy_cq(e->cq);
+	ibv_dealloc_pd(e->pd);
+	rdma_destroy_id(e->id);
+	rdma_destroy_event_channel(e->ch);
+}
+
+static void case_async_reset(void)
+{
+	struct peer p = spawn_peer("async");
+	struct end e = { 0 };
+	connect_to(&e, p.port, 8);
+	struct ibv_async_event ev;
+	if (next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0)
+		ibv_ack_async_event(&ev);
+	char *buf = map_big(1 << 16, 0);
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, 1 << 16, IBV_ACCESS_LOCAL_WRITE);
+	/* The peer never reads this Write: killed with it unread, its kernel
+	 * resets the connection (RST), as for any process killed mid-stream. */
+	kill(p.pid, SIGSTOP);
+	double end = now() + 5;
+	while (!is_stopped(p.pid) && now() < end)
+		usleep(1000);
+	struct ibv_wc wc;
+	CHECK(post_write(&e, mr, buf, 1 << 16, 1, 0) == 0 && poll_for(e.cq, &wc, 1, 5) == 1 &&
+		      wc.status == IBV_WC_SUCCESS,
+	      "async_reset: a Write sent to the stopped peer");
+	kill(p.pid, SIGKILL);
+	reap(&p);
+	CHECK(next_async(e.id->verbs, IBV_EVENT_QP_FATAL, &ev, 5000) == 0 && ev.element.qp == e.id->qp,
+	      "async_reset: the peer's reset raises IBV_EVENT_QP_FATAL");
+	ibv_ack_async_event(&ev);
+	ibv_dereg_mr(mr);
+	munmap(buf, 1 << 16);
+	teardown(&e, NULL);
+}
+
+static void case_async_disconnect(void)
+{
+	struct peer p = spawn_peer("async_disconnect");
+	struct end e = { 0 };
+	connect_to(&e, p.port, 8);
+	struct ibv_async_event ev;
+	CHECK(next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0, "async_disconnect: COMM_EST");
+	ibv_ack_async_event(&ev);
+	rdma_ack_cm_event(expect(e.ch, RDMA_CM_EVENT_DISCONNECTED));
+	CHECK(count_async(e.id->verbs, e.id->qp, IBV_EVENT_QP_FATAL, 300) == 0,
+	      "async_disconnect: the peer's clean disconnect raises no QP_FATAL");
+	reap(&p);
+	teardown(&e, NULL);
+}
+
+static void case_async_last_wqe(void)
+{
+	struct peer p = spawn_peer("async");
+	struct end e = { .want_srq = 1 };
+	connect_to(&e, p.port, 8);
+	struct ibv_async_event ev;
+	if (next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0)
+		ibv_ack_async_event(&ev);
+	CHECK(count_async(e.id->verbs, e.id->qp, IBV_EVENT_QP_LAST_WQE_REACHED, 100) == 0,
+	      "async_last_wqe: none while the QP runs");
+	struct ibv_qp_attr a = { .qp_state = IBV_QPS_ERR };
+	CHECK(ibv_modify_qp(e.id->qp, &a, IBV_QP_STATE) == 0, "async_last_wqe: modify to ERR");
+	CHECK(next_async(e.id->verbs, IBV_EVENT_QP_LAST_WQE_REACHED, &ev, 5000) == 0 &&
+		      ev.element.qp == e.id->qp,
+	      "async_last_wqe: an SRQ QP in Error raises IBV_EVENT_QP_LAST_WQE_REACHED");
+	ibv_ack_async_event(&ev);
+	CHECK(count_async(e.id->verbs, e.id->qp, IBV_EVENT_QP_LAST_WQE_REACHED, 300) == 0,
+	      "async_last_wqe: once");
+	teardown(&e, &p);
+}
+
 /* stag0's context, opened directly (no rdma_cm). */
 static struct ibv_context *open_stag0(void)
 {
@@ -949,6 +1066,8 @@ static const struct {
 	{ "dereg_inflight", case_dereg_inflight }, { "full_sq", case_full_sq },
 	{ "post_error", case_post_error },   { "destroy_qp", case_destroy_qp },
 	{ "async", case_async },	     { "async_destroy", case_async_destroy },
+	{ "async_reset", case_async_reset }, { "async_disconnect", case_async_disconnect },
+	{ "async_last_wqe", case_async_last_wqe },
 	{ "busy", case_busy },	     { "log_flood", case_log_flood },
 };
 
