@@ -33,6 +33,8 @@ pub(crate) struct StagCq {
     pub(crate) mark: Arc<PollMark>,
     /// The QPs completing into this CQ.
     pub(crate) users: Arc<crate::users::Users>,
+    /// Where its IBV_EVENT_CQ_ERR goes.
+    events: Option<Arc<crate::async_events::AsyncSource>>,
 }
 
 /// The RNIC CQ behind one of our `ibv_cq`s.
@@ -178,7 +180,17 @@ pub(crate) unsafe extern "C" fn create_cq(
             notified: chan_fd.is_some(),
             mark: Arc::default(),
             users: Arc::default(),
+            events: None,
         }));
+        // SAFETY: ctx is live (checked ours above).
+        if let Some(st) = unsafe { crate::context::state(ctx) } {
+            // The kernel's user handle for a CQ is the ibv_cq pointer.
+            let source = crate::async_events::AsyncSource::new(st.async_events.clone(), raw as u64);
+            let s = source.clone();
+            inner.set_overrun_hook(move || s.post(IBV_EVENT_CQ_ERR));
+            // SAFETY: the fresh allocation, not handed out yet.
+            unsafe { (*raw).events = Some(source) };
+        }
         if let Some(fd) = chan_fd {
             let Some(n) = notifier() else {
                 // SAFETY: just allocated, not handed out.
@@ -215,6 +227,19 @@ pub(crate) unsafe extern "C" fn destroy_cq(cq: *mut ibv_cq) -> c_int {
         let sc = unsafe { &*raw };
         if sc.users.in_use() {
             return libc::EBUSY;
+        }
+        // As for a QP: its unread events dropped, the read ones acked.
+        if let Some(events) = &sc.events {
+            let reported = events.retire();
+            // SAFETY: the live cq's own members.
+            unsafe {
+                crate::async_events::wait_acked(
+                    ptr::addr_of_mut!((*cq).mutex).cast(),
+                    ptr::addr_of_mut!((*cq).cond).cast(),
+                    ptr::addr_of!((*cq).async_events_completed),
+                    reported,
+                )
+            };
         }
         if sc.notified {
             if let Some(n) = notifier() {

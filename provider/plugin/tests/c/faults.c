@@ -42,6 +42,9 @@
  *   async_disconnect  the peer's rdma_disconnect: DISCONNECTED, no QP_FATAL.
  *   async_last_wqe an SRQ QP moved to Error: IBV_EVENT_QP_LAST_WQE_REACHED,
  *                  once.
+ *   async_cq_err   more completions than the CQ holds: IBV_EVENT_CQ_ERR.
+ *   async_srq_limit  ibv_modify_srq(IBV_SRQ_LIMIT) arms the limit: once
+ *                  fewer WRs remain, IBV_EVENT_SRQ_LIMIT_REACHED, disarmed.
  *   busy           EBUSY from ibv_dealloc_pd with MRs/QPs/SRQs on it,
  *                  ibv_destroy_cq and ibv_destroy_srq while a QP uses them.
  *   log_flood      1001 identical warnings (STAG_LOG=warn) reach stderr
@@ -103,6 +106,7 @@ struct end {
 	struct offer peer;
 	uint32_t sq_depth; /* max_send_wr as created */
 	int want_srq;	   /* make_qp: the QP receives from a new SRQ */
+	int cq_size;	   /* make_qp: the CQ's size (0: 4 x depth) */
 	struct ibv_srq *srq;
 };
 
@@ -145,7 +149,7 @@ static int poll_for(struct ibv_cq *cq, struct ibv_wc *wc, int n, double secs)
 static void make_qp(struct end *e, int depth)
 {
 	e->pd = ibv_alloc_pd(e->id->verbs);
-	e->cq = ibv_create_cq(e->id->verbs, 4 * depth, NULL, NULL, 0);
+	e->cq = ibv_create_cq(e->id->verbs, e->cq_size ? e->cq_size : 4 * depth, NULL, NULL, 0);
 	if (e->want_srq && e->pd) {
 		struct ibv_srq_init_attr sa = { .attr = { .max_wr = 16, .max_sge = 1 } };
 		e->srq = ibv_create_srq(e->pd, &sa);
@@ -233,6 +237,12 @@ static int peer_main(const char *cas)
 	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, len, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
 	if (!mr)
 		DIE("peer reg_mr");
+	if (!strcmp(cas, "async_srq_limit")) {
+		struct ibv_sge s = { (uintptr_t)buf, 64, mr->lkey };
+		struct ibv_recv_wr w = { .wr_id = 100, .sg_list = &s, .num_sge = 1 }, *bad;
+		if (ibv_post_recv(e.id->qp, &w, &bad))
+			DIE("post_recv");
+	}
 	if (!strcmp(cas, "dereg_inflight")) {
 		for (int i = 0; i < NBIG; i++) {
 			struct ibv_sge s = { (uintptr_t)(buf + (size_t)i * BIG), BIG, mr->lkey };
@@ -289,6 +299,26 @@ static int peer_main(const char *cas)
 		rdma_disconnect(e.id);
 		usleep(100000);
 		_exit(0);
+	}
+	if (!strcmp(cas, "async_srq_limit")) {
+		/* On the client's Send, five Sends back: its SRQ goes from 8
+		 * posted WRs to 3. */
+		struct ibv_wc wc[5];
+		if (poll_for(e.cq, wc, 1, 30) != 1 || wc[0].status != IBV_WC_SUCCESS)
+			return 1;
+		for (int i = 0; i < 5; i++) {
+			struct ibv_sge s = { (uintptr_t)buf, 64, mr->lkey };
+			struct ibv_send_wr w = { .wr_id = i, .sg_list = &s, .num_sge = 1,
+						 .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED },
+					   *bad;
+			if (ibv_post_send(e.id->qp, &w, &bad))
+				return 1;
+		}
+		poll_for(e.cq, wc, 5, 10);
+		struct rdma_cm_event *ev;
+		while (rdma_get_cm_event(e.ch, &ev) == 0)
+			rdma_ack_cm_event(ev);
+		return 0;
 	}
 	if (!strcmp(cas, "async_disconnect")) {
 		/* A clean disconnect from our side. */
@@ -842,8 +872,9 @@ static void case_async(void)
 	rdma_destroy_event_channel(e.ch);
 }
 
-/* Events of `type` on `qp` that arrive within `ms` (acking each). */
-static int count_async(struct ibv_context *ctx, struct ibv_qp *qp, enum ibv_event_type type, int ms)
+/* Events of `type` on the object at `elem` (a QP, CQ or SRQ: the union's
+ * pointers share their place) that arrive within `ms`, acking each. */
+static int count_async(struct ibv_context *ctx, const void *elem, enum ibv_event_type type, int ms)
 {
 	int n = 0;
 	double end = now() + ms / 1e3;
@@ -852,7 +883,7 @@ static int count_async(struct ibv_context *ctx, struct ibv_qp *qp, enum ibv_even
 		struct pollfd pfd = { .fd = ctx->async_fd, .events = POLLIN };
 		if (poll(&pfd, 1, 10) != 1 || ibv_get_async_event(ctx, &ev))
 			continue;
-		n += ev.event_type == type && ev.element.qp == qp;
+		n += ev.event_type == type && (const void *)ev.element.qp == elem;
 		ibv_ack_async_event(&ev);
 	}
 	return n;
@@ -936,6 +967,76 @@ static void case_async_last_wqe(void)
 	ibv_ack_async_event(&ev);
 	CHECK(count_async(e.id->verbs, e.id->qp, IBV_EVENT_QP_LAST_WQE_REACHED, 300) == 0,
 	      "async_last_wqe: once");
+	teardown(&e, &p);
+}
+
+static void case_async_cq_err(void)
+{
+	struct peer p = spawn_peer("async");
+	struct end e = { .cq_size = 2 };
+	connect_to(&e, p.port, 8);
+	struct ibv_async_event ev;
+	if (next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0)
+		ibv_ack_async_event(&ev);
+	static char rbuf[4 * 64];
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, rbuf, sizeof rbuf, IBV_ACCESS_LOCAL_WRITE);
+	for (int i = 0; i < 4; i++) {
+		struct ibv_sge s = { (uintptr_t)(rbuf + 64 * i), 64, mr->lkey };
+		struct ibv_recv_wr w = { .wr_id = i, .sg_list = &s, .num_sge = 1 }, *bad;
+		if (ibv_post_recv(e.id->qp, &w, &bad))
+			DIE("post_recv");
+	}
+	/* Four flushed Receives into a CQ of two: an overrun. */
+	struct ibv_qp_attr a = { .qp_state = IBV_QPS_ERR };
+	CHECK(ibv_modify_qp(e.id->qp, &a, IBV_QP_STATE) == 0, "async_cq_err: modify to ERR");
+	CHECK(next_async(e.id->verbs, IBV_EVENT_CQ_ERR, &ev, 5000) == 0 && ev.element.cq == e.cq,
+	      "async_cq_err: the overrun raises IBV_EVENT_CQ_ERR on our CQ");
+	ibv_ack_async_event(&ev);
+	struct ibv_wc wc[4];
+	poll_for(e.cq, wc, 4, 1);
+	ibv_dereg_mr(mr);
+	teardown(&e, &p);
+}
+
+static void case_async_srq_limit(void)
+{
+	struct peer p = spawn_peer("async_srq_limit");
+	struct end e = { .want_srq = 1 };
+	connect_to(&e, p.port, 8);
+	struct ibv_async_event ev;
+	if (next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0)
+		ibv_ack_async_event(&ev);
+	static char rbuf[8 * 64];
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, rbuf, sizeof rbuf, IBV_ACCESS_LOCAL_WRITE);
+	for (int i = 0; i < 8; i++) {
+		struct ibv_sge s = { (uintptr_t)(rbuf + 64 * i), 64, mr->lkey };
+		struct ibv_recv_wr w = { .wr_id = i, .sg_list = &s, .num_sge = 1 }, *bad;
+		if (ibv_post_srq_recv(e.srq, &w, &bad))
+			DIE("post_srq_recv");
+	}
+	struct ibv_srq_attr sa = { .srq_limit = 4 };
+	CHECK(ibv_modify_srq(e.srq, &sa, IBV_SRQ_LIMIT) == 0, "async_srq_limit: arm the limit at 4");
+	sa.srq_limit = 17;
+	CHECK(ibv_modify_srq(e.srq, &sa, IBV_SRQ_LIMIT) == EINVAL,
+	      "async_srq_limit: a limit above max_wr is EINVAL");
+	CHECK(ibv_query_srq(e.srq, &sa) == 0 && sa.srq_limit == 4, "async_srq_limit: armed at 4");
+	CHECK(count_async(e.id->verbs, e.srq, IBV_EVENT_SRQ_LIMIT_REACHED, 100) == 0,
+	      "async_srq_limit: nothing while 8 are posted");
+	/* Our Send tells the peer to send five: 3 WRs left. */
+	struct ibv_sge s = { (uintptr_t)rbuf, 8, mr->lkey };
+	struct ibv_send_wr w = { .wr_id = 50, .sg_list = &s, .num_sge = 1, .opcode = IBV_WR_SEND,
+				 .send_flags = IBV_SEND_SIGNALED },
+			   *bad;
+	CHECK(ibv_post_send(e.id->qp, &w, &bad) == 0, "async_srq_limit: post the go Send");
+	struct ibv_wc wc[6];
+	int n = poll_for(e.cq, wc, 6, 10);
+	CHECK(n == 6, "async_srq_limit: our Send and the peer's five complete (%d)", n);
+	CHECK(next_async(e.id->verbs, IBV_EVENT_SRQ_LIMIT_REACHED, &ev, 5000) == 0 &&
+		      ev.element.srq == e.srq,
+	      "async_srq_limit: below the limit: IBV_EVENT_SRQ_LIMIT_REACHED on our SRQ");
+	ibv_ack_async_event(&ev);
+	CHECK(ibv_query_srq(e.srq, &sa) == 0 && sa.srq_limit == 0, "async_srq_limit: then disarmed");
+	ibv_dereg_mr(mr);
 	teardown(&e, &p);
 }
 
@@ -1067,7 +1168,8 @@ static const struct {
 	{ "post_error", case_post_error },   { "destroy_qp", case_destroy_qp },
 	{ "async", case_async },	     { "async_destroy", case_async_destroy },
 	{ "async_reset", case_async_reset }, { "async_disconnect", case_async_disconnect },
-	{ "async_last_wqe", case_async_last_wqe },
+	{ "async_last_wqe", case_async_last_wqe }, { "async_cq_err", case_async_cq_err },
+	{ "async_srq_limit", case_async_srq_limit },
 	{ "busy", case_busy },	     { "log_flood", case_log_flood },
 };
 
