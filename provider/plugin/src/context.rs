@@ -35,13 +35,24 @@ pub(crate) struct ContextState {
 }
 
 /// The process's RNIC, started by the first `ibv_open_device`.
+///
+/// Its engine and connection threads live in the process that started it:
+/// a child made by `fork()` has none of them, so there stag0 does not open
+/// (`ENODEV`); a child that wants RDMA execs first.
 pub(crate) fn device() -> Result<Device, provider::device::DeviceError> {
-    static DEVICE: OnceLock<Device> = OnceLock::new();
-    if let Some(d) = DEVICE.get() {
-        return Ok(d.clone());
+    static DEVICE: OnceLock<(u32, Device)> = OnceLock::new();
+    let pid = std::process::id();
+    let (owner, dev) = match DEVICE.get() {
+        Some(d) => d,
+        None => {
+            let dev = Device::open(identity::DEVICE_NAME)?;
+            DEVICE.get_or_init(|| (pid, dev))
+        }
+    };
+    if *owner != pid {
+        return Err(nix::Error::ENODEV.into());
     }
-    let dev = Device::open(identity::DEVICE_NAME)?;
-    Ok(DEVICE.get_or_init(|| dev).clone())
+    Ok(dev.clone())
 }
 
 /// Whether `ctx` is a context of stag's device.
@@ -76,6 +87,11 @@ pub(crate) unsafe extern "C" fn alloc_context(
     guard("alloc_context", ptr::null_mut(), || {
         let device = match device() {
             Ok(d) => d,
+            Err(provider::device::DeviceError::Sys(nix::Error::ENODEV)) => {
+                tracing::error!("stag0: not available in a child made by fork() (exec first)");
+                errno::set(libc::ENODEV);
+                return ptr::null_mut();
+            }
             Err(e) => {
                 tracing::error!("stag0: cannot start the userspace RNIC: {e}");
                 errno::set(errno::of_device(&e));

@@ -45,6 +45,12 @@
  *   async_cq_err   more completions than the CQ holds: IBV_EVENT_CQ_ERR.
  *   async_srq_limit  ibv_modify_srq(IBV_SRQ_LIMIT) arms the limit: once
  *                  fewer WRs remain, IBV_EVENT_SRQ_LIMIT_REACHED, disarmed.
+ *   fork           a child after fork(), without and with ibv_fork_init,
+ *                  while Writes are in flight: the child has its copy of
+ *                  registered memory (none with ibv_fork_init), stag0 does
+ *                  not open in it, and the parent's connection carries on.
+ *   exit_dirty     the peer exits with everything open: it exits promptly,
+ *                  and we see DISCONNECTED and flushed Receives.
  *   busy           EBUSY from ibv_dealloc_pd with MRs/QPs/SRQs on it,
  *                  ibv_destroy_cq and ibv_destroy_srq while a QP uses them.
  *   log_flood      1001 identical warnings (STAG_LOG=warn) reach stderr
@@ -319,6 +325,11 @@ static int peer_main(const char *cas)
 		while (rdma_get_cm_event(e.ch, &ev) == 0)
 			rdma_ack_cm_event(ev);
 		return 0;
+	}
+	if (!strcmp(cas, "exit_dirty")) {
+		/* Exit with the connection, QP, MR and all open. */
+		usleep(100000);
+		exit(0);
 	}
 	if (!strcmp(cas, "async_disconnect")) {
 		/* A clean disconnect from our side. */
@@ -1041,6 +1052,7 @@ static void case_async_srq_limit(void)
 }
 
 /* stag0's context, opened directly (no rdma_cm). */
+
 static struct ibv_context *open_stag0(void)
 {
 	int n = 0;
@@ -1158,6 +1170,139 @@ static void case_log_flood(void)
 	      warned, notes, suppressed, took);
 }
 
+/* Wait at most `secs` for `pid` to exit; its status, or -1 if it did not. */
+static int wait_exit(pid_t pid, double secs)
+{
+	double end = now() + secs;
+	int st;
+	while (now() < end) {
+		if (waitpid(pid, &st, WNOHANG) == pid)
+			return st;
+		usleep(1000);
+	}
+	return -1;
+}
+
+/* One run of `fork` in a fresh process (`--fork-run FORK_INIT`):
+ * ibv_fork_init must come before any registration. Prints "fork P F". */
+static int fork_run(int fork_init)
+{
+	const char *how = fork_init ? "fork (ibv_fork_init)" : "fork";
+	if (fork_init)
+		CHECK(ibv_fork_init() == 0, "%s: ibv_fork_init", how);
+	struct peer p = spawn_peer("async");
+	struct end e = { 0 };
+	connect_to(&e, p.port, 8);
+	size_t len = 1 << 16;
+	char *buf = map_big(len, 0);
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, len, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_wc wc;
+	CHECK(mr && post_write(&e, mr, buf, len, 1, 0) == 0 && poll_for(e.cq, &wc, 1, 5) == 1 &&
+		      wc.status == IBV_WC_SUCCESS,
+	      "%s: a Write before the fork", how);
+	/* Writes in flight across the fork. */
+	int posted = 0;
+	for (int i = 0; i < 4; i++)
+		posted += post_write(&e, mr, buf, len, 10 + i, 0) == 0;
+	pid_t pid = fork();
+	if (pid < 0)
+		DIE("fork");
+	if (pid == 0) {
+		int code = 0;
+		/* Without ibv_fork_init the child has its own copy of the
+		 * registered memory; after it, the range may be absent from the
+		 * child (libibverbs' MADV_DONTFORK) and must not be touched. */
+		if (!fork_init) {
+			for (size_t i = 0; i < len; i++)
+				code |= buf[i] != (char)i;
+			memset(buf, 0xee, len);
+		}
+		/* stag0 lives in the parent's threads: it does not open here. */
+		int n = 0;
+		struct ibv_device **list = ibv_get_device_list(&n);
+		for (int i = 0; list && i < n; i++)
+			if (!strcmp(ibv_get_device_name(list[i]), "stag0") && ibv_open_device(list[i]))
+				code |= 2;
+		exit(code); /* a normal exit, atexit handlers and all */
+	}
+	int st = wait_exit(pid, 10);
+	CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0,
+	      "%s: the child sees its copy of memory, stag0 refuses to open there, and it exits (status %#x)",
+	      how, st);
+	int intact = 1;
+	for (size_t i = 0; i < len; i++)
+		intact &= buf[i] == (char)i;
+	CHECK(intact, "%s: the parent's registered memory is untouched by the child", how);
+	struct ibv_wc w4[4];
+	int n = poll_for(e.cq, w4, posted, 10), ok = 0;
+	for (int i = 0; i < n; i++)
+		ok += w4[i].status == IBV_WC_SUCCESS;
+	CHECK(posted == 4 && ok == 4, "%s: the Writes in flight across the fork complete (%d of %d)", how,
+	      ok, posted);
+	CHECK(post_write(&e, mr, buf, len, 20, 0) == 0 && poll_for(e.cq, &wc, 1, 5) == 1 &&
+		      wc.status == IBV_WC_SUCCESS,
+	      "%s: the connection works after the child exited", how);
+	ibv_dereg_mr(mr);
+	munmap(buf, len);
+	teardown(&e, &p);
+	printf("fork %d %d\n", passed, failed);
+	return 0;
+}
+
+static void case_fork(void)
+{
+	for (int fi = 0; fi < 2; fi++) {
+		int fds[2];
+		if (pipe(fds))
+			DIE("pipe");
+		pid_t pid = fork();
+		if (pid < 0)
+			DIE("fork");
+		if (pid == 0) {
+			dup2(fds[1], 1);
+			close(fds[0]);
+			close(fds[1]);
+			execl(self_exe, self_exe, "--fork-run", fi ? "1" : "0", (char *)NULL);
+			_exit(127);
+		}
+		close(fds[1]);
+		FILE *f = fdopen(fds[0], "r");
+		char line[256];
+		int p = -1, q = -1;
+		while (f && fgets(line, sizeof line, f))
+			sscanf(line, "fork %d %d", &p, &q);
+		if (f)
+			fclose(f);
+		int st = wait_exit(pid, 60);
+		CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0 && p > 0 && q == 0,
+		      "fork%s: %d passed, %d failed (status %#x)", fi ? " (ibv_fork_init)" : "", p, q, st);
+		if (p > 0)
+			passed += p - 1; /* the run's own checks, besides the one above */
+	}
+}
+
+static void case_exit_dirty(void)
+{
+	struct peer p = spawn_peer("exit_dirty");
+	struct end e = { 0 };
+	connect_to(&e, p.port, 8);
+	static char rbuf[4096];
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, rbuf, sizeof rbuf, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_sge s = { (uintptr_t)rbuf, 64, mr->lkey };
+	struct ibv_recv_wr w = { .wr_id = 3, .sg_list = &s, .num_sge = 1 }, *bad;
+	CHECK(ibv_post_recv(e.id->qp, &w, &bad) == 0, "exit_dirty: post a Receive");
+	int st = wait_exit(p.pid, 10);
+	CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0,
+	      "exit_dirty: the peer exits with everything open, promptly (status %#x)", st);
+	fclose(p.out);
+	rdma_ack_cm_event(expect(e.ch, RDMA_CM_EVENT_DISCONNECTED));
+	struct ibv_wc wc;
+	CHECK(poll_for(e.cq, &wc, 1, 5) == 1 && wc.wr_id == 3 && wc.status == IBV_WC_WR_FLUSH_ERR,
+	      "exit_dirty: we see DISCONNECTED and our Receive flushed");
+	ibv_dereg_mr(mr);
+	teardown(&e, NULL);
+}
+
 static const struct {
 	const char *name;
 	void (*run)(void);
@@ -1170,6 +1315,7 @@ static const struct {
 	{ "async_reset", case_async_reset }, { "async_disconnect", case_async_disconnect },
 	{ "async_last_wqe", case_async_last_wqe }, { "async_cq_err", case_async_cq_err },
 	{ "async_srq_limit", case_async_srq_limit },
+	{ "fork", case_fork },	     { "exit_dirty", case_exit_dirty },
 	{ "busy", case_busy },	     { "log_flood", case_log_flood },
 };
 
@@ -1187,6 +1333,8 @@ int main(int argc, char **argv)
 	if (n <= 0)
 		DIE("readlink");
 	self_exe = exe;
+	if (argc == 3 && !strcmp(argv[1], "--fork-run"))
+		return fork_run(atoi(argv[2]));
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
 		int want = argc == 1;
