@@ -83,6 +83,12 @@ impl AsyncEvents {
         self.counts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// A device-wide event (`IBV_EVENT_DEVICE_FATAL`), element the port.
+    pub(crate) fn post_device(&self, port: u64, event_type: u32) {
+        let _held = self.counts();
+        self.send(port, event_type);
+    }
+
     /// Write one descriptor; whether it went in whole. Never blocks and
     /// never raises SIGPIPE (the application may have closed its end): an
     /// event that does not fit is dropped and logged.

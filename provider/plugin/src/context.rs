@@ -32,6 +32,9 @@ pub(crate) struct ContextState {
     /// end). Held by the objects that post events, so that `async_fd`
     /// never reads as EOF (readable forever to a poller) while they live.
     pub(crate) async_events: Arc<AsyncEvents>,
+    /// Posts IBV_EVENT_DEVICE_FATAL if the RNIC breaks
+    /// ([`provider::fatal`]); registered while the context lives.
+    _fatal: Arc<provider::fatal::FatalHook>,
 }
 
 /// The process's RNIC, started by the first `ibv_open_device`.
@@ -152,9 +155,14 @@ pub(crate) unsafe extern "C" fn alloc_context(
             (*sc).vctx.context.async_fd = fds[0];
             (*sc).vctx.context.num_comp_vectors = 1;
             verbs_set_ops(&mut (*sc).vctx, &OPS.0);
+            let events = async_events.clone();
+            let fatal: Arc<provider::fatal::FatalHook> =
+                Arc::new(move || events.post_device(1, IBV_EVENT_DEVICE_FATAL));
+            provider::fatal::on_device_fatal(&fatal);
             (*sc).state = Box::into_raw(Box::new(ContextState {
                 device,
                 async_events,
+                _fatal: fatal,
             }));
             &mut (*sc).vctx
         }

@@ -45,6 +45,8 @@
  *   async_cq_err   more completions than the CQ holds: IBV_EVENT_CQ_ERR.
  *   async_srq_limit  ibv_modify_srq(IBV_SRQ_LIMIT) arms the limit: once
  *                  fewer WRs remain, IBV_EVENT_SRQ_LIMIT_REACHED, disarmed.
+ *   async_device_fatal  stag0's engine thread dies (a panic, injected with
+ *                  STAG_FAULT_INJECT=engine-panic): IBV_EVENT_DEVICE_FATAL.
  *   fork           a child after fork(), without and with ibv_fork_init,
  *                  while Writes are in flight: the child has its copy of
  *                  registered memory (none with ibv_fork_init), stag0 does
@@ -1303,6 +1305,55 @@ static void case_exit_dirty(void)
 	teardown(&e, NULL);
 }
 
+/* The child of `async_device_fatal` (STAG_FAULT_INJECT=engine-panic: the
+ * engine thread dies as it starts): prints "fatal N" for N DEVICE_FATAL
+ * events read from a fresh context within 5 s. */
+static int device_fatal_main(void)
+{
+	struct ibv_context *ctx = open_stag0();
+	int n = 0;
+	struct ibv_async_event ev;
+	double end = now() + 5;
+	while (now() < end && !n) {
+		struct pollfd pfd = { .fd = ctx->async_fd, .events = POLLIN };
+		if (poll(&pfd, 1, 100) != 1 || ibv_get_async_event(ctx, &ev))
+			continue;
+		n += ev.event_type == IBV_EVENT_DEVICE_FATAL;
+		ibv_ack_async_event(&ev);
+	}
+	printf("fatal %d\n", n);
+	return 0;
+}
+
+static void case_async_device_fatal(void)
+{
+	int out[2];
+	if (pipe(out))
+		DIE("pipe");
+	pid_t pid = fork();
+	if (pid < 0)
+		DIE("fork");
+	if (pid == 0) {
+		dup2(out[1], 1);
+		close(out[0]);
+		close(out[1]);
+		setenv("STAG_FAULT_INJECT", "engine-panic", 1);
+		execl(self_exe, self_exe, "--device-fatal", (char *)NULL);
+		_exit(127);
+	}
+	close(out[1]);
+	FILE *o = fdopen(out[0], "r");
+	int n = -1;
+	if (!o || fscanf(o, "fatal %d", &n) != 1)
+		n = -1;
+	if (o)
+		fclose(o);
+	int st = wait_exit(pid, 10);
+	CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0 && n == 1,
+	      "async_device_fatal: the engine thread's death raises IBV_EVENT_DEVICE_FATAL (%d; status %#x)",
+	      n, st);
+}
+
 static const struct {
 	const char *name;
 	void (*run)(void);
@@ -1314,7 +1365,7 @@ static const struct {
 	{ "async", case_async },	     { "async_destroy", case_async_destroy },
 	{ "async_reset", case_async_reset }, { "async_disconnect", case_async_disconnect },
 	{ "async_last_wqe", case_async_last_wqe }, { "async_cq_err", case_async_cq_err },
-	{ "async_srq_limit", case_async_srq_limit },
+	{ "async_srq_limit", case_async_srq_limit }, { "async_device_fatal", case_async_device_fatal },
 	{ "fork", case_fork },	     { "exit_dirty", case_exit_dirty },
 	{ "busy", case_busy },	     { "log_flood", case_log_flood },
 };
@@ -1328,6 +1379,8 @@ int main(int argc, char **argv)
 		return peer_main(argv[2]);
 	if (argc == 2 && !strcmp(argv[1], "--flood"))
 		return flood_main();
+	if (argc == 2 && !strcmp(argv[1], "--device-fatal"))
+		return device_fatal_main();
 	static char exe[4096];
 	ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
 	if (n <= 0)
