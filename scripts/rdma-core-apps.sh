@@ -26,7 +26,7 @@ cc -Wall -Wextra -Werror -O1 -o "$out/verbs_errors" provider/plugin/tests/c/verb
 cc -Wall -Wextra -Werror -O1 -o "$out/cm_edge" provider/plugin/src/cm/tests/cm_edge.c -lrdmacm -libverbs -lpthread || exit 1
 cc -Wall -Wextra -Werror -O1 -o "$out/wr_api" provider/plugin/tests/c/wr_api.c -lrdmacm -libverbs -lpthread || exit 1
 cc -Wall -Wextra -Werror -O1 -o "$out/cq_events" provider/plugin/tests/c/cq_events.c -lrdmacm -libverbs -lpthread || exit 1
-cc -Wall -Wextra -Werror -O1 -o "$out/faults" provider/plugin/tests/c/faults.c -lrdmacm -libverbs || exit 1
+cc -Wall -Wextra -Werror -O1 -o "$out/faults" provider/plugin/tests/c/faults.c -lrdmacm -libverbs -lpthread || exit 1
 
 passed=0 failed=0
 pass() { passed=$((passed + 1)); echo "ok    $1"; }

@@ -77,6 +77,8 @@ pub struct CompletionQueue {
     event_fd: EventFd,
     armed: AtomicU8,
     overrun: AtomicBool,
+    /// Called once, at the first overrun (`IBV_EVENT_CQ_ERR`).
+    overrun_hook: OnceLock<OverrunHook>,
     /// QPs that feed this CQ, so that polling can drive them.
     qps: RwLock<Vec<Weak<dyn CqQp>>>,
     /// Readable when a completion arrived while a thread sleeps in
@@ -104,6 +106,7 @@ impl CompletionQueue {
             event_fd,
             armed: AtomicU8::new(ARM_NONE),
             overrun: AtomicBool::new(false),
+            overrun_hook: OnceLock::new(),
             qps: RwLock::new(Vec::new()),
             wake,
             waiters: AtomicU32::new(0),
@@ -121,16 +124,23 @@ impl CompletionQueue {
     /// Queue a completion (called by the progress engine).
     pub(crate) fn push(&self, wc: WorkCompletion) {
         let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let mut first_overrun = false;
         if q.len() >= self.capacity {
             // An overrun CQ is an error in verbs; keep the completion (losing
             // one would be worse) and report the overrun.
             if !self.overrun.swap(true, Ordering::Relaxed) {
                 error!(capacity = self.capacity, "completion queue overrun");
+                first_overrun = true;
             }
         }
         let solicited = wc.solicited || wc.status != WcStatus::Success;
         q.push_back(wc);
         drop(q);
+        if first_overrun {
+            if let Some(hook) = self.overrun_hook.get() {
+                (hook.0)();
+            }
+        }
         // Pairs with the SeqCst increment in `wait` before its last look
         // at the queue: either it sees this completion or we see it.
         if self.waiters.load(Ordering::SeqCst) > 0 {
@@ -436,6 +446,23 @@ impl CompletionQueue {
     /// Whether more completions arrived than the CQ holds.
     pub fn overrun(&self) -> bool {
         self.overrun.load(Ordering::Relaxed)
+    }
+
+    /// Have `hook` called at the first overrun (from the thread that
+    /// pushed the completion, with no lock of the CQ held): how the
+    /// rdma-core plugin raises `IBV_EVENT_CQ_ERR`. One per CQ; returns
+    /// false if one was already set.
+    pub fn set_overrun_hook(&self, hook: impl Fn() + Send + Sync + 'static) -> bool {
+        self.overrun_hook.set(OverrunHook(Box::new(hook))).is_ok()
+    }
+}
+
+/// What [`CompletionQueue::set_overrun_hook`] installs.
+struct OverrunHook(Box<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for OverrunHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OverrunHook")
     }
 }
 

@@ -255,7 +255,7 @@ impl QpShared {
                     Ok(Err(e)) if e.kind() == ErrorKind::Interrupted => {}
                     Ok(Err(e)) => {
                         debug!(qpn = self.qpn, error = %e, "socket read failed");
-                        conn.handle_closed();
+                        conn.handle_stream_failed();
                         *closed = true;
                     }
                 }
@@ -280,7 +280,7 @@ impl QpShared {
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
                     debug!(qpn = self.qpn, error = %e, "socket read failed");
-                    conn.handle_closed();
+                    conn.handle_stream_failed();
                     *closed = true;
                 }
             }
@@ -350,7 +350,7 @@ impl QpShared {
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
                     debug!(error = %e, "socket write failed");
-                    conn.handle_closed();
+                    conn.handle_stream_failed();
                     return false;
                 }
             }

@@ -302,9 +302,10 @@ impl Engine {
                 parked: Vec::new(),
                 last_check: Instant::now(),
             };
+            let thread_name = format!("{name}-engine");
             std::thread::Builder::new()
-                .name(format!("{name}-engine"))
-                .spawn(move || run.run())
+                .name(thread_name.clone())
+                .spawn(move || crate::fatal::run_guarded(&thread_name, || run.run()))
                 .map_err(|e| {
                     nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(libc::EAGAIN))
                 })?

@@ -32,6 +32,10 @@ pub(crate) struct StagCq {
     channel: Option<Arc<ChannelWriter>>,
     /// Counts the `poll_cq`s on this CQ ([`crate::sweep`]).
     pub(crate) mark: Arc<PollMark>,
+    /// The QPs completing into this CQ.
+    pub(crate) users: Arc<crate::users::Users>,
+    /// Where its IBV_EVENT_CQ_ERR goes.
+    events: Option<Arc<crate::async_events::AsyncSource>>,
 }
 
 thread_local! {
@@ -204,6 +208,15 @@ pub(crate) unsafe fn get_cq_event(
     }))
 }
 
+/// What uses one of our `ibv_cq`s.
+///
+/// # Safety
+/// As [`cq`].
+pub(crate) unsafe fn users<'a>(cq: *const ibv_cq) -> Option<&'a Arc<crate::users::Users>> {
+    // SAFETY: forwarded; `cq` checked it is ours.
+    unsafe { self::cq(cq) }.map(|_| unsafe { &(*cq.cast::<StagCq>()).users })
+}
+
 /// The completion channels this plugin made: channel address → the pipe's
 /// write end.
 pub(crate) fn channels() -> &'static Mutex<HashMap<usize, OwnedFd>> {
@@ -256,7 +269,18 @@ pub(crate) unsafe extern "C" fn create_cq(
             inner: inner.clone(),
             channel: None,
             mark: Arc::default(),
+            users: Arc::default(),
+            events: None,
         }));
+        // SAFETY: ctx is live (checked ours above).
+        if let Some(st) = unsafe { crate::context::state(ctx) } {
+            // The kernel's user handle for a CQ is the ibv_cq pointer.
+            let source = crate::async_events::AsyncSource::new(st.async_events.clone(), raw as u64);
+            let s = source.clone();
+            inner.set_overrun_hook(move || s.post(IBV_EVENT_CQ_ERR));
+            // SAFETY: the fresh allocation, not handed out yet.
+            unsafe { (*raw).events = Some(source) };
+        }
         if let Some(fd) = chan_fd {
             // SAFETY: fcntl on a pipe end we own (a dup: the flag is the
             // channel's, which only this plugin writes).
@@ -301,6 +325,22 @@ pub(crate) unsafe extern "C" fn destroy_cq(cq: *mut ibv_cq) -> c_int {
         let raw = cq.cast::<StagCq>();
         // SAFETY: ours (checked).
         let sc = unsafe { &*raw };
+        if sc.users.in_use() {
+            return libc::EBUSY;
+        }
+        // As for a QP: its unread events dropped, the read ones acked.
+        if let Some(events) = &sc.events {
+            let reported = events.retire();
+            // SAFETY: the live cq's own members.
+            unsafe {
+                crate::async_events::wait_acked(
+                    ptr::addr_of_mut!((*cq).mutex).cast(),
+                    ptr::addr_of_mut!((*cq).cond).cast(),
+                    ptr::addr_of!((*cq).async_events_completed),
+                    reported,
+                )
+            };
+        }
         if let Some(channel) = &sc.channel {
             *channel.open.write().unwrap_or_else(|p| p.into_inner()) = false;
             let mut cqs = channel_cqs().lock().unwrap_or_else(|p| p.into_inner());
