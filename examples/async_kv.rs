@@ -119,7 +119,8 @@ async fn client(device: String, addr: SocketAddr, id: usize) -> Res<(usize, u64)
     let hello = pd.alloc_mr(16, Access::LOCAL_WRITE)?;
     let hello_slice = hello.slice(0, 16)?;
     let pre = move |qp: &verbs::QueuePair| qp.post_recv(0, &[hello_slice]);
-    let qp = verbs::r#async::connect_with(&pd, &cq, addr, &ConnectOptions::default(), pre).await?;
+    let (qp, _) =
+        verbs::r#async::connect_with(&pd, &cq, addr, &ConnectOptions::default(), pre).await?;
     // The server's first message lands in the receive posted before the
     // connection existed: wait for it on the raw CQ.
     let first = loop {

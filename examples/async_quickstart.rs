@@ -49,7 +49,7 @@ async fn main() -> Res<()> {
         connect(&cpd, &ccq, addr, &opts)
     );
     let (sqp, _) = server?;
-    let qp = client?;
+    let (qp, _) = client?;
     println!(
         "connected: QP {} ↔ QP {}",
         qp.qp().qp_num(),

@@ -61,7 +61,7 @@ async fn pair() -> (End, End) {
             ctx: cctx,
             pd: cpd,
             mr: cmr,
-            qp: client.unwrap(),
+            qp: client.unwrap().0,
         },
         End {
             ctx: sctx,

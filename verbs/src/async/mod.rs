@@ -8,7 +8,7 @@
 //! let pd = ctx.alloc_pd()?;
 //! let cq = AsyncCompletionQueue::new(ctx.create_cq(256)?)?;
 //! let mr = pd.alloc_mr(4096, verbs::Access::LOCAL_WRITE)?;
-//! let qp = connect(&pd, &cq, addr, &Default::default()).await?;
+//! let (qp, _) = connect(&pd, &cq, addr, &Default::default()).await?;
 //! mr.write_at(0, b"hello")?;
 //! qp.send(&[mr.slice(0, 5)?]).await?;
 //! # Ok(()) }
@@ -105,13 +105,13 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
 }
 
 /// [`crate::connect`] as a future: connect to the listener at `addr`,
-/// completions on `cq`.
+/// completions on `cq`; the QP and the peer's private data.
 pub async fn connect(
     pd: &ProtectionDomain,
     cq: &AsyncCompletionQueue,
     addr: SocketAddr,
     opts: &ConnectOptions,
-) -> Result<AsyncQueuePair> {
+) -> Result<(AsyncQueuePair, Vec<u8>)> {
     connect_with(pd, cq, addr, opts, |_| Ok(())).await
 }
 
@@ -124,16 +124,16 @@ pub async fn connect_with(
     addr: SocketAddr,
     opts: &ConnectOptions,
     pre_post: impl FnOnce(&QueuePair) -> Result<()> + Send + 'static,
-) -> Result<AsyncQueuePair> {
+) -> Result<(AsyncQueuePair, Vec<u8>)> {
     if opts.recv_cq.is_some() {
         return Err(Error::InvalidRequest(
             "the async connect takes its receive CQ from AsyncQueuePair",
         ));
     }
     let (pd, raw_cq, opts) = (pd.clone(), cq.cq().clone(), opts.clone());
-    let (qp, _) =
+    let (qp, private) =
         blocking(move || crate::cm::connect_with(&pd, &raw_cq, addr, &opts, pre_post)).await?;
-    Ok(AsyncQueuePair::new(qp, cq.clone()))
+    Ok((AsyncQueuePair::new(qp, cq.clone()), private))
 }
 
 /// A [`Listener`] whose accept is a future.

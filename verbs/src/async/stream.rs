@@ -201,7 +201,7 @@ impl RdmaStream {
     ) -> Result<RdmaStream> {
         let (mr, cq) = Self::resources(pd, &opts)?;
         let pre = Self::pre_post(mr.clone(), opts);
-        let qp = super::connect_with(pd, &cq, addr, &opts.connect_options(), pre).await?;
+        let (qp, _) = super::connect_with(pd, &cq, addr, &opts.connect_options(), pre).await?;
         Ok(Self::started(qp.qp().clone(), cq, mr, opts))
     }
 
