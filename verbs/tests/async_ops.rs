@@ -453,16 +453,30 @@ fn a_stream_writer_waits_for_a_reader_that_stopped() {
     });
 }
 
+/// The peer goes away without a close. A reader alone learns of it only
+/// where the device reports the lost connection to an idle QP (stag0: its
+/// TCP connection; a RoCE QP with nothing in flight hears nothing until
+/// the connection manager's disconnect is acted on, which the libibverbs
+/// backend does not do yet), so the stream also writes: the write's Send
+/// fails (retries exhausted, or the connection reset), the QP goes to
+/// error, and both the pending read and later writes fail.
 #[test]
-fn a_stream_whose_peer_goes_away_fails_its_reads() {
+fn a_stream_whose_peer_goes_away_fails_its_reads_and_writes() {
     current_thread().block_on(async {
         let (mut c, s, _cc, sc) = stream_pair(StreamOptions::default()).await;
         drop(s);
         drop(sc);
+        let (mut r, mut w) = tokio::io::split(c);
         let mut buf = [0u8; 16];
-        let r = tokio::time::timeout(LIMIT, c.read(&mut buf))
-            .await
-            .expect("in time");
-        assert!(r.is_err(), "a read from a vanished peer gave {r:?}");
+        let (read, ()) = tokio::join!(tokio::time::timeout(LIMIT, r.read(&mut buf)), async {
+            // Accepted (posted) or refused: either way no hang.
+            let _ = w.write(b"anyone there?").await;
+        });
+        let read = read.expect("the read fails in time");
+        assert!(read.is_err(), "a read from a vanished peer gave {read:?}");
+        let later = tokio::time::timeout(LIMIT, w.write_all(b"more")).await;
+        assert!(later.expect("in time").is_err());
+        c = r.unsplit(w);
+        drop(c);
     });
 }
