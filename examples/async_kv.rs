@@ -95,18 +95,19 @@ async fn serve(
     let remote = table.remote(0);
     hello.write_at(0, &remote.addr.to_le_bytes())?;
     hello.write_at(8, &(remote.rkey as u64).to_le_bytes())?;
-    let mut clients = Vec::new();
+    let mut goodbyes = Vec::new();
     for _ in 0..CLIENTS {
         let (qp, _) = listener
             .accept(&pd, &cq, &ConnectOptions::default())
             .await?;
+        // The client's goodbye, posted before it can know the table.
+        goodbyes.push(qp.recv(&[]));
         qp.send(&[hello.slice(0, 16)?]).await?;
-        // The connection lives as long as the server.
-        clients.push(qp);
     }
-    // Stay up until the clients hang up (their QPs fail our receives).
-    for qp in &clients {
-        let _ = qp.recv(&[]).await;
+    // Stay up until every client said goodbye (an Immediate Data): a
+    // RoCE peer's going is not seen by an idle QP.
+    for bye in goodbyes {
+        bye.await?;
     }
     Ok(())
 }
@@ -150,7 +151,9 @@ async fn client(device: String, addr: SocketAddr, id: usize) -> Res<(usize, u64)
         checked += 1;
         kv.incr(HITS, 1).await?;
     }
-    Ok((checked, kv.incr(HITS, 0).await?))
+    let hits = kv.incr(HITS, 0).await?;
+    kv.qp.imm(0).await?;
+    Ok((checked, hits))
 }
 
 #[tokio::main(flavor = "current_thread")]
