@@ -69,6 +69,10 @@ struct State {
     watcher: Option<u64>,
     /// Completions taken in one drain.
     scratch: Vec<Completion>,
+    /// QPs that completed work with an error, and the first such status:
+    /// an RC QP is in Error from then on, and work posted to it may never
+    /// complete on some devices (kernel siw), so it is refused instead.
+    failed: HashMap<u32, crate::cq::WcStatus>,
 }
 
 enum Slot {
@@ -134,6 +138,11 @@ impl AsyncCompletionQueue {
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         self.shared.lock().slots.insert(id, Slot::Waiting(None));
         id
+    }
+
+    /// The error status QP `qp_num` completed work with, if it did.
+    pub(super) fn failed(&self, qp_num: u32) -> Option<crate::cq::WcStatus> {
+        self.shared.lock().failed.get(&qp_num).copied()
     }
 
     /// The post of `id` failed: nothing will complete.
@@ -208,6 +217,9 @@ impl Shared {
     }
 
     fn deliver(&self, state: &mut State, c: Completion) {
+        if !c.is_ok() {
+            state.failed.entry(c.qp_num).or_insert(c.status);
+        }
         match state.slots.get_mut(&c.wr_id) {
             Some(slot @ Slot::Waiting(_)) => {
                 if let Slot::Waiting(Some(w)) = std::mem::replace(slot, Slot::Done(c)) {
@@ -299,7 +311,7 @@ pub struct Op {
 
 enum OpState {
     Posted(u64),
-    Failed(crate::error::Error),
+    Failed(OpError),
     Finished,
 }
 
@@ -312,7 +324,7 @@ impl Op {
         }
     }
 
-    pub(super) fn failed(cq: &AsyncCompletionQueue, e: crate::error::Error) -> Op {
+    pub(super) fn failed(cq: &AsyncCompletionQueue, e: OpError) -> Op {
         Op {
             cq: cq.shared.clone(),
             state: OpState::Failed(e),
@@ -342,7 +354,7 @@ impl Future for Op {
         let this = self.get_mut();
         let id = match std::mem::replace(&mut this.state, OpState::Finished) {
             OpState::Posted(id) => id,
-            OpState::Failed(e) => return Poll::Ready(Err(OpError::Verbs(e))),
+            OpState::Failed(e) => return Poll::Ready(Err(e)),
             OpState::Finished => return Poll::Ready(Err(OpError::Finished)),
         };
         match this.cq.poll_op(cx, id) {

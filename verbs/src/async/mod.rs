@@ -51,6 +51,15 @@
 //! the connection fails (the peer disconnects or dies), the QP goes to
 //! Error and every outstanding work request completes with a flush error:
 //! every `Op` in flight resolves to `OpError::Failed`, none waits forever.
+//! Once a QP's CQ has handed out an error completion for it, its later
+//! operations fail at once with [`OpError::QpFailed`] instead of being
+//! posted (kernel siw never completes work posted to a QP in Error).
+//!
+//! A QP with nothing in flight learns of a lost peer only where the
+//! device reports it to an idle QP: stag0 and siw (their TCP connection
+//! closes) do; on RoCE (rxe, RNICs) the connection manager's disconnect
+//! event is not acted on yet, so there the first Send or Read after the
+//! peer's going fails (retries exhausted) and flushes the rest.
 
 mod cq;
 mod qp;
@@ -80,6 +89,15 @@ pub enum OpError {
     /// the connection went down).
     #[error("work request {} failed: {}", .0.wr_id, .0.status.as_str())]
     Failed(Completion),
+    /// Not posted: the QP already completed work with this error status,
+    /// so it is in Error (the connection failed).
+    #[error("QP {qp_num} is in error after a completion with {}", .status.as_str())]
+    QpFailed {
+        /// The QP.
+        qp_num: u32,
+        /// The first error status it completed work with.
+        status: crate::cq::WcStatus,
+    },
     /// The `Op` was polled again after it resolved.
     #[error("the operation's future was polled after it finished")]
     Finished,

@@ -3,6 +3,7 @@
 use provider::wr::{Remote, SendOp};
 
 use super::cq::{AsyncCompletionQueue, Op};
+use super::OpError;
 use crate::mr::Slice;
 use crate::qp::{QueuePair, WorkRequest};
 
@@ -62,6 +63,9 @@ impl AsyncQueuePair {
         local: &[Slice],
         shape: impl FnOnce(WorkRequest<'_>) -> WorkRequest<'_>,
     ) -> Op {
+        if let Some(op) = self.refuse(&self.cq) {
+            return op;
+        }
         let id = self.cq.register();
         let wr = shape(WorkRequest::new(id, op, local));
         let wr = WorkRequest {
@@ -72,9 +76,21 @@ impl AsyncQueuePair {
             Ok(()) => Op::posted(&self.cq, id, self.qp.clone()),
             Err(e) => {
                 self.cq.unregister(id);
-                Op::failed(&self.cq, e)
+                Op::failed(&self.cq, e.into())
             }
         }
+    }
+
+    /// An `Op` that fails at once when this QP already completed work with
+    /// an error (it is in Error): posting would flush at best, and on some
+    /// devices (kernel siw) work posted to a QP in Error never completes.
+    fn refuse(&self, on: &AsyncCompletionQueue) -> Option<Op> {
+        let qp_num = self.qp.qp_num();
+        let status = self
+            .cq
+            .failed(qp_num)
+            .or_else(|| self.recv_cq.failed(qp_num))?;
+        Some(Op::failed(on, OpError::QpFailed { qp_num, status }))
     }
 
     /// RDMA Write of `local` to `remote`.
@@ -106,12 +122,15 @@ impl AsyncQueuePair {
     /// Post a receive into `local`; the `Op` resolves when a message
     /// lands (`CompletionKind::Recv`).
     pub fn recv(&self, local: &[Slice]) -> Op {
+        if let Some(op) = self.refuse(&self.recv_cq) {
+            return op;
+        }
         let id = self.recv_cq.register();
         match self.qp.post_recv(id, local) {
             Ok(()) => Op::posted(&self.recv_cq, id, self.qp.clone()),
             Err(e) => {
                 self.recv_cq.unregister(id);
-                Op::failed(&self.recv_cq, e)
+                Op::failed(&self.recv_cq, e.into())
             }
         }
     }
