@@ -35,6 +35,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use crate::thread::SpawnMasked;
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use tracing::{debug, warn};
@@ -271,7 +272,7 @@ impl Engine {
             };
             std::thread::Builder::new()
                 .name(format!("{name}-engine"))
-                .spawn(move || run.run())
+                .spawn_masked(move || run.run())
                 .map_err(|e| {
                     nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(libc::EAGAIN))
                 })?

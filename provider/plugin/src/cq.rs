@@ -21,6 +21,7 @@ use crate::context::limits;
 use crate::errno::{self, guard};
 use crate::ffi::*;
 use crate::sweep::{self, PollMark};
+use provider::thread::SpawnMasked;
 
 /// `ibv_cq` first, then the RNIC's CQ.
 #[repr(C)]
@@ -85,7 +86,7 @@ fn notifier() -> Option<&'static Notifier> {
         }));
         let spawned = std::thread::Builder::new()
             .name("stag0-cq-events".into())
-            .spawn(move || n.run());
+            .spawn_masked(move || n.run());
         if let Err(e) = spawned {
             tracing::error!("stag0: completion notifier thread: {e}");
             return None;
