@@ -249,10 +249,13 @@ iscsi_run() {
         return
     }
     # iscsi-perf reads until SIGINT, then prints its averages and
-    # "finished." (timeout's 124 is that SIGINT; one that does not end it
-    # in 10 s more is a hang, 137).
-    on node2 "timeout -s INT -k 10 3 $wrap iscsi-perf -i $INITIATOR $url" >"$out/$name.perf.log" 2>&1 || rc=$?
-    ((rc == 124)) && rc=0
+    # "finished."; a second SIGINT aborts it. So exactly one, to
+    # iscsi-perf itself (the child of `stag run`, or the job itself):
+    # timeout would signal the command and its process group both.
+    # One that has not finished 20 s later is a hang (KILL, 137).
+    timeout -s KILL 20 bash "$C" exec "${P}2" "$wrap iscsi-perf -i $INITIATOR $url & job=\$!;
+        sleep 3; pkill -INT -P \$job -x iscsi-perf || kill -INT \$job; wait \$job" \
+        >"$out/$name.perf.log" 2>&1 || rc=$?
     tr '\r' '\n' <"$out/$name.perf.log" | grep -Eq 'iops average [1-9][0-9]* ' || ((rc)) || rc=1
     tr '\r' '\n' <"$out/$name.perf.log" | grep -q '^finished' || ((rc)) || rc=1
     echo "$rc"
