@@ -25,7 +25,8 @@ cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/include -o "$out/stagdv_demo" \
 cc -Wall -Wextra -Werror -O1 -o "$out/verbs_errors" provider/plugin/tests/c/verbs_errors.c -libverbs || exit 1
 cc -Wall -Wextra -Werror -O1 -o "$out/cm_edge" provider/plugin/src/cm/tests/cm_edge.c -lrdmacm -libverbs -lpthread || exit 1
 cc -Wall -Wextra -Werror -O1 -o "$out/wr_api" provider/plugin/tests/c/wr_api.c -lrdmacm -libverbs -lpthread || exit 1
-cc -Wall -Wextra -Werror -O1 -o "$out/faults" provider/plugin/tests/c/faults.c -lrdmacm -libverbs || exit 1
+cc -Wall -Wextra -Werror -O1 -o "$out/cq_events" provider/plugin/tests/c/cq_events.c -lrdmacm -libverbs -lpthread || exit 1
+cc -Wall -Wextra -Werror -O1 -o "$out/faults" provider/plugin/tests/c/faults.c -lrdmacm -libverbs -lpthread || exit 1
 
 passed=0 failed=0
 pass() { passed=$((passed + 1)); echo "ok    $1"; }
@@ -116,6 +117,7 @@ suite() {
     single "$tag-verbs_errors" "$user" 'verbs_errors: [1-9][0-9]* passed, 0 failed' "$out/verbs_errors"
     single "$tag-cm_edge" "$user" 'cm_edge: [1-9][0-9]* passed, 0 failed' "$out/cm_edge"
     single "$tag-wr_api" "$user" 'wr_api: [1-9][0-9]* passed, 0 failed' "$out/wr_api"
+    single "$tag-cq_events" "$user" 'cq_events: [1-9][0-9]* passed, 0 failed' "$out/cq_events"
     # Peer death, teardown with work in flight, SIGPIPE, dereg in flight.
     single "$tag-faults" "$user" 'faults: [1-9][0-9]* passed, 0 failed' "$out/faults"
     single "$tag-stagdv_demo" "$user" 'stagdv_demo: [1-9][0-9]* passed, 0 failed' "$out/stagdv_demo"

@@ -8,7 +8,7 @@ packages=(
     libibverbs-dev librdmacm-dev ibverbs-utils rdma-core
     iproute2 procps
     curl xz-utils
-    perftest rdmacm-utils libfabric-bin
+    perftest rdmacm-utils libfabric-bin qperf fio
     cmake ninja-build libnl-3-dev libnl-route-3-dev libudev-dev
     # scripts/cluster.sh and scripts/cluster-apps.sh: namespace hosts,
     # Open MPI (mpicc, NetPIPE), qperf, the tgt iSER target and libiscsi.

@@ -33,6 +33,13 @@ echo "examples: $ex_pass passed, 0 failed"
 # (~30 s).
 echo "== unmodified rdma-core programs on stag0 (prints rdma-core-apps: N passed, M failed)"
 bash scripts/rdma-core-apps.sh
+# Real clients the way their users run them: qperf -cm1 (completion
+# channels and polling), fio's rdma engine, rping in event mode, and the C
+# programs over librdmacm (cm_stress.c: 2000 connect cycles, 64 at once, a
+# connect before rdma_listen, rejects, a listener re-created on one port);
+# nothing retried (~45 s).
+echo "== real clients on stag0 (prints real-clients: N passed, M failed)"
+bash scripts/real-clients.sh
 # stag0 across 2 and 8 network-namespace hosts: libfabric's addresses,
 # fi_pingpong (verbs;ofi_rxm, three rxm modes), NetPIPE and a
 # result-checking MPI test, each against a tcp;ofi_rxm control (~3.5 min).

@@ -11,9 +11,10 @@
 //! without waking it.
 
 use std::collections::VecDeque;
+use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
@@ -25,15 +26,19 @@ use crate::wr::{WcStatus, WorkCompletion};
 /// What a CQ needs of the QPs that feed it.
 pub(crate) trait CqQp: Send + Sync {
     /// Drive the QP once from this (application) thread, unless another
-    /// thread is at it.
-    fn try_progress(&self);
+    /// thread is at it. `claim`: the thread keeps driving it (it polls a
+    /// CQ whose notifications are not armed), so the device's engine
+    /// stands back; a thread polling an armed CQ is about to sleep on
+    /// its notification and leaves the QP with the engine.
+    fn try_progress(&self, claim: bool);
     /// The socket to sleep on in [`CompletionQueue::wait`], with whether
-    /// to wait for writability too; `None` when waiters leave the QP to
-    /// the device's engine (the polling progress modes), before connection
-    /// and after close.
-    fn wait_fd(&self) -> Option<(BorrowedFd<'_>, bool)>;
+    /// to wait for writability too; `None` before connection, after
+    /// close, and unless `always` when waiters leave the QP to the
+    /// device's engine (the polling progress modes).
+    fn wait_fd(&self, always: bool) -> Option<(BorrowedFd<'_>, bool)>;
     /// An application thread starts (`true`) or stops sleeping on the
-    /// socket.
+    /// socket. While one does, the engine does not watch it: the arrival
+    /// wakes the waiter alone, which drives the QP.
     fn set_waiting(&self, on: bool);
     /// Hand the QP to the device's engine: the application is going to
     /// sleep without driving it.
@@ -45,6 +50,25 @@ const ARM_NONE: u8 = 0;
 const ARM_ANY: u8 = 1;
 const ARM_SOLICITED: u8 = 2;
 
+/// What a fired notification calls instead of writing the event fd: the
+/// plugin writes its completion channel's record from the thread that
+/// delivered the completion, so the sleeping application is the one
+/// thread woken (no relay thread in between).
+pub struct NotifySink(Box<dyn Fn() + Send + Sync>);
+
+impl NotifySink {
+    /// A sink calling `f` once per fired notification.
+    pub fn new(f: impl Fn() + Send + Sync + 'static) -> NotifySink {
+        NotifySink(Box::new(f))
+    }
+}
+
+impl fmt::Debug for NotifySink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("NotifySink")
+    }
+}
+
 /// A completion queue.
 #[derive(Debug)]
 pub struct CompletionQueue {
@@ -53,6 +77,8 @@ pub struct CompletionQueue {
     event_fd: EventFd,
     armed: AtomicU8,
     overrun: AtomicBool,
+    /// Called once, at the first overrun (`IBV_EVENT_CQ_ERR`).
+    overrun_hook: OnceLock<OverrunHook>,
     /// QPs that feed this CQ, so that polling can drive them.
     qps: RwLock<Vec<Weak<dyn CqQp>>>,
     /// Readable when a completion arrived while a thread sleeps in
@@ -63,6 +89,8 @@ pub struct CompletionQueue {
     /// Set by [`interrupt_wait`](Self::interrupt_wait): the next (or
     /// current) wait returns early.
     interrupted: AtomicBool,
+    /// Replaces the event fd when set ([`set_notify_sink`](Self::set_notify_sink)).
+    sink: OnceLock<NotifySink>,
 }
 
 impl CompletionQueue {
@@ -78,10 +106,12 @@ impl CompletionQueue {
             event_fd,
             armed: AtomicU8::new(ARM_NONE),
             overrun: AtomicBool::new(false),
+            overrun_hook: OnceLock::new(),
             qps: RwLock::new(Vec::new()),
             wake,
             waiters: AtomicU32::new(0),
             interrupted: AtomicBool::new(false),
+            sink: OnceLock::new(),
         }))
     }
 
@@ -94,26 +124,60 @@ impl CompletionQueue {
     /// Queue a completion (called by the progress engine).
     pub(crate) fn push(&self, wc: WorkCompletion) {
         let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let mut first_overrun = false;
         if q.len() >= self.capacity {
             // An overrun CQ is an error in verbs; keep the completion (losing
             // one would be worse) and report the overrun.
             if !self.overrun.swap(true, Ordering::Relaxed) {
                 error!(capacity = self.capacity, "completion queue overrun");
+                first_overrun = true;
             }
         }
         let solicited = wc.solicited || wc.status != WcStatus::Success;
         q.push_back(wc);
         drop(q);
+        if first_overrun {
+            if let Some(hook) = self.overrun_hook.get() {
+                (hook.0)();
+            }
+        }
         // Pairs with the SeqCst increment in `wait` before its last look
         // at the queue: either it sees this completion or we see it.
         if self.waiters.load(Ordering::SeqCst) > 0 {
             let _ = self.wake.write(1);
         }
-        let arm = self.armed.load(Ordering::Acquire);
-        if arm == ARM_ANY || (arm == ARM_SOLICITED && solicited) {
-            self.armed.store(ARM_NONE, Ordering::Release);
-            let _ = self.event_fd.write(1);
+        let arm = self.armed.load(Ordering::SeqCst);
+        if (arm == ARM_ANY || (arm == ARM_SOLICITED && solicited))
+            && self
+                .armed
+                .compare_exchange(arm, ARM_NONE, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        {
+            self.fire();
         }
+    }
+
+    /// A notification fires: once per arming.
+    fn fire(&self) {
+        match self.sink.get() {
+            Some(sink) => (sink.0)(),
+            None => {
+                let _ = self.event_fd.write(1);
+            }
+        }
+    }
+
+    /// Deliver fired notifications to `sink` instead of the event fd
+    /// ([`AsFd`]); false if a sink was set already.
+    pub fn set_notify_sink(&self, sink: NotifySink) -> bool {
+        self.sink.set(sink).is_ok()
+    }
+
+    /// Whether notifications are armed ([`req_notify`](Self::req_notify)
+    /// and no completion fired them yet): the application means to sleep
+    /// on them.
+    pub fn is_armed(&self) -> bool {
+        self.armed.load(Ordering::SeqCst) != ARM_NONE
     }
 
     /// Take up to `out.len()` completions without driving any QP.
@@ -134,7 +198,11 @@ impl CompletionQueue {
         if n > 0 || out.is_empty() {
             return n;
         }
-        self.drive_qps();
+        // A thread polling an armed CQ found it empty: it is about to
+        // sleep on the notification, so it drives without taking the QPs
+        // from the engine (which would then leave an arrival to a thread
+        // that is asleep).
+        self.drive_qps(!self.is_armed());
         self.try_poll(out)
     }
 
@@ -149,11 +217,14 @@ impl CompletionQueue {
             return 0;
         }
         self.sleep_until(timeout, |drive| {
-            if drive {
-                self.poll(out)
-            } else {
-                self.try_poll(out)
+            let n = self.try_poll(out);
+            if n > 0 || !drive {
+                return n;
             }
+            // Woken by a socket: drive, leaving the QPs with the engine
+            // (the waiter goes back to sleep if this brought nothing).
+            self.drive_qps(false);
+            self.try_poll(out)
         })
     }
 
@@ -164,17 +235,18 @@ impl CompletionQueue {
     pub fn wait_ready(&self, timeout: Duration) -> usize {
         self.sleep_until(timeout, |drive| {
             if drive {
-                self.drive_qps();
+                self.drive_qps(false);
             }
             self.len()
         })
     }
 
-    /// Drive the CQ's QPs once from this thread.
-    fn drive_qps(&self) {
+    /// Drive the CQ's QPs once from this thread (`claim`: see
+    /// [`CqQp::try_progress`]).
+    fn drive_qps(&self, claim: bool) {
         let qps = self.qps.read().unwrap_or_else(|p| p.into_inner());
         for qp in qps.iter().filter_map(Weak::upgrade) {
-            qp.try_progress();
+            qp.try_progress(claim);
         }
     }
 
@@ -207,7 +279,7 @@ impl CompletionQueue {
             fds.push(PollFd::new(self.wake.as_fd(), PollFlags::POLLIN));
             let mut sleeping = Vec::with_capacity(qps.len());
             for qp in &qps {
-                if let Some((fd, write)) = qp.wait_fd() {
+                if let Some((fd, write)) = qp.wait_fd(false) {
                     let mut ev = PollFlags::POLLIN;
                     if write {
                         ev |= PollFlags::POLLOUT;
@@ -243,6 +315,85 @@ impl CompletionQueue {
         }
     }
 
+    /// Sleep until `fd` is readable or `timeout` passes (forever with
+    /// `None`); whether it is. A signal ends the sleep with `EINTR`, as
+    /// it would end a `read` of `fd` (a C program may be waiting for it). `fd` is what the notifications of `cqs`
+    /// make readable (a completion channel). The calling thread sleeps on
+    /// the sockets of the QPs feeding the armed CQs among them as well,
+    /// and drives a QP when its socket wakes it (without taking it from
+    /// the engine): the arrival wakes this one thread, which delivers
+    /// the completion, fires the notification and returns, or does the
+    /// responder work the arrival asked for and sleeps again.
+    ///
+    /// `delivered` tells whether a notification reached the caller some
+    /// other way (a sink that hands this thread's own notifications to it
+    /// directly): looked at after each drive, it ends the sleep too.
+    pub fn wait_notified(
+        fd: BorrowedFd<'_>,
+        cqs: &[Arc<CompletionQueue>],
+        timeout: Option<Duration>,
+        delivered: &dyn Fn() -> bool,
+    ) -> nix::Result<bool> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            if delivered() {
+                return Ok(true);
+            }
+            let qps: Vec<Arc<dyn CqQp>> = cqs
+                .iter()
+                .filter(|cq| cq.is_armed())
+                .flat_map(|cq| {
+                    let qps = cq.qps.read().unwrap_or_else(|p| p.into_inner());
+                    qps.iter().filter_map(Weak::upgrade).collect::<Vec<_>>()
+                })
+                .collect();
+            let mut fds = Vec::with_capacity(qps.len() + 1);
+            fds.push(PollFd::new(fd, PollFlags::POLLIN));
+            let mut sleeping = Vec::with_capacity(qps.len());
+            for qp in &qps {
+                if let Some((sock, write)) = qp.wait_fd(true) {
+                    let mut ev = PollFlags::POLLIN;
+                    if write {
+                        ev |= PollFlags::POLLOUT;
+                    }
+                    fds.push(PollFd::new(sock, ev));
+                    sleeping.push(qp);
+                }
+            }
+            for qp in &sleeping {
+                qp.set_waiting(true);
+            }
+            // Input that arrived before we took the sockets keeps them
+            // readable, and a notification fired meanwhile is in `fd`:
+            // nothing is lost between the look and the sleep.
+            let left = match deadline {
+                None => PollTimeout::NONE,
+                Some(d) => {
+                    // Round up so that a short remainder still sleeps.
+                    let left =
+                        d.saturating_duration_since(Instant::now()) + Duration::from_micros(999);
+                    PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX)
+                }
+            };
+            let polled = nix::poll::poll(&mut fds, left);
+            for qp in &sleeping {
+                qp.set_waiting(false);
+            }
+            if fds[0].any().unwrap_or(false) {
+                return Ok(true);
+            }
+            polled?;
+            for (qp, f) in sleeping.iter().zip(&fds[1..]) {
+                if f.any().unwrap_or(false) {
+                    qp.try_progress(false);
+                }
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Ok(false);
+            }
+        }
+    }
+
     /// Make a [`wait`](Self::wait) in progress, or else the next one,
     /// return at once (with what it has): for a layer above that queues
     /// completions of its own and needs the waiter to look at them.
@@ -252,7 +403,8 @@ impl CompletionQueue {
     }
 
     /// `ibv_req_notify_cq`: make the event fd readable at the next
-    /// completion (only solicited ones and errors if `solicited_only`).
+    /// completion (only solicited ones and errors if `solicited_only`);
+    /// completions already queued do not count.
     ///
     /// An application that arms notifications is about to sleep on them:
     /// the device's engine takes over driving this CQ's QPs at once.
@@ -263,25 +415,16 @@ impl CompletionQueue {
                 qp.release_to_engine();
             }
         }
-        self.armed.store(
-            if solicited_only {
-                ARM_SOLICITED
-            } else {
-                ARM_ANY
-            },
-            Ordering::Release,
-        );
-        // A completion that arrived before arming must not be missed.
-        if !solicited_only
-            && !self
-                .queue
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_empty()
-        {
-            self.armed.store(ARM_NONE, Ordering::Release);
-            let _ = self.event_fd.write(1);
-        }
+        let arm = if solicited_only {
+            ARM_SOLICITED
+        } else {
+            ARM_ANY
+        };
+        // Completions already queued fire nothing, as on a kernel device
+        // (`ibv_req_notify_cq` has no "report missed events"): the caller
+        // polls once after arming. Firing here would leave the CQ unarmed
+        // while the program sleeps on a spurious event's successor.
+        self.armed.store(arm, Ordering::SeqCst);
     }
 
     /// Consume the event fd's pending notifications (`ibv_get_cq_event` +
@@ -303,6 +446,23 @@ impl CompletionQueue {
     /// Whether more completions arrived than the CQ holds.
     pub fn overrun(&self) -> bool {
         self.overrun.load(Ordering::Relaxed)
+    }
+
+    /// Have `hook` called at the first overrun (from the thread that
+    /// pushed the completion, with no lock of the CQ held): how the
+    /// rdma-core plugin raises `IBV_EVENT_CQ_ERR`. One per CQ; returns
+    /// false if one was already set.
+    pub fn set_overrun_hook(&self, hook: impl Fn() + Send + Sync + 'static) -> bool {
+        self.overrun_hook.set(OverrunHook(Box::new(hook))).is_ok()
+    }
+}
+
+/// What [`CompletionQueue::set_overrun_hook`] installs.
+struct OverrunHook(Box<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for OverrunHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OverrunHook")
     }
 }
 

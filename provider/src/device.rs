@@ -103,6 +103,15 @@ impl Device {
         self.inner.engine.progress()
     }
 
+    /// How many times the engine found input for a QP that an application
+    /// thread was driving (it polled a CQ with no notification armed) and
+    /// left it to that thread. An application that sleeps on completion
+    /// notifications never causes one: its arrivals are the engine's, or
+    /// the sleeping thread's own.
+    pub fn engine_parks(&self) -> u64 {
+        self.inner.engine.parks()
+    }
+
     /// The device name.
     pub fn name(&self) -> &str {
         &self.inner.name
@@ -430,7 +439,7 @@ impl QueuePair {
     /// thread that polls on behalf of QPs it does not own and must not
     /// wait behind their engine.
     pub fn try_progress(&self) {
-        crate::cq::CqQp::try_progress(&*self.shared);
+        crate::cq::CqQp::try_progress(&*self.shared, true);
     }
 
     /// [`try_progress`](Self::try_progress), telling whether it read

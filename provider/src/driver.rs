@@ -255,7 +255,7 @@ impl QpShared {
                     Ok(Err(e)) if e.kind() == ErrorKind::Interrupted => {}
                     Ok(Err(e)) => {
                         debug!(qpn = self.qpn, error = %e, "socket read failed");
-                        conn.handle_closed();
+                        conn.handle_stream_failed();
                         *closed = true;
                     }
                 }
@@ -280,7 +280,7 @@ impl QpShared {
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
                     debug!(qpn = self.qpn, error = %e, "socket read failed");
-                    conn.handle_closed();
+                    conn.handle_stream_failed();
                     *closed = true;
                 }
             }
@@ -350,7 +350,7 @@ impl QpShared {
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
                     debug!(error = %e, "socket write failed");
-                    conn.handle_closed();
+                    conn.handle_stream_failed();
                     return false;
                 }
             }
@@ -370,7 +370,7 @@ impl EngineQp for QpShared {
     fn engine_drive(&self, rearm: bool) {
         let mut io = self.lock();
         self.drive(&mut io);
-        if io.closed || !rearm {
+        if !rearm || !self.own.unpark() || io.closed {
             return;
         }
         let (Some(engine), Some(sock)) = (self.engine.upgrade(), self.sock.get()) else {
@@ -396,15 +396,18 @@ impl QpShared {
 }
 
 impl CqQp for QpShared {
-    fn try_progress(&self) {
-        self.own.note_app();
+    fn try_progress(&self, claim: bool) {
+        if claim {
+            self.own.note_app();
+        }
         if let Ok(mut io) = self.io.try_lock() {
             self.drive(&mut io);
         }
     }
 
-    fn wait_fd(&self) -> Option<(BorrowedFd<'_>, bool)> {
-        if !self.progress.waiters_take_sockets() || self.closed.load(Ordering::Acquire) {
+    fn wait_fd(&self, always: bool) -> Option<(BorrowedFd<'_>, bool)> {
+        if !(always || self.progress.waiters_take_sockets()) || self.closed.load(Ordering::Acquire)
+        {
             return None;
         }
         let sock = self.sock.get()?;
@@ -412,7 +415,27 @@ impl CqQp for QpShared {
     }
 
     fn set_waiting(&self, on: bool) {
-        self.own.set_waiting(on);
+        // Under the io lock, as every change of the socket's epoll flags.
+        let io = self.lock();
+        let (Some(engine), Some(sock)) = (self.engine.upgrade(), self.sock.get()) else {
+            if on {
+                self.own.begin_wait();
+            } else {
+                self.own.end_wait();
+            }
+            return;
+        };
+        if on {
+            if self.own.begin_wait() && self.own.armed.swap(false, Ordering::Relaxed) {
+                engine.disarm(self.qpn as u64, sock.as_fd());
+            }
+        } else if self.own.end_wait() && !io.closed {
+            // Back to the engine the moment nobody sleeps on the socket:
+            // input that arrives while the application does something
+            // else is answered at once.
+            self.own.armed.store(true, Ordering::Relaxed);
+            engine.arm(self.qpn as u64, sock.as_fd(), io.writable_wanted);
+        }
     }
 
     fn release_to_engine(&self) {

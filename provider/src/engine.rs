@@ -12,20 +12,28 @@
 //!
 //! Application threads drive QPs too: a post writes its request from the
 //! posting thread, polling an empty CQ reads the sockets from the polling
-//! thread, and in `Blocking` mode a thread in `CompletionQueue::wait`
+//! thread, and a thread in `CompletionQueue::wait` (`Blocking` mode) or
+//! `CompletionQueue::wait_notified` (the plugin's `ibv_get_cq_event`)
 //! sleeps in `poll(2)` on the sockets itself (one wake-up per completion,
-//! as on a plain socket). The two must not fight over a socket: on two
-//! cores an engine woken for every message that a spinning application
-//! thread then finds already handled costs a wake-up and a context switch
-//! per message. So when an event fires while an application thread is
-//! driving that QP (it polled since the engine last looked, or sleeps on
-//! its socket), the engine disarms the socket in its epoll set ("parks"
-//! it) and looks again every [`PARK_RECHECK`]; once the application has
-//! stopped driving it, the engine drives the QP and re-arms. While the
-//! engine owns a QP its socket stays armed, level-triggered: no
-//! `epoll_ctl` per message. An application that arms a CQ's notifications
-//! or sleeps on the CQ in the polling modes hands its QPs back at once
-//! ([`Ownership::release`]).
+//! as on a plain socket). While it sleeps there the socket is out of the
+//! engine's epoll set, and it goes back in when the thread wakes: the
+//! arrival wakes one thread, and no timer is involved.
+//!
+//! The engine and a spinning application thread must not fight over a
+//! socket either: on two cores an engine woken for every message that a
+//! spinning application thread then finds already handled costs a wake-up
+//! and a context switch per message. So when an event fires while an
+//! application thread is driving that QP (it polled a CQ with no
+//! notification armed since the engine last looked), the engine disarms
+//! the socket in its epoll set ("parks" it) and looks again every
+//! [`PARK_RECHECK`]; once the application has stopped driving it, the
+//! engine drives the QP and re-arms. That recheck is the one timer left:
+//! it matters only to a program that polls a CQ unarmed and then stops
+//! without arming or waiting. While the engine owns a QP its socket stays
+//! armed, level-triggered: no `epoll_ctl` per message. An application
+//! that arms a CQ's notifications or sleeps on the CQ in the polling modes
+//! hands its QPs back at once ([`Ownership::release`]), and a poll of an
+//! armed CQ does not take them back.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -178,22 +186,42 @@ impl Ownership {
     }
 
     /// Engine only: whether an application thread drove the QP since the
-    /// engine last looked, or sleeps on its socket.
+    /// engine last looked (and did not hand it back). A thread asleep on
+    /// the socket does not count: it took the socket out of the engine's
+    /// set itself and gives it back when it wakes.
     fn app_active(&self) -> bool {
         let polls = self.app_polls.load(Ordering::Relaxed);
         let seen = self.engine_seen.swap(polls, Ordering::Relaxed);
-        self.app_waiters.load(Ordering::SeqCst) > 0
-            || (polls != seen && !self.released.load(Ordering::Relaxed))
+        polls != seen && !self.released.load(Ordering::Relaxed)
     }
 
-    /// An application thread starts (`true`) or stops sleeping on the
-    /// socket.
-    pub(crate) fn set_waiting(&self, on: bool) {
-        if on {
-            self.app_waiters.fetch_add(1, Ordering::SeqCst);
-        } else {
-            self.app_waiters.fetch_sub(1, Ordering::SeqCst);
-        }
+    /// The engine takes a parked QP back (under the QP's io lock): whether
+    /// to re-arm its socket now, which waits for the last thread asleep on
+    /// it to wake ([`end_wait`](Self::end_wait) re-arms it then).
+    pub(crate) fn unpark(&self) -> bool {
+        self.parked.store(false, Ordering::SeqCst);
+        !self.waited_on()
+    }
+
+    /// An application thread starts sleeping on the socket (called under
+    /// the QP's io lock): whether it is the first, which takes the socket
+    /// out of the engine's epoll set so that an arrival wakes the waiter
+    /// alone.
+    pub(crate) fn begin_wait(&self) -> bool {
+        self.app_waiters.fetch_add(1, Ordering::SeqCst) == 0
+    }
+
+    /// An application thread stops sleeping on the socket (under the
+    /// QP's io lock): whether it was the last and the engine should watch
+    /// the socket again at once (it is not parked for a polling thread).
+    pub(crate) fn end_wait(&self) -> bool {
+        self.app_waiters.fetch_sub(1, Ordering::SeqCst) == 1 && !self.parked.load(Ordering::SeqCst)
+    }
+
+    /// Whether an application thread sleeps on the socket (and drives
+    /// the QP when it wakes).
+    fn waited_on(&self) -> bool {
+        self.app_waiters.load(Ordering::SeqCst) > 0
     }
 
     /// Hand the QP to the engine now (the application is going to sleep
@@ -215,8 +243,9 @@ pub(crate) trait EngineQp: Send + Sync {
     fn ownership(&self) -> &Ownership;
     /// The QP's socket, while it has one.
     fn fd(&self) -> Option<BorrowedFd<'_>>;
-    /// Read, process and write what is due, from the engine thread; then
-    /// re-arm the socket with the engine if `rearm` (the QP was parked).
+    /// Read, process and write what is due, from the engine thread; then,
+    /// if `rearm` (the QP was parked), take it back
+    /// ([`Ownership::unpark`]) and re-arm the socket.
     fn engine_drive(&self, rearm: bool);
 }
 
@@ -231,6 +260,8 @@ pub(crate) struct Engine {
     qps: Arc<QpMap>,
     /// QPs registered (armed or parked).
     registered: Arc<AtomicUsize>,
+    /// Arrivals the engine left to an application thread (parks).
+    parks: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
@@ -258,6 +289,7 @@ impl Engine {
         )?;
         let qps: Arc<QpMap> = Arc::default();
         let registered = Arc::new(AtomicUsize::new(0));
+        let parks = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let run = Run {
@@ -265,14 +297,16 @@ impl Engine {
                 wake: wake.clone(),
                 qps: qps.clone(),
                 registered: registered.clone(),
+                parks: parks.clone(),
                 stop: stop.clone(),
                 spinner: Spinner::new(progress),
                 parked: Vec::new(),
                 last_check: Instant::now(),
             };
+            let thread_name = format!("{name}-engine");
             std::thread::Builder::new()
-                .name(format!("{name}-engine"))
-                .spawn_masked(move || run.run())
+                .name(thread_name.clone())
+                .spawn_masked(move || crate::fatal::run_guarded(&thread_name, || run.run()))
                 .map_err(|e| {
                     nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(libc::EAGAIN))
                 })?
@@ -283,6 +317,7 @@ impl Engine {
             wake,
             qps,
             registered,
+            parks,
             stop,
             thread: Mutex::new(Some(thread)),
         })
@@ -291,6 +326,12 @@ impl Engine {
     /// The engine's progress mode.
     pub(crate) fn progress(&self) -> Progress {
         self.progress
+    }
+
+    /// How many times an arrival found an application thread driving its
+    /// QP, so that the engine left it alone (parked the QP).
+    pub(crate) fn parks(&self) -> u64 {
+        self.parks.load(Ordering::Relaxed)
     }
 
     /// Start watching a connected QP's socket under `token`, armed.
@@ -329,6 +370,12 @@ impl Engine {
         if let Err(e) = self.epoll.modify(sock, &mut ev) {
             debug!(token, error = %e, "epoll modify failed");
         }
+    }
+
+    /// Take a QP's socket out of the epoll set (an application thread
+    /// sleeps on it). Called with the QP's io lock held.
+    pub(crate) fn disarm(&self, token: u64, sock: BorrowedFd<'_>) {
+        disarm(&self.epoll, token, sock);
     }
 
     /// Make the engine look at its parked QPs now.
@@ -547,6 +594,7 @@ struct Run {
     wake: Arc<EventFd>,
     qps: Arc<QpMap>,
     registered: Arc<AtomicUsize>,
+    parks: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
     spinner: Spinner,
     /// QPs whose socket is disarmed because an application thread drives
@@ -593,6 +641,12 @@ impl Run {
                     .and_then(Weak::upgrade);
                 let Some(qp) = qp else { continue };
                 let own = qp.ownership();
+                if own.waited_on() {
+                    // A thread asleep on the socket took it out of the
+                    // set (this event raced with that): it is woken by
+                    // the same arrival and drives the QP.
+                    continue;
+                }
                 if own.parked.load(Ordering::Relaxed) || own.app_active() {
                     // Disarmed here (again, if a racing application
                     // thread re-armed it) until the recheck.
@@ -601,6 +655,7 @@ impl Run {
                         disarm(&self.epoll, token, fd);
                     }
                     if !own.parked.swap(true, Ordering::Relaxed) {
+                        self.parks.fetch_add(1, Ordering::Relaxed);
                         self.parked.push(Arc::downgrade(&qp));
                     }
                 } else {
@@ -624,7 +679,6 @@ impl Run {
                     if own.app_active() {
                         return true;
                     }
-                    own.parked.store(false, Ordering::Relaxed);
                     qp.engine_drive(true);
                     false
                 });

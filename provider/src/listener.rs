@@ -52,12 +52,16 @@ impl Listener {
     /// Listen on `addr`, giving each handshake `timeout` to deliver its
     /// MPA Request.
     pub fn bind_with(addr: impl ToSocketAddrs, timeout: Duration) -> Result<Listener, DeviceError> {
-        Self::from_tcp(TcpListener::bind(addr)?, timeout)
+        Self::adopt(TcpListener::bind(addr)?, timeout)
     }
 
-    /// Take over a socket the caller bound and made listen itself (with
-    /// socket options `bind` does not set, such as `IPV6_V6ONLY`).
-    pub fn from_tcp(tcp: TcpListener, timeout: Duration) -> Result<Listener, DeviceError> {
+    /// Take over `tcp`, a socket the caller bound and made listen (with
+    /// socket options `bind` does not set, such as `IPV6_V6ONLY`):
+    /// connections the
+    /// kernel queued in its backlog before this call are served like
+    /// later ones. (rdma_cm listens at `rdma_bind_addr`, so that a peer
+    /// told the port before `rdma_listen` is queued, not refused.)
+    pub fn adopt(tcp: TcpListener, timeout: Duration) -> Result<Listener, DeviceError> {
         tcp.set_nonblocking(true)?;
         let local = tcp.local_addr()?;
         let stop = Arc::new(EventFd::from_value_and_flags(

@@ -2,7 +2,8 @@
 //! (draft-ietf-rddp-arch-03: receive buffers posted on several streams).
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use crate::wr::RecvWr;
 
@@ -23,6 +24,20 @@ pub struct Srq {
     queue: Mutex<VecDeque<RecvWr>>,
     max_wr: usize,
     max_sge: usize,
+    /// The armed limit (`ibv_modify_srq` with `IBV_SRQ_LIMIT`), 0 when
+    /// disarmed: when fewer WRs than this remain, the limit hook runs once
+    /// and the limit disarms, as verbs specifies.
+    limit: AtomicUsize,
+    limit_hook: OnceLock<LimitHook>,
+}
+
+/// What [`Srq::set_limit_hook`] installs.
+struct LimitHook(Box<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for LimitHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LimitHook")
+    }
 }
 
 impl Srq {
@@ -32,7 +47,28 @@ impl Srq {
             queue: Mutex::new(VecDeque::with_capacity(max_wr.min(4096))),
             max_wr,
             max_sge,
+            limit: AtomicUsize::new(0),
+            limit_hook: OnceLock::new(),
         }
+    }
+
+    /// Arm the limit (0 disarms): the hook runs once fewer than `limit`
+    /// WRs remain.
+    pub fn arm_limit(&self, limit: usize) {
+        self.limit.store(limit, Ordering::Release);
+    }
+
+    /// The armed limit; 0 once it fired, or when never armed.
+    pub fn limit(&self) -> usize {
+        self.limit.load(Ordering::Acquire)
+    }
+
+    /// Have `hook` called (from the thread that took the WR, no lock of
+    /// the SRQ held) when the armed limit is reached: how the rdma-core
+    /// plugin raises `IBV_EVENT_SRQ_LIMIT_REACHED`. One per SRQ; returns
+    /// false if one was already set.
+    pub fn set_limit_hook(&self, hook: impl Fn() + Send + Sync + 'static) -> bool {
+        self.limit_hook.set(LimitHook(Box::new(hook))).is_ok()
     }
 
     /// `ibv_post_srq_recv`.
@@ -50,10 +86,24 @@ impl Srq {
 
     /// Take the oldest posted WR for an arriving message.
     pub fn take(&self) -> Option<RecvWr> {
-        self.queue
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop_front()
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let wr = q.pop_front();
+        let left = q.len();
+        drop(q);
+        let limit = self.limit.load(Ordering::Acquire);
+        if wr.is_some()
+            && limit > 0
+            && left < limit
+            && self
+                .limit
+                .compare_exchange(limit, 0, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            if let Some(hook) = self.limit_hook.get() {
+                (hook.0)();
+            }
+        }
+        wr
     }
 
     /// How many WRs are posted.
@@ -64,5 +114,49 @@ impl Srq {
     /// Whether no WR is posted.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+    use std::sync::Arc;
+
+    fn wr(id: u64) -> RecvWr {
+        RecvWr {
+            wr_id: id,
+            sg_list: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_limit_fires_once_below_it_then_disarms() {
+        let srq = Srq::new(16, 1);
+        let fired = Arc::new(AtomicU32::new(0));
+        let f = fired.clone();
+        assert!(srq.set_limit_hook(move || {
+            f.fetch_add(1, Ordering::Relaxed);
+        }));
+        for i in 0..8 {
+            srq.post_recv(wr(i)).unwrap();
+        }
+        srq.arm_limit(4);
+        // 8 -> 4 left: not below the limit yet.
+        for _ in 0..4 {
+            srq.take().unwrap();
+        }
+        assert_eq!(fired.load(Ordering::Relaxed), 0);
+        assert_eq!(srq.limit(), 4);
+        // 3 left: fires, and disarms.
+        srq.take().unwrap();
+        assert_eq!(fired.load(Ordering::Relaxed), 1);
+        assert_eq!(srq.limit(), 0);
+        srq.take().unwrap();
+        assert_eq!(fired.load(Ordering::Relaxed), 1);
+        // Armed again above what is left: fires at the next take.
+        srq.arm_limit(8);
+        srq.take().unwrap();
+        assert_eq!(fired.load(Ordering::Relaxed), 2);
     }
 }

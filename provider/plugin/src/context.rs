@@ -6,13 +6,14 @@
 //! QPs and the progress engine are per process, as with a kernel device.
 
 use std::ffi::c_int;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::ptr;
 use std::sync::{Arc, OnceLock};
 
 use provider::device::Device;
 use provider::identity;
 
+use crate::async_events::AsyncEvents;
 use crate::errno::{self, guard};
 use crate::ffi::*;
 
@@ -27,51 +28,34 @@ pub(crate) struct StagContext {
 pub(crate) struct ContextState {
     /// The process's userspace RNIC.
     pub(crate) device: Device,
-    /// Our end of the async event socket pair (`context->async_fd` is
-    /// the other): [`post_async_event`] writes events into it. Held open
-    /// while anything may post (the QPs hold it too): with it closed,
-    /// `async_fd` would read as EOF, readable forever to a poller.
-    pub(crate) async_tx: Arc<OwnedFd>,
-}
-
-/// Queue one asynchronous event for `ibv_get_async_event`, which reads
-/// `struct ib_uverbs_async_event_desc` from `async_fd` as the kernel
-/// writes it: `element` is the QP, CQ or SRQ pointer (the kernel's user
-/// handle), or the port number. Never blocks and never raises SIGPIPE
-/// (the context may be closed already): an event that does not fit is
-/// dropped and logged.
-pub(crate) fn post_async_event(tx: &OwnedFd, element: u64, event_type: u32) {
-    let desc = ib_uverbs_async_event_desc {
-        element,
-        event_type,
-        reserved: 0,
-    };
-    let flags = libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT;
-    // SAFETY: sends the bytes of a local plain-data struct on our socket.
-    let n = unsafe {
-        libc::send(
-            tx.as_raw_fd(),
-            ptr::addr_of!(desc).cast(),
-            std::mem::size_of_val(&desc),
-            flags,
-        )
-    };
-    if n != std::mem::size_of_val(&desc) as isize {
-        tracing::debug!(
-            event_type,
-            "stag0: async event dropped (queue full or context closed)"
-        );
-    }
+    /// The async event queue (`context->async_fd` is its application
+    /// end). Held by the objects that post events, so that `async_fd`
+    /// never reads as EOF (readable forever to a poller) while they live.
+    pub(crate) async_events: Arc<AsyncEvents>,
+    /// Posts IBV_EVENT_DEVICE_FATAL if the RNIC breaks
+    /// ([`provider::fatal`]); registered while the context lives.
+    _fatal: Arc<provider::fatal::FatalHook>,
 }
 
 /// The process's RNIC, started by the first `ibv_open_device`.
+///
+/// Its engine and connection threads live in the process that started it:
+/// a child made by `fork()` has none of them, so there stag0 does not open
+/// (`ENODEV`); a child that wants RDMA execs first.
 pub(crate) fn device() -> Result<Device, provider::device::DeviceError> {
-    static DEVICE: OnceLock<Device> = OnceLock::new();
-    if let Some(d) = DEVICE.get() {
-        return Ok(d.clone());
+    static DEVICE: OnceLock<(u32, Device)> = OnceLock::new();
+    let pid = std::process::id();
+    let (owner, dev) = match DEVICE.get() {
+        Some(d) => d,
+        None => {
+            let dev = Device::open(identity::DEVICE_NAME)?;
+            DEVICE.get_or_init(|| (pid, dev))
+        }
+    };
+    if *owner != pid {
+        return Err(nix::Error::ENODEV.into());
     }
-    let dev = Device::open(identity::DEVICE_NAME)?;
-    Ok(DEVICE.get_or_init(|| dev).clone())
+    Ok(dev.clone())
 }
 
 /// Whether `ctx` is a context of stag's device.
@@ -106,6 +90,11 @@ pub(crate) unsafe extern "C" fn alloc_context(
     guard("alloc_context", ptr::null_mut(), || {
         let device = match device() {
             Ok(d) => d,
+            Err(provider::device::DeviceError::Sys(nix::Error::ENODEV)) => {
+                tracing::error!("stag0: not available in a child made by fork() (exec first)");
+                errno::set(libc::ENODEV);
+                return ptr::null_mut();
+            }
             Err(e) => {
                 tracing::error!("stag0: cannot start the userspace RNIC: {e}");
                 errno::set(errno::of_device(&e));
@@ -130,7 +119,20 @@ pub(crate) unsafe extern "C" fn alloc_context(
         }
         // SAFETY: fresh fds we own; fds[0] becomes async_fd, which
         // verbs_uninit_context closes.
-        let async_tx = Arc::new(unsafe { OwnedFd::from_raw_fd(fds[1]) });
+        let async_tx = unsafe { OwnedFd::from_raw_fd(fds[1]) };
+        // Our own handle on the application's end, to take a destroyed
+        // object's unread events back out.
+        // SAFETY: fds[0] is open; the duplicate is ours.
+        let rx = unsafe { libc::fcntl(fds[0], libc::F_DUPFD_CLOEXEC, 0) };
+        if rx < 0 {
+            // SAFETY: our fd, not handed out.
+            unsafe { libc::close(fds[0]) };
+            return ptr::null_mut();
+        }
+        // SAFETY: the fresh duplicate.
+        let async_events = Arc::new(AsyncEvents::new(async_tx, unsafe {
+            OwnedFd::from_raw_fd(rx)
+        }));
         // SAFETY: libibverbs allocates size_of::<StagContext>() zeroed
         // bytes and initialises the verbs_context at the offset we give.
         let sc = unsafe {
@@ -153,7 +155,15 @@ pub(crate) unsafe extern "C" fn alloc_context(
             (*sc).vctx.context.async_fd = fds[0];
             (*sc).vctx.context.num_comp_vectors = 1;
             verbs_set_ops(&mut (*sc).vctx, &OPS.0);
-            (*sc).state = Box::into_raw(Box::new(ContextState { device, async_tx }));
+            let events = async_events.clone();
+            let fatal: Arc<provider::fatal::FatalHook> =
+                Arc::new(move || events.post_device(1, IBV_EVENT_DEVICE_FATAL));
+            provider::fatal::on_device_fatal(&fatal);
+            (*sc).state = Box::into_raw(Box::new(ContextState {
+                device,
+                async_events,
+                _fatal: fatal,
+            }));
             &mut (*sc).vctx
         }
     })
@@ -322,8 +332,6 @@ unsafe extern "C" fn query_port(
     })
 }
 
-unsafe extern "C" fn async_event(_ctx: *mut ibv_context, _event: *mut ibv_async_event) {}
-
 unsafe extern "C" fn cq_event(_cq: *mut ibv_cq) {}
 
 /// The context's ops; NULL entries keep libibverbs' EOPNOTSUPP stubs.
@@ -358,7 +366,7 @@ static OPS: ContextOps = ContextOps(verbs_context_ops {
     post_srq_recv: Some(crate::srq::post_srq_recv),
     query_device_ex: Some(query_device_ex),
     query_port: Some(query_port),
-    async_event: Some(async_event),
+    async_event: Some(crate::async_events::async_event),
     free_context: Some(free_context),
     ..ZERO_OPS
 });

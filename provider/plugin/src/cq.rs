@@ -2,36 +2,88 @@
 //!
 //! A completion channel is a pipe: `ibv_get_cq_event` (libibverbs) reads an
 //! 8-byte `ib_uverbs_comp_event_desc` holding the `ibv_cq` pointer from
-//! `channel->fd`, as the kernel would write it. One notifier thread per
-//! process waits on the armed CQs' event fds and writes those records.
+//! `channel->fd`, as the kernel would write it. The thread that delivers
+//! the completion firing an armed CQ (the device's engine, or whichever
+//! application thread drove the QP) writes that record itself, so the
+//! application thread asleep on the channel is the only thread woken.
 //! libibverbs' own `ibv_create_comp_channel` would ask the kernel through
 //! the command fd, so the plugin interposes it ([`crate::interpose`]).
 
 use std::collections::HashMap;
 use std::ffi::c_int;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 
-use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
-use provider::cq::CompletionQueue;
+use provider::cq::{CompletionQueue, NotifySink};
 use provider::wr::{WcOpcode, WcStatus, WorkCompletion};
 
 use crate::context::limits;
 use crate::errno::{self, guard};
 use crate::ffi::*;
 use crate::sweep::{self, PollMark};
-use provider::thread::SpawnMasked;
 
 /// `ibv_cq` first, then the RNIC's CQ.
 #[repr(C)]
 pub(crate) struct StagCq {
     cq: ibv_cq,
     pub(crate) inner: Arc<CompletionQueue>,
-    /// Registered with the notifier (created with a channel).
-    notified: bool,
+    /// Where its notifications go (created with a channel).
+    channel: Option<Arc<ChannelWriter>>,
     /// Counts the `poll_cq`s on this CQ ([`crate::sweep`]).
     pub(crate) mark: Arc<PollMark>,
+    /// The QPs completing into this CQ.
+    pub(crate) users: Arc<crate::users::Users>,
+    /// Where its IBV_EVENT_CQ_ERR goes.
+    events: Option<Arc<crate::async_events::AsyncSource>>,
+}
+
+thread_local! {
+    /// The channel this thread sleeps on in [`get_cq_event`] (0: none),
+    /// and the records of that channel's notifications this thread fired
+    /// itself meanwhile: they go to it directly, not through the pipe it
+    /// would then have to poll and read.
+    static WAITING: std::cell::RefCell<(usize, Vec<u64>)> =
+        const { std::cell::RefCell::new((0, Vec::new())) };
+}
+
+/// The write end of a CQ's completion channel, and whether the CQ still
+/// exists: the provider CQ may outlive its `ibv_cq` for a moment (a QP
+/// being torn down holds it), and a record naming a freed `ibv_cq` must
+/// never reach the application.
+struct ChannelWriter {
+    fd: OwnedFd,
+    /// The channel's address.
+    channel: usize,
+    /// The `ibv_cq` address, the record's content.
+    token: u64,
+    /// Written (false) by `destroy_cq`; read for the whole of a write, so
+    /// no record is written once `destroy_cq` returns.
+    open: RwLock<bool>,
+}
+
+impl ChannelWriter {
+    /// One event record into the channel. The pipe is non-blocking: when
+    /// it is full the application has records to read anyway.
+    fn notify(&self) {
+        let open = self.open.read().unwrap_or_else(|p| p.into_inner());
+        if !*open {
+            return;
+        }
+        let direct = WAITING.with(|w| match w.try_borrow_mut() {
+            Ok(mut w) if w.0 == self.channel => {
+                w.1.push(self.token);
+                true
+            }
+            _ => false,
+        });
+        if direct {
+            return;
+        }
+        let desc = self.token.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a local buffer to our pipe.
+        let _ = unsafe { libc::write(self.fd.as_raw_fd(), desc.as_ptr().cast(), desc.len()) };
+    }
 }
 
 /// The RNIC CQ behind one of our `ibv_cq`s.
@@ -56,70 +108,120 @@ pub(crate) unsafe fn mark(cq: *const ibv_cq) -> Option<Arc<PollMark>> {
     unsafe { self::cq(cq) }.map(|_| unsafe { (*cq.cast::<StagCq>()).mark.clone() })
 }
 
+/// The CQs of each completion channel: channel address → (`ibv_cq`
+/// address, its RNIC CQ).
+type ChannelCqs = HashMap<usize, Vec<(usize, Weak<CompletionQueue>)>>;
+
+fn channel_cqs() -> &'static Mutex<ChannelCqs> {
+    static CQS: OnceLock<Mutex<ChannelCqs>> = OnceLock::new();
+    CQS.get_or_init(Default::default)
+}
+
+/// `ibv_get_cq_event` on one of our channels (`None`: not ours).
+///
+/// The thread sleeps on the channel's pipe and on the sockets of the QPs
+/// that feed its armed CQs ([`CompletionQueue::wait_notified`]): the
+/// peer's message wakes this thread, which places it, delivers the
+/// completion and finds its own record in the pipe, instead of waking
+/// the engine to do so and then this thread through the pipe.
+///
+/// # Safety
+/// `ch` must be NULL or a live channel; `out_cq` and `out_ctx` writable.
+pub(crate) unsafe fn get_cq_event(
+    ch: *mut ibv_comp_channel,
+    out_cq: *mut *mut ibv_cq,
+    out_ctx: *mut *mut std::ffi::c_void,
+) -> Option<c_int> {
+    if ch.is_null()
+        || !channels()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(&(ch as usize))
+    {
+        return None;
+    }
+    Some(guard("ibv_get_cq_event", -1, || {
+        let cqs: Vec<Arc<CompletionQueue>> = channel_cqs()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&(ch as usize))
+            .map(|v| v.iter().filter_map(|(_, w)| w.upgrade()).collect())
+            .unwrap_or_default();
+        // SAFETY: a live channel (the caller's contract); its fd stays
+        // open while the channel exists.
+        let fd = unsafe { (*ch).fd };
+        // SAFETY: as above.
+        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        WAITING.with(|w| w.borrow_mut().0 = ch as usize);
+        let waited = CompletionQueue::wait_notified(borrowed, &cqs, None, &|| {
+            WAITING.with(|w| !w.borrow().1.is_empty())
+        });
+        let mut mine = WAITING.with(|w| {
+            let mut w = w.borrow_mut();
+            w.0 = 0;
+            std::mem::take(&mut w.1)
+        });
+        let token = if mine.is_empty() {
+            if let Err(e) = waited {
+                errno::set(e as i32);
+                return -1;
+            }
+            let mut desc = [0u8; 8];
+            // SAFETY: reads 8 bytes into a local buffer. Blocks only if
+            // another thread took the record first, as libibverbs' own
+            // read would.
+            let n = unsafe { libc::read(fd, desc.as_mut_ptr().cast(), desc.len()) };
+            if n != desc.len() as isize {
+                if n >= 0 {
+                    errno::set(libc::EIO);
+                }
+                return -1;
+            }
+            u64::from_ne_bytes(desc)
+        } else {
+            // One is the answer; any others (several CQs on the channel)
+            // go where every other thread and poll(2) can see them.
+            let first = mine.remove(0);
+            for token in mine {
+                let desc = token.to_ne_bytes();
+                // SAFETY: writes 8 bytes from a local buffer to our pipe;
+                // the write end is the channel's, kept in `channels`.
+                if let Some(tx) = channels()
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get(&(ch as usize))
+                {
+                    let _ =
+                        unsafe { libc::write(tx.as_raw_fd(), desc.as_ptr().cast(), desc.len()) };
+                }
+            }
+            first
+        };
+        let cq = token as usize as *mut ibv_cq;
+        // SAFETY: the record names one of our live CQs (destroy_cq stops
+        // records before it frees one); the out pointers are the caller's.
+        unsafe {
+            *out_cq = cq;
+            *out_ctx = (*cq).cq_context;
+        }
+        0
+    }))
+}
+
+/// What uses one of our `ibv_cq`s.
+///
+/// # Safety
+/// As [`cq`].
+pub(crate) unsafe fn users<'a>(cq: *const ibv_cq) -> Option<&'a Arc<crate::users::Users>> {
+    // SAFETY: forwarded; `cq` checked it is ours.
+    unsafe { self::cq(cq) }.map(|_| unsafe { &(*cq.cast::<StagCq>()).users })
+}
+
 /// The completion channels this plugin made: channel address → the pipe's
 /// write end.
 pub(crate) fn channels() -> &'static Mutex<HashMap<usize, OwnedFd>> {
     static CHANNELS: OnceLock<Mutex<HashMap<usize, OwnedFd>>> = OnceLock::new();
     CHANNELS.get_or_init(Default::default)
-}
-
-/// The thread that turns armed CQs' events into channel records.
-struct Notifier {
-    epoll: Epoll,
-    /// `ibv_cq` address → its CQ and a dup of its channel's write end.
-    entries: Mutex<HashMap<u64, (Arc<CompletionQueue>, OwnedFd)>>,
-}
-
-fn notifier() -> Option<&'static Notifier> {
-    static NOTIFIER: OnceLock<Option<&'static Notifier>> = OnceLock::new();
-    *NOTIFIER.get_or_init(|| {
-        let epoll = match Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC) {
-            Ok(e) => e,
-            Err(e) => {
-                tracing::error!("stag0: completion notifier: epoll: {e}");
-                return None;
-            }
-        };
-        let n: &'static Notifier = Box::leak(Box::new(Notifier {
-            epoll,
-            entries: Mutex::new(HashMap::new()),
-        }));
-        let spawned = std::thread::Builder::new()
-            .name("stag0-cq-events".into())
-            .spawn_masked(move || n.run());
-        if let Err(e) = spawned {
-            tracing::error!("stag0: completion notifier thread: {e}");
-            return None;
-        }
-        Some(n)
-    })
-}
-
-impl Notifier {
-    fn run(&self) {
-        let mut events = [EpollEvent::empty(); 32];
-        loop {
-            let n = match self.epoll.wait(&mut events, EpollTimeout::NONE) {
-                Ok(n) => n,
-                Err(nix::errno::Errno::EINTR) => continue,
-                Err(e) => {
-                    tracing::error!("stag0: completion notifier: {e}");
-                    return;
-                }
-            };
-            let entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-            for ev in &events[..n] {
-                let token = ev.data();
-                let Some((cq, chan)) = entries.get(&token) else {
-                    continue;
-                };
-                cq.ack_events();
-                let desc = token.to_ne_bytes();
-                // SAFETY: writes 8 bytes from a local buffer to our pipe.
-                let _ = unsafe { libc::write(chan.as_raw_fd(), desc.as_ptr().cast(), desc.len()) };
-            }
-        }
-    }
 }
 
 pub(crate) unsafe extern "C" fn create_cq(
@@ -165,29 +267,50 @@ pub(crate) unsafe extern "C" fn create_cq(
                 ..Default::default()
             },
             inner: inner.clone(),
-            notified: chan_fd.is_some(),
+            channel: None,
             mark: Arc::default(),
+            users: Arc::default(),
+            events: None,
         }));
+        // SAFETY: ctx is live (checked ours above).
+        if let Some(st) = unsafe { crate::context::state(ctx) } {
+            // The kernel's user handle for a CQ is the ibv_cq pointer.
+            let source = crate::async_events::AsyncSource::new(st.async_events.clone(), raw as u64);
+            let s = source.clone();
+            inner.set_overrun_hook(move || s.post(IBV_EVENT_CQ_ERR));
+            // SAFETY: the fresh allocation, not handed out yet.
+            unsafe { (*raw).events = Some(source) };
+        }
         if let Some(fd) = chan_fd {
-            let Some(n) = notifier() else {
-                // SAFETY: just allocated, not handed out.
-                drop(unsafe { Box::from_raw(raw) });
-                errno::set(libc::ENOMEM);
-                return ptr::null_mut();
+            // SAFETY: fcntl on a pipe end we own (a dup: the flag is the
+            // channel's, which only this plugin writes).
+            let nonblocking = unsafe {
+                let flags = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+                flags >= 0
+                    && libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
             };
-            let token = raw as u64;
-            let mut entries = n.entries.lock().unwrap_or_else(|p| p.into_inner());
-            if let Err(e) = n
-                .epoll
-                .add(inner.as_fd(), EpollEvent::new(EpollFlags::EPOLLIN, token))
-            {
-                drop(entries);
+            if !nonblocking {
+                errno::set(nix::errno::Errno::last_raw());
                 // SAFETY: just allocated, not handed out.
                 drop(unsafe { Box::from_raw(raw) });
-                errno::set(e as i32);
                 return ptr::null_mut();
             }
-            entries.insert(token, (inner, fd));
+            let writer = Arc::new(ChannelWriter {
+                fd,
+                channel: channel as usize,
+                token: raw as u64,
+                open: RwLock::new(true),
+            });
+            let sink = writer.clone();
+            inner.set_notify_sink(NotifySink::new(move || sink.notify()));
+            // SAFETY: just allocated, not handed out yet.
+            unsafe { (*raw).channel = Some(writer) };
+            channel_cqs()
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(channel as usize)
+                .or_default()
+                .push((raw as usize, Arc::downgrade(&inner)));
         }
         raw.cast()
     })
@@ -202,14 +325,34 @@ pub(crate) unsafe extern "C" fn destroy_cq(cq: *mut ibv_cq) -> c_int {
         let raw = cq.cast::<StagCq>();
         // SAFETY: ours (checked).
         let sc = unsafe { &*raw };
-        if sc.notified {
-            if let Some(n) = notifier() {
-                let mut entries = n.entries.lock().unwrap_or_else(|p| p.into_inner());
-                let _ = n.epoll.delete(sc.inner.as_fd());
-                entries.remove(&(raw as u64));
+        if sc.users.in_use() {
+            return libc::EBUSY;
+        }
+        // As for a QP: its unread events dropped, the read ones acked.
+        if let Some(events) = &sc.events {
+            let reported = events.retire();
+            // SAFETY: the live cq's own members.
+            unsafe {
+                crate::async_events::wait_acked(
+                    ptr::addr_of_mut!((*cq).mutex).cast(),
+                    ptr::addr_of_mut!((*cq).cond).cast(),
+                    ptr::addr_of!((*cq).async_events_completed),
+                    reported,
+                )
+            };
+        }
+        if let Some(channel) = &sc.channel {
+            *channel.open.write().unwrap_or_else(|p| p.into_inner()) = false;
+            let mut cqs = channel_cqs().lock().unwrap_or_else(|p| p.into_inner());
+            let chan = sc.cq.channel as usize;
+            if let Some(v) = cqs.get_mut(&chan) {
+                v.retain(|(c, _)| *c != raw as usize);
+                if v.is_empty() {
+                    cqs.remove(&chan);
+                }
             }
         }
-        // SAFETY: ours, freed once; the notifier no longer knows it.
+        // SAFETY: ours, freed once; no record names it any more.
         drop(unsafe { Box::from_raw(raw) });
         0
     })
@@ -259,8 +402,13 @@ pub(crate) unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, num: c_int, wc: *mut ib
         }
         let mut buf = [WorkCompletion::BLANK; POLL_BATCH];
         let want = (num as usize).min(POLL_BATCH);
+        // Armed: the program sleeps on the channel once this poll comes
+        // back empty, so it must not become the responder of other QPs
+        // (the sweep) or keep driving this one (the assist): those stay
+        // with the engine, which answers while the program sleeps.
+        let armed = inner.is_armed();
         let mut n = inner.poll(&mut buf[..want]);
-        if n == 0 && sweep::registry().sweep(mark) > 0 {
+        if n == 0 && !armed && sweep::registry().sweep(mark) > 0 {
             // What the sweep delivered may have landed here.
             n = inner.try_poll(&mut buf[..want]);
         }
@@ -269,7 +417,8 @@ pub(crate) unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, num: c_int, wc: *mut ib
             unsafe { ptr::write(wc.add(i), to_ibv_wc(c)) };
         }
         if let Some(last) = buf[..n].last() {
-            if last.opcode == WcOpcode::RdmaWrite
+            if !armed
+                && last.opcode == WcOpcode::RdmaWrite
                 && last.status == WcStatus::Success
                 && inner.is_empty()
             {

@@ -13,13 +13,17 @@
 //!   devices next to stag0.
 //! - `ibv_create_comp_channel`/`ibv_destroy_comp_channel` on stag0: libibverbs
 //!   would ask the kernel for the channel's fd through the command fd.
+//! - `ibv_get_cq_event` on a stag0 channel: the waiting thread sleeps on the
+//!   QPs' sockets too, so the peer's message wakes it directly
+//!   ([`crate::cq::get_cq_event`]). Without the preload, libibverbs' own
+//!   reads the pipe, which the engine writes: one thread hand-off more.
 
 use std::ffi::{c_char, c_int, CStr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::OnceLock;
 
 use crate::cq::channels;
-use crate::ffi::{ibv_comp_channel, ibv_context};
+use crate::ffi::{ibv_comp_channel, ibv_context, ibv_cq};
 
 /// `dlsym(RTLD_NEXT, name)`, cached per call site.
 macro_rules! next {
@@ -179,4 +183,29 @@ pub unsafe extern "C" fn ibv_destroy_comp_channel(ch: *mut ibv_comp_channel) -> 
         drop(Box::from_raw(ch));
     }
     0
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ibv_get_cq_event(
+    ch: *mut ibv_comp_channel,
+    cq: *mut *mut ibv_cq,
+    cq_context: *mut *mut std::ffi::c_void,
+) -> c_int {
+    type F = unsafe extern "C" fn(
+        *mut ibv_comp_channel,
+        *mut *mut ibv_cq,
+        *mut *mut std::ffi::c_void,
+    ) -> c_int;
+    // SAFETY: the caller's arguments, as libibverbs would take them.
+    if let Some(rc) = unsafe { crate::cq::get_cq_event(ch, cq, cq_context) } {
+        return rc;
+    }
+    match next!("ibv_get_cq_event", F) {
+        // SAFETY: libibverbs' own, for its own channels.
+        Some(real) => unsafe { real(ch, cq, cq_context) },
+        None => {
+            crate::errno::set(libc::ENOSYS);
+            -1
+        }
+    }
 }

@@ -23,6 +23,7 @@
 mod ffi;
 
 mod assist;
+mod async_events;
 mod c_list;
 mod context;
 mod cq;
@@ -34,6 +35,7 @@ mod mr;
 mod qp;
 mod srq;
 mod sweep;
+mod users;
 mod wr;
 
 pub mod cm;

@@ -7,18 +7,22 @@
 
 use std::ffi::{c_int, c_void};
 use std::ptr::{self, NonNull};
+use std::sync::Arc;
 
 use provider::device::ProtectionDomain;
 use provider::mem::Access;
 
 use crate::errno::{self, guard};
 use crate::ffi::*;
+use crate::users::{Use, Users};
 
 /// `ibv_pd` first, then the RNIC's PD.
 #[repr(C)]
 pub(crate) struct StagPd {
     pd: ibv_pd,
     pub(crate) inner: ProtectionDomain,
+    /// MRs, QPs and SRQs on this PD.
+    users: Arc<Users>,
 }
 
 /// The RNIC PD behind one of our `ibv_pd`s.
@@ -32,6 +36,15 @@ pub(crate) unsafe fn pd<'a>(pd: *const ibv_pd) -> Option<&'a ProtectionDomain> {
     }
     // SAFETY: checked it is ours; StagPd starts with the ibv_pd.
     Some(unsafe { &(*pd.cast::<StagPd>()).inner })
+}
+
+/// What uses one of our `ibv_pd`s.
+///
+/// # Safety
+/// As [`pd`].
+pub(crate) unsafe fn users<'a>(pd: *const ibv_pd) -> Option<&'a Arc<Users>> {
+    // SAFETY: forwarded; `pd` checked it is ours.
+    unsafe { self::pd(pd) }.map(|_| unsafe { &(*pd.cast::<StagPd>()).users })
 }
 
 pub(crate) unsafe extern "C" fn alloc_pd(ctx: *mut ibv_context) -> *mut ibv_pd {
@@ -48,6 +61,7 @@ pub(crate) unsafe extern "C" fn alloc_pd(ctx: *mut ibv_context) -> *mut ibv_pd {
                 handle: inner.id(),
             },
             inner,
+            users: Users::new(),
         });
         Box::into_raw(pd).cast()
     })
@@ -56,8 +70,11 @@ pub(crate) unsafe extern "C" fn alloc_pd(ctx: *mut ibv_context) -> *mut ibv_pd {
 pub(crate) unsafe extern "C" fn dealloc_pd(pd: *mut ibv_pd) -> c_int {
     guard("dealloc_pd", libc::EIO, || {
         // SAFETY: libibverbs passes the pd it got from alloc_pd.
-        if unsafe { self::pd(pd) }.is_none() {
+        let Some(users) = (unsafe { self::users(pd) }) else {
             return libc::EINVAL;
+        };
+        if users.in_use() {
+            return libc::EBUSY;
         }
         // SAFETY: ours (checked), freed once.
         drop(unsafe { Box::from_raw(pd.cast::<StagPd>()) });
@@ -70,6 +87,8 @@ pub(crate) unsafe extern "C" fn dealloc_pd(pd: *mut ibv_pd) -> c_int {
 struct StagMr {
     vmr: verbs_mr,
     pd: ProtectionDomain,
+    /// Keeps the PD from being deallocated while the MR lives.
+    _on_pd: Use,
 }
 
 /// libibverbs access bits the RNIC understands; the rest (zero-based,
@@ -95,7 +114,8 @@ pub(crate) unsafe extern "C" fn reg_mr(
 ) -> *mut ibv_mr {
     guard("reg_mr", ptr::null_mut(), || {
         // SAFETY: libibverbs passes a pd of this context.
-        let Some(inner) = (unsafe { self::pd(pd) }) else {
+        let (Some(inner), Some(users)) = (unsafe { self::pd(pd) }, unsafe { self::users(pd) })
+        else {
             errno::set(libc::EINVAL);
             return ptr::null_mut();
         };
@@ -150,6 +170,7 @@ pub(crate) unsafe extern "C" fn reg_mr(
                 access,
             },
             pd: inner.clone(),
+            _on_pd: users.hold(),
         });
         // SAFETY: vmr is the first member, ibv_mr the first of it.
         unsafe { ptr::addr_of_mut!((*Box::into_raw(mr)).vmr.ibv_mr) }

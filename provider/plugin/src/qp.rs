@@ -8,7 +8,7 @@
 
 use std::ffi::{c_int, c_uint};
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use provider::device::{ProtectionDomain, QueuePair};
@@ -16,6 +16,7 @@ use provider::mem::Access;
 use provider::qp::{QpCaps, QpState};
 use provider::wr::{RecvWr, Remote, SendOp, SendWr, Sge};
 
+use crate::async_events::AsyncSource;
 use crate::c_list::{post_chain, sge_list};
 use crate::context::limits;
 use crate::errno::{self, guard};
@@ -35,6 +36,8 @@ pub(crate) struct StagQp {
     /// The newer layout's `comp_mask` (and `xrcd`), or this layout's `xrcd`.
     tail: [u64; 3],
     shared: Arc<QpShared>,
+    /// Its PD, CQs and SRQ stay (EBUSY) until the QP is destroyed.
+    _uses: Vec<crate::users::Use>,
 }
 
 const VERBS_QP_EX: u32 = 1 << 1;
@@ -61,6 +64,42 @@ pub(crate) struct QpShared {
     send_ops: u64,
     /// Receive assist after Write reaps ([`crate::assist`]).
     assist: Arc<crate::assist::QpAssist>,
+    /// Where the QP's async events go, once it has its `ibv_qp`.
+    events: OnceLock<Arc<QpEvents>>,
+}
+
+/// A QP's asynchronous events, from its connection's events.
+struct QpEvents {
+    source: Arc<AsyncSource>,
+    /// The QP receives from an SRQ: it reports its last WQE.
+    on_srq: bool,
+    last_wqe_reported: AtomicBool,
+}
+
+impl QpEvents {
+    fn on(&self, ev: &provider::qp::Event) {
+        use provider::qp::Event;
+        match ev {
+            Event::Established => self.source.post(IBV_EVENT_COMM_EST),
+            // A Terminate either way, or the stream broke (a reset, not an
+            // orderly close): the QP is in Error by a fault.
+            Event::TerminateSent(_) | Event::TerminateReceived(_) | Event::StreamFailed => {
+                self.source.post(IBV_EVENT_QP_FATAL);
+                self.entered_error();
+            }
+            // A clean close (the peer's disconnect) is no fault: the
+            // connection manager reports it (RDMA_CM_EVENT_DISCONNECTED).
+            Event::Closed => self.entered_error(),
+        }
+    }
+
+    /// The QP is in Error: nothing more is taken from its SRQ, which the
+    /// kernel reports once as IBV_EVENT_QP_LAST_WQE_REACHED.
+    fn entered_error(&self) {
+        if self.on_srq && !self.last_wqe_reported.swap(true, Ordering::AcqRel) {
+            self.source.post(IBV_EVENT_QP_LAST_WQE_REACHED);
+        }
+    }
 }
 
 // SAFETY: the raw ibv_qp pointer is only dereferenced under its mutex while
@@ -298,6 +337,19 @@ unsafe fn try_create(
         // SAFETY: as above.
         Some(unsafe { crate::srq::srq(srq) }.ok_or(libc::EINVAL)?.clone())
     };
+    // SAFETY: as above (each checked to be ours, or NULL for the SRQ).
+    let uses = unsafe {
+        [
+            crate::mr::users(pd),
+            crate::cq::users(send_cq),
+            crate::cq::users(recv_cq),
+            crate::srq::users(srq),
+        ]
+    }
+    .into_iter()
+    .flatten()
+    .map(|u| u.hold())
+    .collect::<Vec<_>>();
     if let Some(ops) = send_ops {
         let unsupported = ops & !supported_send_ops();
         if unsupported != 0 {
@@ -324,6 +376,7 @@ unsafe fn try_create(
         has_srq: !srq.is_null(),
         send_ops: send_ops.unwrap_or(0),
         assist,
+        events: OnceLock::new(),
     });
     if max_inline > 0 && shared.ring().is_none() {
         return Err(libc::ENOMEM);
@@ -357,6 +410,7 @@ unsafe fn try_create(
             0,
         ],
         shared: shared.clone(),
+        _uses: uses,
     }));
     // SAFETY: raw is the fresh allocation; the pthread objects are
     // initialised where they will stay.
@@ -368,20 +422,14 @@ unsafe fn try_create(
     }
     // SAFETY: ctx is the pd's live context (libibverbs passes both).
     if let Some(st) = unsafe { crate::context::state(ctx) } {
-        let tx = st.async_tx.clone();
         // The kernel's user handle for a QP is the ibv_qp pointer.
-        let element = raw as usize as u64;
-        shared.prov.set_async_hook(move |ev| {
-            use provider::qp::Event;
-            let event_type = match ev {
-                Event::Established => IBV_EVENT_COMM_EST,
-                // A Terminate either way, or the stream failed: the QP is
-                // in Error.
-                Event::TerminateSent(_) | Event::TerminateReceived(_) => IBV_EVENT_QP_FATAL,
-                Event::Closed => return,
-            };
-            crate::context::post_async_event(&tx, element, event_type);
+        let events = Arc::new(QpEvents {
+            source: AsyncSource::new(st.async_events.clone(), raw as usize as u64),
+            on_srq: !srq.is_null(),
+            last_wqe_reported: AtomicBool::new(false),
         });
+        let _ = shared.events.set(events.clone());
+        shared.prov.set_async_hook(move |ev| events.on(ev));
     }
     cap.max_send_wr = caps.max_send_wr;
     cap.max_recv_wr = caps.max_recv_wr;
@@ -449,6 +497,21 @@ pub(crate) unsafe extern "C" fn destroy_qp(qp: *mut ibv_qp) -> c_int {
         let Some(sh) = (unsafe { shared(qp) }) else {
             return libc::EINVAL;
         };
+        // As the kernel does: no more events, the unread ones dropped, and
+        // the ones the application read acked before the ibv_qp goes (an
+        // ack locks and counts on it).
+        if let Some(events) = sh.events.get() {
+            let reported = events.source.retire();
+            // SAFETY: the live qp's own members.
+            unsafe {
+                crate::async_events::wait_acked(
+                    ptr::addr_of_mut!((*qp).mutex).cast(),
+                    ptr::addr_of_mut!((*qp).cond).cast(),
+                    ptr::addr_of!((*qp).events_completed),
+                    reported,
+                )
+            };
+        }
         *sh.ibv.lock().unwrap_or_else(|p| p.into_inner()) = ptr::null_mut();
         // The stream closes when the RNIC QP drops with the last handle
         // (the connection manager holds one only for the length of a
@@ -517,6 +580,9 @@ pub(crate) unsafe extern "C" fn modify_qp(
                 || (to == IBV_QPS_RESET && from != IBV_QPS_RESET && from != IBV_QPS_INIT)
             {
                 sh.prov.set_error();
+                if let Some(events) = sh.events.get() {
+                    events.entered_error();
+                }
             }
             sh.set_state(to);
         }

@@ -7,10 +7,12 @@ use std::sync::Arc;
 use provider::srq::Srq;
 use provider::wr::RecvWr;
 
+use crate::async_events::AsyncSource;
 use crate::c_list::{post_chain, sge_list};
 use crate::context::limits;
 use crate::errno::{self, guard};
 use crate::ffi::*;
+use crate::users::{Use, Users};
 
 /// `verbs_srq` first, then the RNIC's queue.
 #[repr(C)]
@@ -19,7 +21,12 @@ struct StagSrq {
     inner: Arc<Srq>,
     max_wr: u32,
     max_sge: u32,
-    limit: u32,
+    /// The QPs receiving from this SRQ.
+    users: Arc<Users>,
+    /// Keeps the PD from being deallocated while the SRQ lives.
+    _on_pd: Use,
+    /// Where its IBV_EVENT_SRQ_LIMIT_REACHED goes.
+    events: Option<Arc<AsyncSource>>,
 }
 
 /// The RNIC queue behind one of our `ibv_srq`s.
@@ -35,13 +42,26 @@ pub(crate) unsafe fn srq<'a>(srq: *const ibv_srq) -> Option<&'a Arc<Srq>> {
     Some(unsafe { &(*srq.cast::<StagSrq>()).inner })
 }
 
+/// What uses one of our `ibv_srq`s.
+///
+/// # Safety
+/// As [`srq`].
+pub(crate) unsafe fn users<'a>(srq: *const ibv_srq) -> Option<&'a Arc<Users>> {
+    // SAFETY: forwarded; `srq` checked it is ours.
+    unsafe { self::srq(srq) }.map(|_| unsafe { &(*srq.cast::<StagSrq>()).users })
+}
+
 pub(crate) unsafe extern "C" fn create_srq(
     pd: *mut ibv_pd,
     attr: *mut ibv_srq_init_attr,
 ) -> *mut ibv_srq {
     guard("create_srq", ptr::null_mut(), || {
         // SAFETY: libibverbs passes a pd of this context.
-        if unsafe { crate::mr::pd(pd) }.is_none() || attr.is_null() {
+        let Some(pd_users) = (unsafe { crate::mr::users(pd) }) else {
+            errno::set(libc::EINVAL);
+            return ptr::null_mut();
+        };
+        if attr.is_null() {
             errno::set(libc::EINVAL);
             return ptr::null_mut();
         }
@@ -69,8 +89,23 @@ pub(crate) unsafe extern "C" fn create_srq(
             inner,
             max_wr: a.attr.max_wr,
             max_sge,
-            limit: a.attr.srq_limit,
+            users: Users::new(),
+            _on_pd: pd_users.hold(),
+            events: None,
         }));
+        // SAFETY: pd is live, and so its context.
+        if let Some(st) = unsafe { crate::context::state((*pd).context) } {
+            // The kernel's user handle for an SRQ is the ibv_srq pointer.
+            let source = AsyncSource::new(st.async_events.clone(), raw as u64);
+            let s = source.clone();
+            // SAFETY: the fresh allocation, not handed out yet.
+            unsafe {
+                (*raw)
+                    .inner
+                    .set_limit_hook(move || s.post(IBV_EVENT_SRQ_LIMIT_REACHED));
+                (*raw).events = Some(source);
+            }
+        }
         // SAFETY: fresh allocation; initialised where they stay.
         unsafe {
             libc::pthread_mutex_init(ptr::addr_of_mut!((*raw).vsrq.srq.mutex).cast(), ptr::null());
@@ -97,7 +132,12 @@ pub(crate) unsafe extern "C" fn modify_srq(
         }
         if mask as u32 & IBV_SRQ_LIMIT != 0 {
             // SAFETY: ours (checked); the caller's attr.
-            unsafe { (*srq.cast::<StagSrq>()).limit = (*attr).srq_limit };
+            let (s, limit) = unsafe { (&*srq.cast::<StagSrq>(), (*attr).srq_limit) };
+            if limit > s.max_wr {
+                return libc::EINVAL;
+            }
+            // Armed: IBV_EVENT_SRQ_LIMIT_REACHED once fewer WRs remain.
+            s.inner.arm_limit(limit as usize);
         }
         0
     })
@@ -115,7 +155,7 @@ pub(crate) unsafe extern "C" fn query_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_
             *attr = ibv_srq_attr {
                 max_wr: s.max_wr,
                 max_sge: s.max_sge,
-                srq_limit: s.limit,
+                srq_limit: s.inner.limit() as u32,
             };
         }
         0
@@ -125,8 +165,25 @@ pub(crate) unsafe extern "C" fn query_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_
 pub(crate) unsafe extern "C" fn destroy_srq(srq: *mut ibv_srq) -> c_int {
     guard("destroy_srq", libc::EIO, || {
         // SAFETY: libibverbs passes an srq of this context.
-        if unsafe { self::srq(srq) }.is_none() {
+        let Some(users) = (unsafe { self::users(srq) }) else {
             return libc::EINVAL;
+        };
+        if users.in_use() {
+            return libc::EBUSY;
+        }
+        // As for a QP: its unread events dropped, the read ones acked.
+        // SAFETY: ours (checked).
+        if let Some(events) = unsafe { &(*srq.cast::<StagSrq>()).events } {
+            let reported = events.retire();
+            // SAFETY: the live srq's own members.
+            unsafe {
+                crate::async_events::wait_acked(
+                    ptr::addr_of_mut!((*srq).mutex).cast(),
+                    ptr::addr_of_mut!((*srq).cond).cast(),
+                    ptr::addr_of!((*srq).events_completed),
+                    reported,
+                )
+            };
         }
         // SAFETY: ours, freed once.
         unsafe {

@@ -111,6 +111,10 @@ pub enum Event {
     TerminateSent(TerminateCause),
     /// The peer sent a Terminate.
     TerminateReceived(TerminateCause),
+    /// The byte stream failed (reset by the peer, or a socket error) while
+    /// the QP was not already in error: unlike a clean close, a fault.
+    /// [`Closed`](Self::Closed) follows.
+    StreamFailed,
     /// The byte stream closed (by the peer or after a Terminate).
     Closed,
 }

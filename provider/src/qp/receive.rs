@@ -36,6 +36,16 @@ impl From<Error> for RxFail {
 type RxResult = Result<(), RxFail>;
 
 impl Connection {
+    /// The byte stream broke (a reset or a socket error, not an orderly
+    /// close): as [`handle_closed`](Self::handle_closed), and a fault for
+    /// a QP that was running ([`Event::StreamFailed`]).
+    pub fn handle_stream_failed(&mut self) {
+        if !self.phase.is_error() {
+            self.events.push_back(Event::StreamFailed);
+        }
+        self.handle_closed();
+    }
+
     /// The byte stream closed or broke.
     pub fn handle_closed(&mut self) {
         if !self.phase.is_error() {

@@ -180,11 +180,27 @@ fn dst_loopback(dst: IpAddr) -> IpAddr {
 /// With how many holders (RDMA_OPTION_ID_REUSEADDR shares a port).
 static BOUND: Mutex<Option<HashMap<SocketAddr, usize>>> = Mutex::new(None);
 
-/// A TCP port held by a bound id: a socket bound (not listening) to it.
+/// The kernel backlog of a bound id's socket: connections that arrive
+/// before `rdma_listen` (or beyond what its thread has accepted) wait here.
+const BACKLOG: c_int = 1024;
+
+/// A TCP port held by a bound id: a socket bound to it, and listening
+/// unless the port is shared (RDMA_OPTION_ID_REUSEADDR).
+///
+/// Why listening already: programs tell their peer the port between
+/// `rdma_bind_addr` and `rdma_listen` (qperf 0.4 sends it before
+/// `rdma_listen`), and a connect that arrived in between was refused
+/// (REJECTED, ECONNREFUSED). The kernel queues it in the backlog instead,
+/// and `rdma_listen` takes the socket over with what waits there. An id
+/// destroyed without listening closes the socket: what waited is reset,
+/// as a refused connect would have been.
 #[derive(Debug)]
 pub(crate) struct Reservation {
-    /// Held open: the port stays ours while it is.
-    _sock: OwnedFd,
+    /// Held open: the port stays ours while it is (None once taken by
+    /// [`Reservation::into_listener`]).
+    sock: Option<OwnedFd>,
+    /// Whether `sock` listens.
+    listening: bool,
     /// The bound address, with the port the kernel picked for port 0.
     pub addr: SocketAddr,
 }
@@ -243,7 +259,21 @@ impl Reservation {
             )
         } != 0
         {
-            return Err(super::verbs::last_errno(libc::EADDRINUSE));
+            let e = super::verbs::last_errno(libc::EADDRINUSE);
+            // Sharing a port another id of ours holds, listening: its
+            // socket keeps the port; this id only counts as a holder.
+            let mut bound = lock(&BOUND);
+            match bound.get_or_insert_with(HashMap::new).get_mut(&addr) {
+                Some(holders) if reuse && e == libc::EADDRINUSE => {
+                    *holders += 1;
+                    return Ok(Reservation {
+                        sock: None,
+                        listening: false,
+                        addr,
+                    });
+                }
+                _ => return Err(e),
+            }
         }
         // SAFETY: sockaddr_storage is plain data.
         let mut got: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
@@ -270,23 +300,27 @@ impl Reservation {
             return Err(libc::EADDRINUSE);
         }
         *holders += 1;
-        Ok(Reservation { _sock: fd, addr })
+        // A shared port is bound by several sockets, which cannot all
+        // listen; its listener binds at rdma_listen as before.
+        // SAFETY: listen(2) on the socket we own.
+        let listening = !reuse && unsafe { libc::listen(fd.as_raw_fd(), BACKLOG) } == 0;
+        Ok(Reservation {
+            sock: Some(fd),
+            listening,
+            addr,
+        })
     }
-}
 
-impl Reservation {
-    /// The reserved socket, listening: the port passes to the listener
-    /// with the options it was bound with (`IPV6_V6ONLY` for
+    /// The reserved socket, listening, for `rdma_listen` to take over: the
+    /// connections queued since `rdma_bind_addr` come with it, and so do
+    /// the options it was bound with (`IPV6_V6ONLY` for
     /// RDMA_OPTION_ID_AFONLY, so that `[::]` and `0.0.0.0` on one port can
-    /// both listen, as tgt's iSER portal does).
-    pub fn listen(self, backlog: c_int) -> CmResult<std::net::TcpListener> {
-        let fd = self
-            ._sock
-            .try_clone()
-            .map_err(|e| e.raw_os_error().unwrap_or(libc::EMFILE))?;
-        drop(self);
+    /// both listen, as tgt's iSER portal does). A shared port's socket
+    /// starts listening only now (EADDRINUSE if another already does).
+    pub fn into_listener(mut self) -> CmResult<std::net::TcpListener> {
+        let fd = self.sock.take().ok_or(libc::EINVAL)?;
         // SAFETY: listen(2) on a bound stream socket we own.
-        if unsafe { libc::listen(fd.as_raw_fd(), backlog) } != 0 {
+        if !self.listening && unsafe { libc::listen(fd.as_raw_fd(), BACKLOG) } != 0 {
             return Err(super::verbs::last_errno(libc::EADDRINUSE));
         }
         Ok(std::net::TcpListener::from(fd))

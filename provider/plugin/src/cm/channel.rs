@@ -84,6 +84,13 @@ pub(crate) struct Channel {
 
 static CHANNELS: Mutex<Option<HashMap<usize, Arc<Channel>>>> = Mutex::new(None);
 
+/// The C pointers of the channels destroyed last (at most
+/// [`DESTROYED_KEPT`]), for [`Channel::was_destroyed`].
+static DESTROYED: Mutex<VecDeque<usize>> = Mutex::new(VecDeque::new());
+
+/// How many destroyed channels [`DESTROYED`] remembers.
+const DESTROYED_KEPT: usize = 1024;
+
 impl Channel {
     /// A new channel (not registered: see [`Channel::register`]).
     pub fn new() -> CmResult<Arc<Channel>> {
@@ -115,6 +122,8 @@ impl Channel {
 
     /// Make the channel reachable through its C pointer.
     pub fn register(self: &Arc<Self>) {
+        // The address may be one a destroyed channel had.
+        lock(&DESTROYED).retain(|p| *p != self.raw() as usize);
         lock(&CHANNELS)
             .get_or_insert_with(HashMap::new)
             .insert(self.raw() as usize, self.clone());
@@ -122,7 +131,19 @@ impl Channel {
 
     /// Forget the channel's C pointer (`rdma_destroy_event_channel`).
     pub fn unregister(ptr: *mut ffi::rdma_event_channel) -> Option<Arc<Channel>> {
-        lock(&CHANNELS).as_mut()?.remove(&(ptr as usize))
+        let ch = lock(&CHANNELS).as_mut()?.remove(&(ptr as usize))?;
+        let mut destroyed = lock(&DESTROYED);
+        if destroyed.len() == DESTROYED_KEPT {
+            destroyed.pop_front();
+        }
+        destroyed.push_back(ptr as usize);
+        Some(ch)
+    }
+
+    /// Whether `ptr` is a channel the application destroyed (and no
+    /// channel made since has its address).
+    pub fn was_destroyed(ptr: *mut ffi::rdma_event_channel) -> bool {
+        lock(&DESTROYED).contains(&(ptr as usize))
     }
 
     /// The channel behind a C pointer handed to the application.

@@ -72,7 +72,18 @@ pub unsafe extern "C" fn stag_cm_rdma_get_cm_event(
         if ev.is_null() {
             return Err(libc::EINVAL);
         }
-        let ch = Channel::lookup(channel)?;
+        let ch = match Channel::lookup(channel) {
+            Ok(ch) => ch,
+            // A thread that asks a channel another thread destroyed for
+            // its next event sleeps, as it would on the kernel's rdma_cm
+            // had it got there first (blocked in read(2) until exit):
+            // rping's cm thread loops back here while its main thread
+            // tears down, and an EINVAL made rping exit non-zero.
+            Err(_) if Channel::was_destroyed(channel) => loop {
+                std::thread::park();
+            },
+            Err(e) => return Err(e),
+        };
         let e = event::get_event(&ch)?;
         // SAFETY: non-NULL out-pointer from the application.
         unsafe { *ev = e };

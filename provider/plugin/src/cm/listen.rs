@@ -50,9 +50,10 @@ pub(crate) fn listen(id: &Arc<Id>) -> CmResult<()> {
         return Ok(());
     }
     let listener = match st.reservation.take() {
-        // The bound socket itself listens, with the options it was bound
-        // with.
-        Some(r) => Listener::from_tcp(r.listen(libc::SOMAXCONN)?, SETUP_TIMEOUT),
+        // The bound socket listens since rdma_bind_addr (a shared port's
+        // from now on): take it over with the connections queued meanwhile
+        // and the options it was bound with.
+        Some(r) => Listener::adopt(r.into_listener()?, SETUP_TIMEOUT),
         None => Listener::bind(
             st.src
                 .unwrap_or(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)),

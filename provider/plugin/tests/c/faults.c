@@ -11,9 +11,16 @@
  * Prints "faults: N passed, M failed".
  *
  * Cases:
- *   sigpipe        the peer disconnects and exits while we stream RDMA
+ *   sigpipe        a raw TCP peer stops us (SIGSTOP), sends a bad FPDU,
+ *                  FIN and RST, and resumes us: stag answers the FPDU with
+ *                  a Terminate, written to a socket that holds EPIPE. On a
+ *                  plugin without MSG_NOSIGNAL that raises SIGPIPE every
+ *                  time (exit 141); here the QP goes to Error instead.
+ *   peer_close     the peer disconnects and exits while we stream RDMA
  *                  Writes: completions end in errors, posts after that
- *                  flush, and no SIGPIPE kills us (MSG_NOSIGNAL).
+ *                  flush, and no signal kills us. (Whether stag writes
+ *                  after the reset here depends on timing: `sigpipe` is
+ *                  the deterministic check of MSG_NOSIGNAL.)
  *   kill_recv      the peer is killed while it streams RDMA Writes to us:
  *                  our posted Receives complete with IBV_WC_WR_FLUSH_ERR.
  *   dereg_inflight 16 x 4 MiB Sends posted while the peer is stopped,
@@ -28,17 +35,42 @@
  *                  dereg and munmap: nothing touches the memory again.
  *   async          ibv_get_async_event on a polled async_fd: COMM_EST once
  *                  connected, QP_FATAL when the peer sends a Terminate.
+ *   async_destroy  ibv_destroy_qp waits for the ack of an event the
+ *                  application read, and drops the QP's unread events.
+ *   async_reset    the peer killed with our data unread resets the stream:
+ *                  IBV_EVENT_QP_FATAL.
+ *   async_disconnect  the peer's rdma_disconnect: DISCONNECTED, no QP_FATAL.
+ *   async_last_wqe an SRQ QP moved to Error: IBV_EVENT_QP_LAST_WQE_REACHED,
+ *                  once.
+ *   async_cq_err   more completions than the CQ holds: IBV_EVENT_CQ_ERR.
+ *   async_srq_limit  ibv_modify_srq(IBV_SRQ_LIMIT) arms the limit: once
+ *                  fewer WRs remain, IBV_EVENT_SRQ_LIMIT_REACHED, disarmed.
+ *   async_device_fatal  stag0's engine thread dies (a panic, injected with
+ *                  STAG_FAULT_INJECT=engine-panic): IBV_EVENT_DEVICE_FATAL.
+ *   fork           a child after fork(), without and with ibv_fork_init,
+ *                  while Writes are in flight: the child has its copy of
+ *                  registered memory (none with ibv_fork_init), stag0 does
+ *                  not open in it, and the parent's connection carries on.
+ *   exit_dirty     the peer exits with everything open: it exits promptly,
+ *                  and we see DISCONNECTED and flushed Receives.
+ *   busy           EBUSY from ibv_dealloc_pd with MRs/QPs/SRQs on it,
+ *                  ibv_destroy_cq and ibv_destroy_srq while a QP uses them.
+ *   log_flood      1001 identical warnings (STAG_LOG=warn) reach stderr
+ *                  as the first 10, then one a second, each after a line
+ *                  counting those suppressed.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -81,6 +113,9 @@ struct end {
 	struct ibv_cq *cq;
 	struct offer peer;
 	uint32_t sq_depth; /* max_send_wr as created */
+	int want_srq;	   /* make_qp: the QP receives from a new SRQ */
+	int cq_size;	   /* make_qp: the CQ's size (0: 4 x depth) */
+	struct ibv_srq *srq;
 };
 
 static struct rdma_cm_event *expect(struct rdma_event_channel *ch, enum rdma_cm_event_type t)
@@ -122,9 +157,15 @@ static int poll_for(struct ibv_cq *cq, struct ibv_wc *wc, int n, double secs)
 static void make_qp(struct end *e, int depth)
 {
 	e->pd = ibv_alloc_pd(e->id->verbs);
-	e->cq = ibv_create_cq(e->id->verbs, 4 * depth, NULL, NULL, 0);
-	struct ibv_qp_init_attr qa = { .send_cq = e->cq, .recv_cq = e->cq, .qp_type = IBV_QPT_RC,
-				       .cap = { depth, depth, 1, 1, 0 } };
+	e->cq = ibv_create_cq(e->id->verbs, e->cq_size ? e->cq_size : 4 * depth, NULL, NULL, 0);
+	if (e->want_srq && e->pd) {
+		struct ibv_srq_init_attr sa = { .attr = { .max_wr = 16, .max_sge = 1 } };
+		e->srq = ibv_create_srq(e->pd, &sa);
+		if (!e->srq)
+			DIE("create srq");
+	}
+	struct ibv_qp_init_attr qa = { .send_cq = e->cq, .recv_cq = e->cq, .srq = e->srq,
+				       .qp_type = IBV_QPT_RC, .cap = { depth, depth, 1, 1, 0 } };
 	if (!e->pd || !e->cq || rdma_create_qp(e->id, e->pd, &qa))
 		DIE("create qp");
 	e->sq_depth = qa.cap.max_send_wr;
@@ -204,6 +245,12 @@ static int peer_main(const char *cas)
 	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, len, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
 	if (!mr)
 		DIE("peer reg_mr");
+	if (!strcmp(cas, "async_srq_limit")) {
+		struct ibv_sge s = { (uintptr_t)buf, 64, mr->lkey };
+		struct ibv_recv_wr w = { .wr_id = 100, .sg_list = &s, .num_sge = 1 }, *bad;
+		if (ibv_post_recv(e.id->qp, &w, &bad))
+			DIE("post_recv");
+	}
 	if (!strcmp(cas, "dereg_inflight")) {
 		for (int i = 0; i < NBIG; i++) {
 			struct ibv_sge s = { (uintptr_t)(buf + (size_t)i * BIG), BIG, mr->lkey };
@@ -251,7 +298,7 @@ static int peer_main(const char *cas)
 			}
 		}
 	}
-	if (!strcmp(cas, "sigpipe")) {
+	if (!strcmp(cas, "peer_close")) {
 		/* Close our end while the client streams: FIN, then (once the
 		 * process is gone) RST to a client in CLOSE_WAIT, whose next
 		 * write fails with EPIPE, which raises SIGPIPE without
@@ -260,6 +307,38 @@ static int peer_main(const char *cas)
 		rdma_disconnect(e.id);
 		usleep(100000);
 		_exit(0);
+	}
+	if (!strcmp(cas, "async_srq_limit")) {
+		/* On the client's Send, five Sends back: its SRQ goes from 8
+		 * posted WRs to 3. */
+		struct ibv_wc wc[5];
+		if (poll_for(e.cq, wc, 1, 30) != 1 || wc[0].status != IBV_WC_SUCCESS)
+			return 1;
+		for (int i = 0; i < 5; i++) {
+			struct ibv_sge s = { (uintptr_t)buf, 64, mr->lkey };
+			struct ibv_send_wr w = { .wr_id = i, .sg_list = &s, .num_sge = 1,
+						 .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED },
+					   *bad;
+			if (ibv_post_send(e.id->qp, &w, &bad))
+				return 1;
+		}
+		poll_for(e.cq, wc, 5, 10);
+		struct rdma_cm_event *ev;
+		while (rdma_get_cm_event(e.ch, &ev) == 0)
+			rdma_ack_cm_event(ev);
+		return 0;
+	}
+	if (!strcmp(cas, "exit_dirty")) {
+		/* Exit with the connection, QP, MR and all open. */
+		usleep(100000);
+		exit(0);
+	}
+	if (!strcmp(cas, "async_disconnect")) {
+		/* A clean disconnect from our side. */
+		usleep(100000);
+		rdma_disconnect(e.id);
+		rdma_ack_cm_event(expect(e.ch, RDMA_CM_EVENT_DISCONNECTED));
+		return 0;
 	}
 	/* Otherwise: stay until killed or the client disconnects. */
 	struct rdma_cm_event *ev;
@@ -336,9 +415,9 @@ static int post_write(struct end *e, struct ibv_mr *mr, char *src, uint32_t len,
 	return ibv_post_send(e->id->qp, &w, &bad);
 }
 
-static void case_sigpipe(void)
+static void case_peer_close(void)
 {
-	struct peer p = spawn_peer("sigpipe");
+	struct peer p = spawn_peer("peer_close");
 	struct end e = { 0 };
 	connect_to(&e, p.port, NBIG);
 	size_t len = (size_t)BIG * NBIG;
@@ -373,24 +452,134 @@ static void case_sigpipe(void)
 		if (!n)
 			usleep(50);
 	}
-	CHECK(errors > 0, "sigpipe: Writes to a closed peer end in error completions (%d ok, %d errors)",
+	CHECK(errors > 0, "peer_close: Writes to a closed peer end in error completions (%d ok, %d errors)",
 	      done, errors);
-	CHECK(post_failed == 0, "sigpipe: posts are accepted while the QP fails (%d refused)", post_failed);
+	CHECK(post_failed == 0, "peer_close: posts are accepted while the QP fails (%d refused)", post_failed);
 	/* Drain, then one more post: it flushes. */
 	struct ibv_wc wc[NBIG];
 	poll_for(e.cq, wc, inflight, 5);
-	CHECK(post_write(&e, mr, buf, 4096, 999, 0) == 0, "sigpipe: post after the error: %s",
+	CHECK(post_write(&e, mr, buf, 4096, 999, 0) == 0, "peer_close: post after the error: %s",
 	      strerror(errno));
 	CHECK(poll_for(e.cq, wc, 1, 5) == 1 && wc[0].wr_id == 999 &&
 		      wc[0].status == IBV_WC_WR_FLUSH_ERR,
-	      "sigpipe: a post after the error completes with WR_FLUSH_ERR");
+	      "peer_close: a post after the error completes with WR_FLUSH_ERR");
 	reap(&p);
 	rdma_destroy_qp(e.id);
-	CHECK(ibv_dereg_mr(mr) == 0, "sigpipe: dereg_mr");
+	CHECK(ibv_dereg_mr(mr) == 0, "peer_close: dereg_mr");
 	munmap(buf, len);
 	ibv_destroy_cq(e.cq);
 	ibv_dealloc_pd(e.pd);
 	rdma_destroy_id(e.id);
+	rdma_destroy_event_channel(e.ch);
+}
+
+/* Whether process `pid` is stopped (state T in /proc/PID/stat). */
+static int is_stopped(pid_t pid)
+{
+	char path[64], buf[256];
+	snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+	FILE *f = fopen(path, "r");
+	if (!f)
+		return 0;
+	size_t n = fread(buf, 1, sizeof buf - 1, f);
+	fclose(f);
+	buf[n] = 0;
+	char *p = strrchr(buf, ')');
+	return p && p[1] == ' ' && p[2] == 'T';
+}
+
+/* The raw TCP peer of `sigpipe` (a forked child: plain socket calls,
+ * then _exit). It connects with an enhanced MPA Request as kernel siw
+ * sends it (rev 2, IRD/ORD 16) and reads the Reply. On "g" from `ctl` it
+ * stops the application (SIGSTOP), sends an FPDU stag must refuse,
+ * then FIN, then RST (SO_LINGER 0), and lets the application go on
+ * (SIGCONT). So whichever of its threads drives the QP first reads the
+ * bad FPDU before anything else, and answers it with a Terminate: a
+ * write to a stream that is already reset, after the FIN, which leaves
+ * EPIPE (not ECONNRESET) on the socket: without MSG_NOSIGNAL that write
+ * raises SIGPIPE, every time. */
+static void raw_peer_reset(uint16_t port, int ctl)
+{
+	static const unsigned char request[24] = {
+		'M', 'P', 'A', ' ', 'I', 'D', ' ', 'R', 'e', 'q', ' ', 'F', 'r', 'a', 'm', 'e',
+		0x10, 0x02, 0x00, 0x04, 0x00, 0x10, 0x00, 0x10,
+	};
+	/* MPA length 18, an untagged DDP header with DV 0, no pad, CRC 0:
+	 * refused whether or not CRCs were negotiated. */
+	static const unsigned char bad_fpdu[24] = { 0x00, 18, 0x40, 0x40 };
+	struct sockaddr_in sin = { .sin_family = AF_INET, .sin_port = htons(port),
+				   .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	char reply[512], go;
+	pid_t app = getppid();
+	int s = socket(AF_INET, SOCK_STREAM, 0);
+	if (s < 0 || connect(s, (struct sockaddr *)&sin, sizeof sin) ||
+	    write(s, request, sizeof request) != sizeof request || read(s, reply, sizeof reply) < 20 ||
+	    read(ctl, &go, 1) != 1)
+		_exit(2);
+	kill(app, SIGSTOP);
+	double end = now() + 10;
+	while (!is_stopped(app) && now() < end)
+		usleep(1000);
+	/* FIN first: the application's end is in CLOSE_WAIT when the RST
+	 * arrives, so the kernel records EPIPE on it. */
+	struct linger lg = { 1, 0 };
+	int ok = is_stopped(app) && write(s, bad_fpdu, sizeof bad_fpdu) == sizeof bad_fpdu &&
+		 !shutdown(s, SHUT_WR) && !setsockopt(s, SOL_SOCKET, SO_LINGER, &lg, sizeof lg) &&
+		 !close(s);
+	/* Loopback delivers within the calls above; settle before resuming. */
+	usleep(20000);
+	kill(app, SIGCONT);
+	_exit(ok && write(ctl, "r", 1) == 1 ? 0 : 2);
+}
+
+static void case_sigpipe(void)
+{
+	struct end e = { 0 };
+	struct sockaddr_in sin = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	e.ch = rdma_create_event_channel();
+	if (!e.ch || rdma_create_id(e.ch, &e.listen, NULL, RDMA_PS_TCP) ||
+	    rdma_bind_addr(e.listen, (struct sockaddr *)&sin) || rdma_listen(e.listen, 1))
+		DIE("listen");
+	uint16_t port = ntohs(rdma_get_src_port(e.listen));
+	int sv[2];
+	if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv))
+		DIE("socketpair");
+	pid_t pid = fork();
+	if (pid < 0)
+		DIE("fork");
+	if (pid == 0) {
+		close(sv[0]);
+		raw_peer_reset(port, sv[1]);
+	}
+	close(sv[1]);
+	struct rdma_cm_event *ev = expect(e.ch, RDMA_CM_EVENT_CONNECT_REQUEST);
+	e.id = ev->id;
+	rdma_ack_cm_event(ev);
+	make_qp(&e, 8);
+	struct rdma_conn_param cp = { .responder_resources = 8, .initiator_depth = 8 };
+	if (rdma_accept(e.id, &cp))
+		DIE("accept");
+	rdma_ack_cm_event(expect(e.ch, RDMA_CM_EVENT_ESTABLISHED));
+	/* This thread sleeps in read() while the peer does its part. */
+	char r = 0;
+	CHECK(write(sv[0], "g", 1) == 1 && read(sv[0], &r, 1) == 1 && r == 'r',
+	      "sigpipe: the peer stopped us, sent a bad FPDU, FIN and RST");
+	int st = 0;
+	waitpid(pid, &st, 0);
+	CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "sigpipe: the raw peer ran (status %#x)", st);
+	/* Still alive: the Terminate's write returned EPIPE, not a signal.
+	 * Posts now flush: the QP is in Error. */
+	struct ibv_wc wc;
+	struct ibv_recv_wr rw = { .wr_id = 5 }, *rbad;
+	CHECK(ibv_post_recv(e.id->qp, &rw, &rbad) == 0 && poll_for(e.cq, &wc, 1, 5) == 1 &&
+		      wc.wr_id == 5 && wc.status == IBV_WC_WR_FLUSH_ERR,
+	      "sigpipe: the QP is in Error: a Receive flushes");
+	close(sv[0]);
+	rdma_destroy_qp(e.id);
+	ibv_destroy_cq(e.cq);
+	ibv_dealloc_pd(e.pd);
+	rdma_destroy_id(e.id);
+	rdma_destroy_id(e.listen);
 	rdma_destroy_event_channel(e.ch);
 }
 
@@ -584,10 +773,8 @@ static void case_destroy_qp(void)
 
 /* The next async event of `ctx` of type `type`, waiting on async_fd with
  * poll() as an event loop would (at most `ms` for each); 0 if one came.
- * Events of other types are skipped; so are those of earlier cases' QPs
- * (rdma_cm shares one context per process, and they were never read),
- * without an ack: their QPs are gone (stag does not yet drop a destroyed
- * QP's unread events, as the kernel's destroy does by waiting for acks). */
+ * Events of other types are acked and skipped (a destroy waits for the
+ * acks of the events it reported). */
 static int next_async(struct ibv_context *ctx, enum ibv_event_type type,
 		      struct ibv_async_event *ev, int ms)
 {
@@ -597,7 +784,73 @@ static int next_async(struct ibv_context *ctx, enum ibv_event_type type,
 			return -1;
 		if (ev->event_type == type)
 			return 0;
+		ibv_ack_async_event(ev);
 	}
+}
+
+struct destroyer {
+	struct ibv_qp *qp;
+	volatile int done, rc;
+};
+
+static void *destroy_thread(void *arg)
+{
+	struct destroyer *d = arg;
+	d->rc = ibv_destroy_qp(d->qp);
+	d->done = 1;
+	return NULL;
+}
+
+static void case_async_destroy(void)
+{
+	/* An event read and not acked: destroy waits for the ack. */
+	struct peer p = spawn_peer("async_destroy");
+	struct end e = { 0 };
+	connect_to(&e, p.port, 8);
+	struct ibv_context *ctx = e.id->verbs;
+	struct ibv_async_event ev;
+	CHECK(next_async(ctx, IBV_EVENT_COMM_EST, &ev, 5000) == 0 && ev.element.qp == e.id->qp,
+	      "async_destroy: COMM_EST read");
+	struct destroyer d = { .qp = e.id->qp };
+	pthread_t t;
+	if (pthread_create(&t, NULL, destroy_thread, &d))
+		DIE("pthread_create");
+	usleep(200000);
+	CHECK(!d.done, "async_destroy: ibv_destroy_qp waits while a read event is not acked");
+	ibv_ack_async_event(&ev);
+	double end = now() + 5;
+	while (!d.done && now() < end)
+		usleep(1000);
+	CHECK(d.done && d.rc == 0, "async_destroy: the ack lets ibv_destroy_qp return (rc %d)", d.rc);
+	if (d.done)
+		pthread_join(t, NULL);
+	e.id->qp = NULL;
+	kill(p.pid, SIGKILL);
+	reap(&p);
+	ibv_destroy_cq(e.cq);
+	ibv_dealloc_pd(e.pd);
+	rdma_destroy_id(e.id);
+	rdma_destroy_event_channel(e.ch);
+
+	/* An event not read yet: destroy drops it, and returns at once. */
+	p = spawn_peer("async_destroy");
+	memset(&e, 0, sizeof e);
+	connect_to(&e, p.port, 8);
+	ctx = e.id->verbs;
+	struct pollfd pfd = { .fd = ctx->async_fd, .events = POLLIN };
+	CHECK(poll(&pfd, 1, 5000) == 1, "async_destroy: COMM_EST waiting on async_fd");
+	double t0 = now();
+	CHECK(ibv_destroy_qp(e.id->qp) == 0 && now() - t0 < 2,
+	      "async_destroy: ibv_destroy_qp with an unread event returns");
+	e.id->qp = NULL;
+	pfd.revents = 0;
+	CHECK(poll(&pfd, 1, 200) == 0, "async_destroy: the destroyed QP's unread event is gone");
+	kill(p.pid, SIGKILL);
+	reap(&p);
+	ibv_destroy_cq(e.cq);
+	ibv_dealloc_pd(e.pd);
+	rdma_destroy_id(e.id);
+	rdma_destroy_event_channel(e.ch);
 }
 
 static void case_async(void)
@@ -632,14 +885,489 @@ static void case_async(void)
 	rdma_destroy_event_channel(e.ch);
 }
 
+/* Events of `type` on the object at `elem` (a QP, CQ or SRQ: the union's
+ * pointers share their place) that arrive within `ms`, acking each. */
+static int count_async(struct ibv_context *ctx, const void *elem, enum ibv_event_type type, int ms)
+{
+	int n = 0;
+	double end = now() + ms / 1e3;
+	struct ibv_async_event ev;
+	while (now() < end) {
+		struct pollfd pfd = { .fd = ctx->async_fd, .events = POLLIN };
+		if (poll(&pfd, 1, 10) != 1 || ibv_get_async_event(ctx, &ev))
+			continue;
+		n += ev.event_type == type && (const void *)ev.element.qp == elem;
+		ibv_ack_async_event(&ev);
+	}
+	return n;
+}
+
+static void teardown(struct end *e, struct peer *p)
+{
+	if (p) {
+		kill(p->pid, SIGKILL);
+		reap(p);
+	}
+	rdma_destroy_qp(e->id);
+	if (e->srq)
+		ibv_destroy_srq(e->srq);
+	ibv_destroy_cq(e->cq);
+	ibv_dealloc_pd(e->pd);
+	rdma_destroy_id(e->id);
+	rdma_destroy_event_channel(e->ch);
+}
+
+static void case_async_reset(void)
+{
+	struct peer p = spawn_peer("async");
+	struct end e = { 0 };
+	connect_to(&e, p.port, 8);
+	struct ibv_async_event ev;
+	if (next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0)
+		ibv_ack_async_event(&ev);
+	char *buf = map_big(1 << 16, 0);
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, 1 << 16, IBV_ACCESS_LOCAL_WRITE);
+	/* The peer never reads this Write: killed with it unread, its kernel
+	 * resets the connection (RST), as for any process killed mid-stream. */
+	kill(p.pid, SIGSTOP);
+	double end = now() + 5;
+	while (!is_stopped(p.pid) && now() < end)
+		usleep(1000);
+	struct ibv_wc wc;
+	CHECK(post_write(&e, mr, buf, 1 << 16, 1, 0) == 0 && poll_for(e.cq, &wc, 1, 5) == 1 &&
+		      wc.status == IBV_WC_SUCCESS,
+	      "async_reset: a Write sent to the stopped peer");
+	kill(p.pid, SIGKILL);
+	reap(&p);
+	CHECK(next_async(e.id->verbs, IBV_EVENT_QP_FATAL, &ev, 5000) == 0 && ev.element.qp == e.id->qp,
+	      "async_reset: the peer's reset raises IBV_EVENT_QP_FATAL");
+	ibv_ack_async_event(&ev);
+	ibv_dereg_mr(mr);
+	munmap(buf, 1 << 16);
+	teardown(&e, NULL);
+}
+
+static void case_async_disconnect(void)
+{
+	struct peer p = spawn_peer("async_disconnect");
+	struct end e = { 0 };
+	connect_to(&e, p.port, 8);
+	struct ibv_async_event ev;
+	CHECK(next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0, "async_disconnect: COMM_EST");
+	ibv_ack_async_event(&ev);
+	rdma_ack_cm_event(expect(e.ch, RDMA_CM_EVENT_DISCONNECTED));
+	CHECK(count_async(e.id->verbs, e.id->qp, IBV_EVENT_QP_FATAL, 300) == 0,
+	      "async_disconnect: the peer's clean disconnect raises no QP_FATAL");
+	reap(&p);
+	teardown(&e, NULL);
+}
+
+static void case_async_last_wqe(void)
+{
+	struct peer p = spawn_peer("async");
+	struct end e = { .want_srq = 1 };
+	connect_to(&e, p.port, 8);
+	struct ibv_async_event ev;
+	if (next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0)
+		ibv_ack_async_event(&ev);
+	CHECK(count_async(e.id->verbs, e.id->qp, IBV_EVENT_QP_LAST_WQE_REACHED, 100) == 0,
+	      "async_last_wqe: none while the QP runs");
+	struct ibv_qp_attr a = { .qp_state = IBV_QPS_ERR };
+	CHECK(ibv_modify_qp(e.id->qp, &a, IBV_QP_STATE) == 0, "async_last_wqe: modify to ERR");
+	CHECK(next_async(e.id->verbs, IBV_EVENT_QP_LAST_WQE_REACHED, &ev, 5000) == 0 &&
+		      ev.element.qp == e.id->qp,
+	      "async_last_wqe: an SRQ QP in Error raises IBV_EVENT_QP_LAST_WQE_REACHED");
+	ibv_ack_async_event(&ev);
+	CHECK(count_async(e.id->verbs, e.id->qp, IBV_EVENT_QP_LAST_WQE_REACHED, 300) == 0,
+	      "async_last_wqe: once");
+	teardown(&e, &p);
+}
+
+static void case_async_cq_err(void)
+{
+	struct peer p = spawn_peer("async");
+	struct end e = { .cq_size = 2 };
+	connect_to(&e, p.port, 8);
+	struct ibv_async_event ev;
+	if (next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0)
+		ibv_ack_async_event(&ev);
+	static char rbuf[4 * 64];
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, rbuf, sizeof rbuf, IBV_ACCESS_LOCAL_WRITE);
+	for (int i = 0; i < 4; i++) {
+		struct ibv_sge s = { (uintptr_t)(rbuf + 64 * i), 64, mr->lkey };
+		struct ibv_recv_wr w = { .wr_id = i, .sg_list = &s, .num_sge = 1 }, *bad;
+		if (ibv_post_recv(e.id->qp, &w, &bad))
+			DIE("post_recv");
+	}
+	/* Four flushed Receives into a CQ of two: an overrun. */
+	struct ibv_qp_attr a = { .qp_state = IBV_QPS_ERR };
+	CHECK(ibv_modify_qp(e.id->qp, &a, IBV_QP_STATE) == 0, "async_cq_err: modify to ERR");
+	CHECK(next_async(e.id->verbs, IBV_EVENT_CQ_ERR, &ev, 5000) == 0 && ev.element.cq == e.cq,
+	      "async_cq_err: the overrun raises IBV_EVENT_CQ_ERR on our CQ");
+	ibv_ack_async_event(&ev);
+	struct ibv_wc wc[4];
+	poll_for(e.cq, wc, 4, 1);
+	ibv_dereg_mr(mr);
+	teardown(&e, &p);
+}
+
+static void case_async_srq_limit(void)
+{
+	struct peer p = spawn_peer("async_srq_limit");
+	struct end e = { .want_srq = 1 };
+	connect_to(&e, p.port, 8);
+	struct ibv_async_event ev;
+	if (next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0)
+		ibv_ack_async_event(&ev);
+	static char rbuf[8 * 64];
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, rbuf, sizeof rbuf, IBV_ACCESS_LOCAL_WRITE);
+	for (int i = 0; i < 8; i++) {
+		struct ibv_sge s = { (uintptr_t)(rbuf + 64 * i), 64, mr->lkey };
+		struct ibv_recv_wr w = { .wr_id = i, .sg_list = &s, .num_sge = 1 }, *bad;
+		if (ibv_post_srq_recv(e.srq, &w, &bad))
+			DIE("post_srq_recv");
+	}
+	struct ibv_srq_attr sa = { .srq_limit = 4 };
+	CHECK(ibv_modify_srq(e.srq, &sa, IBV_SRQ_LIMIT) == 0, "async_srq_limit: arm the limit at 4");
+	sa.srq_limit = 17;
+	CHECK(ibv_modify_srq(e.srq, &sa, IBV_SRQ_LIMIT) == EINVAL,
+	      "async_srq_limit: a limit above max_wr is EINVAL");
+	CHECK(ibv_query_srq(e.srq, &sa) == 0 && sa.srq_limit == 4, "async_srq_limit: armed at 4");
+	CHECK(count_async(e.id->verbs, e.srq, IBV_EVENT_SRQ_LIMIT_REACHED, 100) == 0,
+	      "async_srq_limit: nothing while 8 are posted");
+	/* Our Send tells the peer to send five: 3 WRs left. */
+	struct ibv_sge s = { (uintptr_t)rbuf, 8, mr->lkey };
+	struct ibv_send_wr w = { .wr_id = 50, .sg_list = &s, .num_sge = 1, .opcode = IBV_WR_SEND,
+				 .send_flags = IBV_SEND_SIGNALED },
+			   *bad;
+	CHECK(ibv_post_send(e.id->qp, &w, &bad) == 0, "async_srq_limit: post the go Send");
+	struct ibv_wc wc[6];
+	int n = poll_for(e.cq, wc, 6, 10);
+	CHECK(n == 6, "async_srq_limit: our Send and the peer's five complete (%d)", n);
+	CHECK(next_async(e.id->verbs, IBV_EVENT_SRQ_LIMIT_REACHED, &ev, 5000) == 0 &&
+		      ev.element.srq == e.srq,
+	      "async_srq_limit: below the limit: IBV_EVENT_SRQ_LIMIT_REACHED on our SRQ");
+	ibv_ack_async_event(&ev);
+	CHECK(ibv_query_srq(e.srq, &sa) == 0 && sa.srq_limit == 0, "async_srq_limit: then disarmed");
+	ibv_dereg_mr(mr);
+	teardown(&e, &p);
+}
+
+/* stag0's context, opened directly (no rdma_cm). */
+
+static struct ibv_context *open_stag0(void)
+{
+	int n = 0;
+	struct ibv_device **list = ibv_get_device_list(&n);
+	struct ibv_context *ctx = NULL;
+	for (int i = 0; list && i < n && !ctx; i++)
+		if (!strcmp(ibv_get_device_name(list[i]), "stag0"))
+			ctx = ibv_open_device(list[i]);
+	if (list)
+		ibv_free_device_list(list);
+	if (!ctx)
+		DIE("open stag0");
+	return ctx;
+}
+
+static void case_busy(void)
+{
+	struct ibv_context *ctx = open_stag0();
+	struct ibv_pd *pd = ibv_alloc_pd(ctx);
+	struct ibv_cq *cq = ibv_create_cq(ctx, 16, NULL, NULL, 0);
+	struct ibv_srq_init_attr sa = { .attr = { .max_wr = 8, .max_sge = 1 } };
+	struct ibv_srq *srq = pd ? ibv_create_srq(pd, &sa) : NULL;
+	static char buf[4096];
+	struct ibv_mr *mr = pd ? ibv_reg_mr(pd, buf, sizeof buf, IBV_ACCESS_LOCAL_WRITE) : NULL;
+	struct ibv_qp_init_attr qa = { .send_cq = cq, .recv_cq = cq, .srq = srq,
+				       .qp_type = IBV_QPT_RC, .cap = { 8, 8, 1, 1, 0 } };
+	struct ibv_qp *qp = pd && cq && srq ? ibv_create_qp(pd, &qa) : NULL;
+	if (!qp || !mr)
+		DIE("busy: objects");
+	CHECK(ibv_dealloc_pd(pd) == EBUSY, "busy: ibv_dealloc_pd with a QP, an SRQ and an MR on it: EBUSY");
+	CHECK(ibv_destroy_cq(cq) == EBUSY, "busy: ibv_destroy_cq while a QP uses it: EBUSY");
+	CHECK(ibv_destroy_srq(srq) == EBUSY, "busy: ibv_destroy_srq while a QP uses it: EBUSY");
+	/* Still whole: a post on the QP's SRQ works. */
+	struct ibv_sge s = { (uintptr_t)buf, 64, mr->lkey };
+	struct ibv_recv_wr w = { .wr_id = 1, .sg_list = &s, .num_sge = 1 }, *bad;
+	CHECK(ibv_post_srq_recv(srq, &w, &bad) == 0, "busy: the SRQ still works after the refusal");
+	CHECK(ibv_destroy_qp(qp) == 0, "busy: destroy the QP");
+	CHECK(ibv_destroy_cq(cq) == 0, "busy: then ibv_destroy_cq succeeds");
+	CHECK(ibv_destroy_srq(srq) == 0, "busy: then ibv_destroy_srq succeeds");
+	CHECK(ibv_dealloc_pd(pd) == EBUSY, "busy: ibv_dealloc_pd with an MR on it: EBUSY");
+	CHECK(ibv_dereg_mr(mr) == 0 && ibv_dealloc_pd(pd) == 0, "busy: dereg, then dealloc_pd succeeds");
+	CHECK(ibv_close_device(ctx) == 0, "busy: close the device");
+}
+
+/* The child of `log_flood` (STAG_LOG=warn): 1000 calls that each log
+ * the same warning, a pause longer than the limiter's period, one more. */
+static int flood_main(void)
+{
+	struct ibv_context *ctx = open_stag0();
+	struct ibv_cq *cq = ibv_create_cq(ctx, 16, NULL, NULL, 0);
+	if (!cq)
+		DIE("flood: create_cq");
+	double t0 = now();
+	for (int i = 0; i < 1000; i++)
+		ibv_resize_cq(cq, 32); /* unsupported: a warning each time */
+	double took = now() - t0;
+	usleep(1100000);
+	ibv_resize_cq(cq, 32);
+	ibv_destroy_cq(cq);
+	ibv_close_device(ctx);
+	printf("flood %.3f\n", took);
+	return 0;
+}
+
+static void case_log_flood(void)
+{
+	char path[] = "/tmp/faults-flood-XXXXXX";
+	int fd = mkstemp(path);
+	if (fd < 0)
+		DIE("mkstemp");
+	unlink(path);
+	int out[2];
+	if (pipe(out))
+		DIE("pipe");
+	pid_t pid = fork();
+	if (pid < 0)
+		DIE("fork");
+	if (pid == 0) {
+		dup2(fd, 2);
+		dup2(out[1], 1);
+		setenv("STAG_LOG", "warn", 1);
+		execl(self_exe, self_exe, "--flood", (char *)NULL);
+		_exit(127);
+	}
+	close(out[1]);
+	FILE *o = fdopen(out[0], "r");
+	double took = -1;
+	if (!o || fscanf(o, "flood %lf", &took) != 1)
+		took = -1;
+	if (o)
+		fclose(o);
+	int st = 0;
+	waitpid(pid, &st, 0);
+	lseek(fd, 0, SEEK_SET);
+	FILE *f = fdopen(fd, "r");
+	char line[1024];
+	int warned = 0, notes = 0, suppressed = -1;
+	while (f && fgets(line, sizeof line, f)) {
+		if (strstr(line, "ibv_resize_cq is not supported"))
+			warned++;
+		char *m = strstr(line, "stag0: ");
+		if (m && sscanf(m, "stag0: %d more messages like the next one were suppressed",
+				&suppressed) == 1)
+			notes++;
+	}
+	if (f)
+		fclose(f);
+	/* The burst of 10, one a second while the flood lasted, then the
+	 * one after the pause with the count of the rest. */
+	int most = 10 + (int)took + 1;
+	CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0 && took >= 0, "log_flood: the child ran (%#x)", st);
+	CHECK(warned >= 11 && warned <= most + 1 && notes >= 1 && notes <= most - 9 &&
+		      suppressed > 0 && suppressed + warned >= 1001 - notes,
+	      "log_flood: 1001 identical warnings print as %d lines and %d suppression notes (last: %d suppressed; the flood took %.3f s)",
+	      warned, notes, suppressed, took);
+}
+
+/* Wait at most `secs` for `pid` to exit; its status, or -1 if it did not. */
+static int wait_exit(pid_t pid, double secs)
+{
+	double end = now() + secs;
+	int st;
+	while (now() < end) {
+		if (waitpid(pid, &st, WNOHANG) == pid)
+			return st;
+		usleep(1000);
+	}
+	return -1;
+}
+
+/* One run of `fork` in a fresh process (`--fork-run FORK_INIT`):
+ * ibv_fork_init must come before any registration. Prints "fork P F". */
+static int fork_run(int fork_init)
+{
+	const char *how = fork_init ? "fork (ibv_fork_init)" : "fork";
+	if (fork_init)
+		CHECK(ibv_fork_init() == 0, "%s: ibv_fork_init", how);
+	struct peer p = spawn_peer("async");
+	struct end e = { 0 };
+	connect_to(&e, p.port, 8);
+	size_t len = 1 << 16;
+	char *buf = map_big(len, 0);
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, len, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_wc wc;
+	CHECK(mr && post_write(&e, mr, buf, len, 1, 0) == 0 && poll_for(e.cq, &wc, 1, 5) == 1 &&
+		      wc.status == IBV_WC_SUCCESS,
+	      "%s: a Write before the fork", how);
+	/* Writes in flight across the fork. */
+	int posted = 0;
+	for (int i = 0; i < 4; i++)
+		posted += post_write(&e, mr, buf, len, 10 + i, 0) == 0;
+	pid_t pid = fork();
+	if (pid < 0)
+		DIE("fork");
+	if (pid == 0) {
+		int code = 0;
+		/* Without ibv_fork_init the child has its own copy of the
+		 * registered memory; after it, the range may be absent from the
+		 * child (libibverbs' MADV_DONTFORK) and must not be touched. */
+		if (!fork_init) {
+			for (size_t i = 0; i < len; i++)
+				code |= buf[i] != (char)i;
+			memset(buf, 0xee, len);
+		}
+		/* stag0 lives in the parent's threads: it does not open here. */
+		int n = 0;
+		struct ibv_device **list = ibv_get_device_list(&n);
+		for (int i = 0; list && i < n; i++)
+			if (!strcmp(ibv_get_device_name(list[i]), "stag0") && ibv_open_device(list[i]))
+				code |= 2;
+		exit(code); /* a normal exit, atexit handlers and all */
+	}
+	int st = wait_exit(pid, 10);
+	CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0,
+	      "%s: the child sees its copy of memory, stag0 refuses to open there, and it exits (status %#x)",
+	      how, st);
+	int intact = 1;
+	for (size_t i = 0; i < len; i++)
+		intact &= buf[i] == (char)i;
+	CHECK(intact, "%s: the parent's registered memory is untouched by the child", how);
+	struct ibv_wc w4[4];
+	int n = poll_for(e.cq, w4, posted, 10), ok = 0;
+	for (int i = 0; i < n; i++)
+		ok += w4[i].status == IBV_WC_SUCCESS;
+	CHECK(posted == 4 && ok == 4, "%s: the Writes in flight across the fork complete (%d of %d)", how,
+	      ok, posted);
+	CHECK(post_write(&e, mr, buf, len, 20, 0) == 0 && poll_for(e.cq, &wc, 1, 5) == 1 &&
+		      wc.status == IBV_WC_SUCCESS,
+	      "%s: the connection works after the child exited", how);
+	ibv_dereg_mr(mr);
+	munmap(buf, len);
+	teardown(&e, &p);
+	printf("fork %d %d\n", passed, failed);
+	return 0;
+}
+
+static void case_fork(void)
+{
+	for (int fi = 0; fi < 2; fi++) {
+		int fds[2];
+		if (pipe(fds))
+			DIE("pipe");
+		pid_t pid = fork();
+		if (pid < 0)
+			DIE("fork");
+		if (pid == 0) {
+			dup2(fds[1], 1);
+			close(fds[0]);
+			close(fds[1]);
+			execl(self_exe, self_exe, "--fork-run", fi ? "1" : "0", (char *)NULL);
+			_exit(127);
+		}
+		close(fds[1]);
+		FILE *f = fdopen(fds[0], "r");
+		char line[256];
+		int p = -1, q = -1;
+		while (f && fgets(line, sizeof line, f))
+			sscanf(line, "fork %d %d", &p, &q);
+		if (f)
+			fclose(f);
+		int st = wait_exit(pid, 60);
+		CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0 && p > 0 && q == 0,
+		      "fork%s: %d passed, %d failed (status %#x)", fi ? " (ibv_fork_init)" : "", p, q, st);
+		if (p > 0)
+			passed += p - 1; /* the run's own checks, besides the one above */
+	}
+}
+
+static void case_exit_dirty(void)
+{
+	struct peer p = spawn_peer("exit_dirty");
+	struct end e = { 0 };
+	connect_to(&e, p.port, 8);
+	static char rbuf[4096];
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, rbuf, sizeof rbuf, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_sge s = { (uintptr_t)rbuf, 64, mr->lkey };
+	struct ibv_recv_wr w = { .wr_id = 3, .sg_list = &s, .num_sge = 1 }, *bad;
+	CHECK(ibv_post_recv(e.id->qp, &w, &bad) == 0, "exit_dirty: post a Receive");
+	int st = wait_exit(p.pid, 10);
+	CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0,
+	      "exit_dirty: the peer exits with everything open, promptly (status %#x)", st);
+	fclose(p.out);
+	rdma_ack_cm_event(expect(e.ch, RDMA_CM_EVENT_DISCONNECTED));
+	struct ibv_wc wc;
+	CHECK(poll_for(e.cq, &wc, 1, 5) == 1 && wc.wr_id == 3 && wc.status == IBV_WC_WR_FLUSH_ERR,
+	      "exit_dirty: we see DISCONNECTED and our Receive flushed");
+	ibv_dereg_mr(mr);
+	teardown(&e, NULL);
+}
+
+/* The child of `async_device_fatal` (STAG_FAULT_INJECT=engine-panic: the
+ * engine thread dies as it starts): prints "fatal N" for N DEVICE_FATAL
+ * events read from a fresh context within 5 s. */
+static int device_fatal_main(void)
+{
+	struct ibv_context *ctx = open_stag0();
+	int n = 0;
+	struct ibv_async_event ev;
+	double end = now() + 5;
+	while (now() < end && !n) {
+		struct pollfd pfd = { .fd = ctx->async_fd, .events = POLLIN };
+		if (poll(&pfd, 1, 100) != 1 || ibv_get_async_event(ctx, &ev))
+			continue;
+		n += ev.event_type == IBV_EVENT_DEVICE_FATAL;
+		ibv_ack_async_event(&ev);
+	}
+	printf("fatal %d\n", n);
+	return 0;
+}
+
+static void case_async_device_fatal(void)
+{
+	int out[2];
+	if (pipe(out))
+		DIE("pipe");
+	pid_t pid = fork();
+	if (pid < 0)
+		DIE("fork");
+	if (pid == 0) {
+		dup2(out[1], 1);
+		close(out[0]);
+		close(out[1]);
+		setenv("STAG_FAULT_INJECT", "engine-panic", 1);
+		execl(self_exe, self_exe, "--device-fatal", (char *)NULL);
+		_exit(127);
+	}
+	close(out[1]);
+	FILE *o = fdopen(out[0], "r");
+	int n = -1;
+	if (!o || fscanf(o, "fatal %d", &n) != 1)
+		n = -1;
+	if (o)
+		fclose(o);
+	int st = wait_exit(pid, 10);
+	CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0 && n == 1,
+	      "async_device_fatal: the engine thread's death raises IBV_EVENT_DEVICE_FATAL (%d; status %#x)",
+	      n, st);
+}
+
 static const struct {
 	const char *name;
 	void (*run)(void);
 } cases[] = {
-	{ "sigpipe", case_sigpipe },	     { "kill_recv", case_kill_recv },
+	{ "sigpipe", case_sigpipe },	     { "peer_close", case_peer_close },
+	{ "kill_recv", case_kill_recv },
 	{ "dereg_inflight", case_dereg_inflight }, { "full_sq", case_full_sq },
 	{ "post_error", case_post_error },   { "destroy_qp", case_destroy_qp },
-	{ "async", case_async },
+	{ "async", case_async },	     { "async_destroy", case_async_destroy },
+	{ "async_reset", case_async_reset }, { "async_disconnect", case_async_disconnect },
+	{ "async_last_wqe", case_async_last_wqe }, { "async_cq_err", case_async_cq_err },
+	{ "async_srq_limit", case_async_srq_limit }, { "async_device_fatal", case_async_device_fatal },
+	{ "fork", case_fork },	     { "exit_dirty", case_exit_dirty },
+	{ "busy", case_busy },	     { "log_flood", case_log_flood },
 };
 
 int main(int argc, char **argv)
@@ -649,11 +1377,17 @@ int main(int argc, char **argv)
 	signal(SIGPIPE, SIG_DFL);
 	if (argc == 3 && !strcmp(argv[1], "--peer"))
 		return peer_main(argv[2]);
+	if (argc == 2 && !strcmp(argv[1], "--flood"))
+		return flood_main();
+	if (argc == 2 && !strcmp(argv[1], "--device-fatal"))
+		return device_fatal_main();
 	static char exe[4096];
 	ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
 	if (n <= 0)
 		DIE("readlink");
 	self_exe = exe;
+	if (argc == 3 && !strcmp(argv[1], "--fork-run"))
+		return fork_run(atoi(argv[2]));
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
 		int want = argc == 1;

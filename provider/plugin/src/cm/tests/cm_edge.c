@@ -207,6 +207,9 @@ int main(void)
 					      .private_data_len = 3 };
 		child = ev->id;
 		rdma_ack_cm_event(ev);
+		/* rdma_create_qp writes the CQs it made into attr (as
+		 * librdmacm does); each QP here gets CQs of its own. */
+		attr.send_cq = attr.recv_cq = NULL;
 		CHECK(rdma_create_qp(child, NULL, &attr) == 0, "child QP");
 		CHECK(rdma_accept(child, &ap) == 0, "accept");
 		CHECK(child->qp->state == IBV_QPS_RTS, "accepted QP in RTS");
@@ -244,6 +247,7 @@ int main(void)
 	if (expect(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
 		child = ev->id;
 		rdma_ack_cm_event(ev);
+		attr.send_cq = attr.recv_cq = NULL;
 		CHECK(rdma_create_qp(child, NULL, &attr) == 0, "child QP 3");
 		CHECK(rdma_accept(child, NULL) == 0, "accept with no conn_param");
 	}
@@ -279,6 +283,7 @@ int main(void)
 			if (expect(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
 				s = ev->id;
 				rdma_ack_cm_event(ev);
+				attr.send_cq = attr.recv_cq = NULL;
 				if (rdma_create_qp(s, NULL, &attr) || rdma_accept(s, NULL))
 					s = NULL;
 			}

@@ -1,0 +1,303 @@
+/*
+ * Completion channels on stag0, between two RC QPs connected through
+ * rdma_cm in one process, the responder sleeping on its channel while no
+ * other thread of it polls:
+ *   1. armed solicited-only, in ibv_get_cq_event: each group of three
+ *      plain Sends and one IBV_SEND_SOLICITED Send wakes it exactly once,
+ *      and the event finds all four receives completed;
+ *   2. armed for any completion, in poll(2) on the channel fd, then
+ *      ibv_get_cq_event: every Send wakes it, and its own reply's
+ *      completion does too.
+ * The requester waits for a reply before each group, so every wake-up is
+ * caused by an arrival that came while the responder slept. A missed
+ * wake-up fails a 10 s poll (or the 60 s alarm). Run under `stag run`.
+ * Prints "cq_events: N passed, M failed".
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <infiniband/verbs.h>
+#include <rdma/rdma_cma.h>
+
+#define GROUPS 50
+#define PINGS 50
+
+static int passed, failed;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+#define CHECK(cond, ...)                                               \
+	do {                                                           \
+		int ok_ = (cond);                                      \
+		pthread_mutex_lock(&lock);                             \
+		if (ok_) {                                             \
+			passed++;                                      \
+		} else {                                               \
+			failed++;                                      \
+			fprintf(stderr, "FAILED line %d: ", __LINE__); \
+			fprintf(stderr, __VA_ARGS__);                  \
+			fputc('\n', stderr);                           \
+		}                                                      \
+		pthread_mutex_unlock(&lock);                           \
+	} while (0)
+#define DIE(what)                                                         \
+	do {                                                              \
+		fprintf(stderr, "cq_events: %s: %s\n", what, strerror(errno)); \
+		exit(1);                                                  \
+	} while (0)
+
+static uint16_t port;
+
+static pthread_mutex_t plock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pcond = PTHREAD_COND_INITIALIZER;
+
+static struct rdma_cm_event *expect(struct rdma_event_channel *ch, enum rdma_cm_event_type t)
+{
+	struct rdma_cm_event *ev;
+	if (rdma_get_cm_event(ch, &ev))
+		DIE("get_cm_event");
+	if (ev->event != t) {
+		fprintf(stderr, "cq_events: expected %s, got %s\n", rdma_event_str(t),
+			rdma_event_str(ev->event));
+		exit(1);
+	}
+	return ev;
+}
+
+/* Busy-poll n completions (the requester side only). */
+static int poll_n(struct ibv_cq *cq, struct ibv_wc *wc, int n)
+{
+	int got = 0;
+	for (long spins = 0; got < n && spins < 500000000L; spins++) {
+		int r = ibv_poll_cq(cq, n - got, wc + got);
+		if (r < 0)
+			DIE("poll_cq");
+		got += r;
+	}
+	return got;
+}
+
+static void post_recv(struct ibv_qp *qp, struct ibv_mr *mr, uint64_t id)
+{
+	struct ibv_sge s = { (uintptr_t)mr->addr, 64, mr->lkey };
+	struct ibv_recv_wr w = { .wr_id = id, .sg_list = &s, .num_sge = 1 }, *bad;
+	if (ibv_post_recv(qp, &w, &bad))
+		DIE("post_recv");
+}
+
+static void post_send(struct ibv_qp *qp, struct ibv_mr *mr, uint64_t id, int flags)
+{
+	struct ibv_sge s = { (uintptr_t)mr->addr, 8, mr->lkey };
+	struct ibv_send_wr w = { .wr_id = id, .sg_list = &s, .num_sge = 1, .opcode = IBV_WR_SEND,
+				 .send_flags = IBV_SEND_SIGNALED | flags }, *bad;
+	if (ibv_post_send(qp, &w, &bad))
+		DIE("post_send");
+}
+
+/* Take one event of `cq` from `ch` and acknowledge it. */
+static int take_event(struct ibv_comp_channel *ch, struct ibv_cq *cq)
+{
+	struct ibv_cq *ev_cq;
+	void *ctx;
+	if (ibv_get_cq_event(ch, &ev_cq, &ctx))
+		return 0;
+	ibv_ack_cq_events(ev_cq, 1);
+	return ev_cq == cq && ctx == (void *)0x5e;
+}
+
+/* Drain `cq` into counts: receives, sends. */
+static void drain(struct ibv_cq *cq, int *recvs, int *sends, int *bad)
+{
+	struct ibv_wc wc[8];
+	int n;
+	while ((n = ibv_poll_cq(cq, 8, wc)) > 0)
+		for (int i = 0; i < n; i++) {
+			if (wc[i].status != IBV_WC_SUCCESS)
+				(*bad)++;
+			else if (wc[i].opcode == IBV_WC_RECV)
+				(*recvs)++;
+			else
+				(*sends)++;
+		}
+}
+
+static void *responder(void *arg)
+{
+	(void)arg;
+	struct rdma_event_channel *ch = rdma_create_event_channel();
+	struct rdma_cm_id *lid, *id;
+	struct sockaddr_in sin = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7f000001) };
+	if (!ch || rdma_create_id(ch, &lid, NULL, RDMA_PS_TCP) ||
+	    rdma_bind_addr(lid, (struct sockaddr *)&sin) || rdma_listen(lid, 1))
+		DIE("listen");
+	pthread_mutex_lock(&plock);
+	port = ntohs(rdma_get_src_port(lid));
+	pthread_cond_signal(&pcond);
+	pthread_mutex_unlock(&plock);
+	struct rdma_cm_event *ev = expect(ch, RDMA_CM_EVENT_CONNECT_REQUEST);
+	id = ev->id;
+	rdma_ack_cm_event(ev);
+	struct ibv_pd *pd = ibv_alloc_pd(id->verbs);
+	struct ibv_comp_channel *cc = ibv_create_comp_channel(id->verbs);
+	struct ibv_cq *cq = cc ? ibv_create_cq(id->verbs, 512, (void *)0x5e, cc, 0) : NULL;
+	struct ibv_qp_init_attr qa = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
+				       .cap = { 16, 4 * GROUPS + PINGS, 1, 1, 0 } };
+	if (!pd || !cq || rdma_create_qp(id, pd, &qa))
+		DIE("responder qp");
+	char *buf = calloc(1, 64);
+	struct ibv_mr *mr = ibv_reg_mr(pd, buf, 64, IBV_ACCESS_LOCAL_WRITE);
+	if (!mr)
+		DIE("reg_mr");
+	for (int i = 0; i < 4 * GROUPS + PINGS; i++)
+		post_recv(id->qp, mr, i);
+	/* Armed before the connection exists: the first group must wake us. */
+	if (ibv_req_notify_cq(cq, 1))
+		DIE("req_notify");
+	struct rdma_conn_param cp = { .responder_resources = 1, .initiator_depth = 1 };
+	if (rdma_accept(id, &cp))
+		DIE("accept");
+	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ESTABLISHED));
+
+	/* 1: solicited-only, sleeping in ibv_get_cq_event. */
+	int recvs = 0, sends = 0, bad = 0, wakes = 0, short_wakes = 0;
+	for (int g = 0; g < GROUPS; g++) {
+		CHECK(take_event(cc, cq), "group %d: an event naming our CQ", g);
+		wakes++;
+		if (ibv_req_notify_cq(cq, 1))
+			DIE("req_notify");
+		int before = recvs;
+		drain(cq, &recvs, &sends, &bad);
+		/* All four are complete when the solicited one is. */
+		if (recvs - before != 4)
+			short_wakes++;
+		post_send(id->qp, mr, 1000 + g, 0);
+	}
+	CHECK(wakes == GROUPS && short_wakes == 0 && bad == 0,
+	      "solicited-only: %d wake-ups for %d groups, %d short, %d errors", wakes, GROUPS,
+	      short_wakes, bad);
+	/* Reap the replies' completions (they fired nothing while armed
+	 * solicited-only: a successful send is not solicited). */
+	struct pollfd pfd = { .fd = cc->fd, .events = POLLIN };
+	CHECK(poll(&pfd, 1, 0) == 0, "no event for the replies' completions");
+	drain(cq, &recvs, &sends, &bad);
+
+	/* 2: any completion, in poll(2) on the channel fd. */
+	if (ibv_req_notify_cq(cq, 0))
+		DIE("req_notify");
+	/* A ping that came before the arming fired nothing: poll once. Every
+	 * ping received is answered once, whichever drain found it. */
+	drain(cq, &recvs, &sends, &bad);
+	int replied = 0;
+	for (; replied < recvs - 4 * GROUPS; replied++)
+		post_send(id->qp, mr, 2000 + replied, 0);
+	int want = 4 * GROUPS + PINGS, missed = 0;
+	while (recvs < want) {
+		pfd.revents = 0;
+		if (poll(&pfd, 1, 10000) != 1) {
+			/* Tell a completion that fired nothing from one that
+			 * was never delivered. */
+			int queued = recvs;
+			drain(cq, &recvs, &sends, &bad);
+			fprintf(stderr, "cq_events: no event in 10 s; %d receives were queued\n",
+				recvs - queued);
+			missed++;
+			break;
+		}
+		if (!take_event(cc, cq))
+			bad++;
+		if (ibv_req_notify_cq(cq, 0))
+			DIE("req_notify");
+		drain(cq, &recvs, &sends, &bad);
+		for (; replied < recvs - 4 * GROUPS; replied++)
+			post_send(id->qp, mr, 2000 + replied, 0);
+	}
+	CHECK(missed == 0 && recvs == want && bad == 0,
+	      "any completion: %d of %d receives, %d missed wake-ups, %d errors", recvs, want,
+	      missed, bad);
+	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_DISCONNECTED));
+	rdma_destroy_qp(id);
+	drain(cq, &recvs, &sends, &bad);
+	ibv_dereg_mr(mr);
+	ibv_destroy_cq(cq);
+	CHECK(ibv_destroy_comp_channel(cc) == 0, "destroy_comp_channel");
+	ibv_dealloc_pd(pd);
+	rdma_destroy_id(id);
+	rdma_destroy_id(lid);
+	rdma_destroy_event_channel(ch);
+	free(buf);
+	return NULL;
+}
+
+int main(void)
+{
+	alarm(60);
+	pthread_t t;
+	if (pthread_create(&t, NULL, responder, NULL))
+		DIE("thread");
+	pthread_mutex_lock(&plock);
+	while (!port)
+		pthread_cond_wait(&pcond, &plock);
+	pthread_mutex_unlock(&plock);
+
+	struct rdma_event_channel *ch = rdma_create_event_channel();
+	struct rdma_cm_id *id;
+	struct sockaddr_in sin = { .sin_family = AF_INET, .sin_port = htons(port),
+				   .sin_addr.s_addr = htonl(0x7f000001) };
+	if (!ch || rdma_create_id(ch, &id, NULL, RDMA_PS_TCP) ||
+	    rdma_resolve_addr(id, NULL, (struct sockaddr *)&sin, 2000))
+		DIE("resolve");
+	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED));
+	if (rdma_resolve_route(id, 2000))
+		DIE("route");
+	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ROUTE_RESOLVED));
+	struct ibv_pd *pd = ibv_alloc_pd(id->verbs);
+	struct ibv_cq *cq = ibv_create_cq(id->verbs, 512, NULL, NULL, 0);
+	struct ibv_qp_init_attr qa = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
+				       .cap = { 16, GROUPS + PINGS, 1, 1, 0 } };
+	if (!pd || !cq || rdma_create_qp(id, pd, &qa))
+		DIE("create_qp");
+	char *buf = calloc(1, 64);
+	struct ibv_mr *mr = ibv_reg_mr(pd, buf, 64, IBV_ACCESS_LOCAL_WRITE);
+	if (!mr)
+		DIE("reg_mr");
+	for (int i = 0; i < GROUPS + PINGS; i++)
+		post_recv(id->qp, mr, 5000 + i);
+	struct rdma_conn_param cp = { .responder_resources = 1, .initiator_depth = 1 };
+	if (rdma_connect(id, &cp))
+		DIE("connect");
+	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ESTABLISHED));
+
+	struct ibv_wc wc[8];
+	int ok = 1;
+	for (int g = 0; g < GROUPS && ok; g++) {
+		for (int k = 0; k < 4; k++)
+			post_send(id->qp, mr, 10 * g + k, k == 3 ? IBV_SEND_SOLICITED : 0);
+		/* Four send completions and the reply. */
+		ok = poll_n(cq, wc, 5) == 5;
+		for (int i = 0; i < 5 && ok; i++)
+			ok = wc[i].status == IBV_WC_SUCCESS;
+	}
+	CHECK(ok, "solicited groups answered");
+	for (int p = 0; p < PINGS && ok; p++) {
+		post_send(id->qp, mr, 100000 + p, 0);
+		ok = poll_n(cq, wc, 2) == 2 && wc[0].status == IBV_WC_SUCCESS &&
+		     wc[1].status == IBV_WC_SUCCESS;
+	}
+	CHECK(ok, "pings answered");
+
+	rdma_disconnect(id);
+	pthread_join(t, NULL);
+	rdma_destroy_qp(id);
+	ibv_dereg_mr(mr);
+	ibv_destroy_cq(cq);
+	ibv_dealloc_pd(pd);
+	rdma_destroy_id(id);
+	rdma_destroy_event_channel(ch);
+	free(buf);
+	printf("cq_events: %d passed, %d failed\n", passed, failed);
+	return failed ? 1 : 0;
+}

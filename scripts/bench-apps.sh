@@ -1,0 +1,257 @@
+#!/usr/bin/env bash
+# Real applications on stag0 against the floors they are judged by (issue
+# #19, "Done when"): unmodified Debian binaries (qperf, fio, rping,
+# perftest) through `stag run`, each as two processes (server, client) on
+# 127.0.0.1, beside `stag floor lat --mode blocking` and `stag bw` of the
+# same operation and size, in alternating rounds of one run; the median of
+# each over the rounds, and their ratios:
+#
+#   qperf -cm1 rc_lat (event mode, qperf's default)   ≤ 1.5 × blocking TCP one-way
+#   qperf -cm1 rc_rdma_write_poll_lat                 ≤ 1.2 × ib_write_lat -R
+#   qperf rc_bw / rc_rdma_write_bw / rc_rdma_read_bw  ≥ 0.8 × stag bw send/write/read (64 KiB)
+#   fio rdma write / read (64 KiB, iodepth 16)        ≥ 0.8 × stag bw write/read (64 KiB)
+#   qperf rc_fetch_add_mr / rc_compare_swap_mr        ≥ 0.8 × stag bw fetch-add/cmp-swap msg rate
+#
+# at the same queue depth: qperf -cm1 asks for one outstanding Read or
+# atomic (initiator depth 1), so its Read and atomic floors run `stag bw
+# -t 1`; fio's at its iodepth, 16.
+#   rping -c -C N, per iteration                      ≤ 6 × blocking TCP round trip
+#
+# Not in the test gate (timings). A run that fails or hangs (LIMIT seconds)
+# counts as missing and its cell says so; nothing is retried.
+#
+#   scripts/bench-apps.sh [--json] [ROUNDS]     (default 3 rounds; STAG_BIN=path/to/stag
+#                                               measures that build instead)
+#
+# Writes target/bench-apps.{md,json}; prints the table (or the JSON).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+JSON=0
+if [[ ${1:-} == --json ]]; then
+    JSON=1
+    shift
+fi
+ROUNDS=${1:-3}
+LIMIT=${LIMIT:-90}
+# qperf runs each test for this many seconds.
+QT=${QT:-3}
+RPING_COUNT=${RPING_COUNT:-2000}
+# STAG_BIN measures another build (its plugin is the one beside it).
+if [[ -z ${STAG_BIN:-} ]]; then
+    cargo build --release --quiet -p stag -p stag-rdma
+fi
+STAG=${STAG_BIN:-$PWD/target/release/stag}
+port=24000
+
+source scripts/lib.sh
+
+for prog in qperf fio rping ib_write_lat; do
+    command -v "$prog" >/dev/null || {
+        echo "bench-apps: $prog is missing (scripts/setup.sh installs it)" >&2
+        exit 1
+    }
+done
+
+# measure KEY RUNNER ARGS...: append RUNNER's figure (run on a fresh port)
+# to V[KEY].
+declare -A V
+measure() {
+    local key=$1
+    shift
+    port=$((port + 1))
+    local x
+    x=$("$@" "$port" 2>/dev/null) || true
+    [[ $x =~ ^[0-9.]+$ ]] || { echo "$key: no result (port $port)" >&2; x=nan; }
+    V[$key]+="$x "
+}
+
+# serve PORT CMD...: start a server (killed by stop, by its pid) and wait
+# for its port.
+serve() {
+    local p=$1
+    shift
+    timeout "$LIMIT" "$@" >/dev/null 2>&1 &
+    server=$!
+    wait_port "$p" || true
+}
+stop() {
+    kill "$server" 2>/dev/null
+    wait "$server" 2>/dev/null
+}
+
+# floor_lat FIELD PORT: a field (t_typical_us, rtt_typical_us) of the
+# blocking TCP ping-pong.
+floor_lat() {
+    serve "$2" "$STAG" floor lat --mode blocking -p "$2" --bind 127.0.0.1 -n 20000
+    timeout "$LIMIT" "$STAG" floor lat --mode blocking -p "$2" -n 20000 127.0.0.1 --json |
+        python3 -c "import json,sys; print(json.load(sys.stdin)['results'][0]['$1'])"
+    stop
+}
+
+# stag_bw OP SIZE DEPTH FIELD PORT: bw_avg_mb_s or msg_rate_mpps of
+# `stag bw` (busy-polling, as its floor role asks) with DEPTH operations
+# outstanding.
+stag_bw() {
+    serve "$5" "$STAG" bw "$1" -s "$2" -p "$5" --bind 127.0.0.1 -t "$3"
+    timeout "$LIMIT" "$STAG" bw "$1" -s "$2" -p "$5" -t "$3" -n "${BW_ITERS:-20000}" 127.0.0.1 --json |
+        python3 -c "import json,sys; print(json.load(sys.stdin)['results'][0]['$4'])"
+    stop
+}
+
+# qperf_run TEST PORT [OPTS...]: qperf's figure for TEST in µs, MB/s or
+# messages/s, whatever unit it printed.
+qperf_run() {
+    local t=$1 p=$2
+    shift 2
+    serve "$p" "$STAG" run -- qperf -lp "$p"
+    timeout "$LIMIT" "$STAG" run -- qperf -cm1 -lp "$p" -t "$QT" "$@" 127.0.0.1 "$t" |
+        python3 -c '
+import re, sys
+scale = {"ns": 1e-3, "us": 1, "ms": 1e3, "sec": 1e6, "s": 1e6,
+         "B/sec": 1e-6, "KB/sec": 1e-3, "MB/sec": 1, "GB/sec": 1e3,
+         "/sec": 1, "K/sec": 1e3, "M/sec": 1e6}
+for line in sys.stdin:
+    m = re.match(r"\s*(latency|bw|msg_rate)\s*=\s*([0-9.]+)\s*(\S+)", line)
+    if m:
+        print(float(m.group(2)) * scale[m.group(3)])
+        break
+'
+    stop
+}
+qperf_lat() { qperf_run "$1" "$2"; }
+# qperf prints message sizes in its own units: 64K is 65536 bytes.
+qperf_bw() { qperf_run "$1" "$2" -m 64K; }
+
+# perftest_lat PROG PORT: t_typical (µs) of PROG -R, 8 bytes.
+perftest_lat() {
+    serve "$2" "$STAG" run -- "$1" -R -d stag0 -p "$2" -n 20000 -s 8
+    timeout "$LIMIT" "$STAG" run -- "$1" -R -d stag0 -p "$2" -n 20000 -s 8 127.0.0.1 |
+        awk '$1 == 8 && NF >= 5 { print $5 }'
+    stop
+}
+
+# fio_rdma VERB PORT: fio's rdma engine bandwidth (MB/s), 64 KiB blocks,
+# iodepth 16. fio's rdma engine makes the reading job the server and the
+# writing job the client; the client's --verb picks the RDMA operation.
+fio_rdma() {
+    serve "$2" "$STAG" run -- fio --name=srv --ioengine=rdma --port="$2" --rw=read \
+        --bs=64k --size=256m
+    timeout "$LIMIT" "$STAG" run -- fio --name=cli --ioengine=rdma --hostname=127.0.0.1 \
+        --port="$2" --verb="$1" --rw=write --bs=64k --iodepth=16 --size=256m \
+        --output-format=json |
+        python3 -c "import json,sys; j=json.load(sys.stdin)['jobs'][0]['write']; print(j['bw'] * 1024 / 1e6 if j['bw'] else 'nan')"
+    stop
+}
+
+# rping_iter PORT: µs per iteration of rping -c -C RPING_COUNT (event mode:
+# rping waits on its completion channel), connection included.
+rping_iter() {
+    serve "$1" "$STAG" run -- rping -s -a 127.0.0.1 -p "$1" -C "$RPING_COUNT"
+    local t0 t1
+    t0=$(date +%s%N)
+    timeout "$LIMIT" "$STAG" run -- rping -c -a 127.0.0.1 -p "$1" -C "$RPING_COUNT" >/dev/null &&
+        t1=$(date +%s%N) &&
+        python3 -c "print(($t1 - $t0) / 1e3 / $RPING_COUNT)"
+    stop
+}
+
+load_start=$(cut -d' ' -f1-4 /proc/loadavg)
+for ((r = 1; r <= ROUNDS; r++)); do
+    measure floor.oneway floor_lat t_typical_us
+    measure floor.rtt floor_lat rtt_typical_us
+    measure qperf.rc_lat qperf_lat rc_lat
+    measure qperf.rc_rdma_write_lat qperf_lat rc_rdma_write_lat
+    measure qperf.rc_rdma_read_lat qperf_lat rc_rdma_read_lat
+    measure qperf.rc_rdma_write_poll_lat qperf_lat rc_rdma_write_poll_lat
+    measure perftest.ib_write_lat perftest_lat ib_write_lat
+    # qperf -cm1 connects with initiator depth and responder resources 1:
+    # one Read or atomic outstanding, so its floors run at depth 1 too.
+    measure stag.send stag_bw send 65536 128 bw_avg_mb_s
+    measure qperf.rc_bw qperf_bw rc_bw
+    measure stag.write stag_bw write 65536 128 bw_avg_mb_s
+    measure qperf.rc_rdma_write_bw qperf_bw rc_rdma_write_bw
+    measure stag.read1 stag_bw read 65536 1 bw_avg_mb_s
+    measure stag.read stag_bw read 65536 16 bw_avg_mb_s
+    measure qperf.rc_rdma_read_bw qperf_bw rc_rdma_read_bw
+    measure fio.write fio_rdma write
+    measure fio.read fio_rdma read
+    measure stag.fetch-add stag_bw fetch-add 8 1 msg_rate_mpps
+    measure qperf.rc_fetch_add_mr qperf_lat rc_fetch_add_mr
+    measure stag.cmp-swap stag_bw cmp-swap 8 1 msg_rate_mpps
+    measure qperf.rc_compare_swap_mr qperf_lat rc_compare_swap_mr
+    measure rping.iter rping_iter
+    echo "round $r done" >&2
+done
+load_end=$(cut -d' ' -f1-4 /proc/loadavg)
+
+args=()
+for k in "${!V[@]}"; do args+=("$k=${V[$k]}"); done
+mkdir -p target
+python3 - "$JSON" "$ROUNDS" "${STAG_PROGRESS:-adaptive}" "$load_start" "$load_end" "${args[@]}" <<'PY'
+import json, math, statistics, sys
+as_json, rounds, progress, load_start, load_end = sys.argv[1:6]
+v = {}
+for a in sys.argv[6:]:
+    k, _, xs = a.partition("=")
+    v[k] = [float(x) for x in xs.split() if x != "nan"]
+med = {k: statistics.median(x) if x else math.nan for k, x in v.items()}
+# stag bw's message rate is in millions per second; qperf's in messages.
+for op in ("fetch-add", "cmp-swap"):
+    med[f"stag.{op}"] *= 1e6
+
+# (name, measured key, floor key, floor name, unit, kind, target): kind
+# "le" is a cost (the ratio must stay at or below the target), "ge" a rate.
+rows = [
+    ("qperf rc_lat (event)", "qperf.rc_lat", "floor.oneway", "TCP blocking one-way", "µs", "le", 1.5),
+    ("qperf rc_rdma_write_lat (event)", "qperf.rc_rdma_write_lat", "floor.oneway", "TCP blocking one-way", "µs", "le", None),
+    ("qperf rc_rdma_read_lat (event)", "qperf.rc_rdma_read_lat", "floor.rtt", "TCP blocking round trip", "µs", "le", None),
+    ("qperf rc_rdma_write_poll_lat", "qperf.rc_rdma_write_poll_lat", "perftest.ib_write_lat", "ib_write_lat -R", "µs", "le", 1.2),
+    ("qperf rc_bw 64K (event)", "qperf.rc_bw", "stag.send", "stag bw send 64K", "MB/s", "ge", 0.8),
+    ("qperf rc_rdma_write_bw 64K (event)", "qperf.rc_rdma_write_bw", "stag.write", "stag bw write 64K", "MB/s", "ge", 0.8),
+    ("qperf rc_rdma_read_bw 64K (event)", "qperf.rc_rdma_read_bw", "stag.read1", "stag bw read 64K -t 1", "MB/s", "ge", 0.8),
+    ("fio rdma write 64K qd16", "fio.write", "stag.write", "stag bw write 64K", "MB/s", "ge", 0.8),
+    ("fio rdma read 64K qd16", "fio.read", "stag.read", "stag bw read 64K -t 16", "MB/s", "ge", 0.8),
+    ("qperf rc_fetch_add_mr (event)", "qperf.rc_fetch_add_mr", "stag.fetch-add", "stag bw fetch-add -s 8 -t 1", "msg/s", "ge", 0.8),
+    ("qperf rc_compare_swap_mr (event)", "qperf.rc_compare_swap_mr", "stag.cmp-swap", "stag bw cmp-swap -s 8 -t 1", "msg/s", "ge", 0.8),
+    ("rping -C per iteration (event)", "rping.iter", "floor.rtt", "TCP blocking round trip", "µs", "le", 6.0),
+]
+
+def fmt(x):
+    if math.isnan(x):
+        return "no result"
+    return f"{x:.3g}" if x < 100 else f"{x:,.0f}"
+
+def cell(k):
+    x = v.get(k, [])
+    miss = int(rounds) - len(x)
+    extra = f" ({miss} missing)" if miss else ""
+    return fmt(med.get(k, math.nan)) + extra
+
+md = ["| program | median | floor | floor median | unit | ratio | target | met |",
+      "|---|---:|---|---:|---|---:|---:|---|"]
+out = []
+for name, key, fkey, fname, unit, kind, target in rows:
+    m, f = med.get(key, math.nan), med.get(fkey, math.nan)
+    ratio = m / f if f and not math.isnan(f) else math.nan
+    if target is None or math.isnan(ratio):
+        met = "" if target is None else "no result"
+    else:
+        met = "yes" if (ratio <= target if kind == "le" else ratio >= target) else "NO"
+    tgt = "" if target is None else ("≤ " if kind == "le" else "≥ ") + f"{target}"
+    md.append(f"| {name} | {cell(key)} | {fname} | {cell(fkey)} | {unit} | "
+              f"{'' if math.isnan(ratio) else f'{ratio:.2f}'} | {tgt} | {met} |")
+    out.append({"program": name, "key": key, "floor": fkey, "unit": unit,
+                "values": v.get(key, []), "floor_values": v.get(fkey, []),
+                "median": m, "floor_median": f, "ratio": ratio,
+                "target": target, "kind": kind, "met": met == "yes"})
+md.append("")
+md.append(f"Medians of {rounds} alternating rounds, each program as two processes on "
+          f"127.0.0.1 through `stag run` (progress mode {progress}); load average "
+          f"{load_start} before, {load_end} after.")
+text = "\n".join(md)
+doc = {"rounds": int(rounds), "progress": progress, "load_start": load_start,
+       "load_end": load_end, "rows": out}
+open("target/bench-apps.md", "w").write(text + "\n")
+open("target/bench-apps.json", "w").write(json.dumps(doc, indent=2, default=str) + "\n")
+print(json.dumps(doc, indent=2, default=str) if as_json == "1" else text)
+PY
