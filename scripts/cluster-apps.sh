@@ -14,13 +14,14 @@
 #   - the iSER pair: tgtd (stag run) with a 256 MiB LUN on node1; from node2
 #     iscsi-inq, iscsi-perf and scripts/cluster/iscsi_copy writing and
 #     reading the whole LUN, checked by sha256 against the input and the
-#     target's backing file; iSCSI over TCP from the same tgtd as control.
+#     target's backing file; iSCSI over TCP from the same tgtd as control;
+#   - qperf -cm1 between two hosts, every RC test (qperf's TCP tests as
+#     control).
 #
 # A workload that hangs on stag0 and on its tcp;ofi_rxm control alike is
 # reported as upstream (ofiwg/libfabric#7396) and counts as neither.
-# qperf -cm1 is not in this gate yet (see README "Across hosts").
 set -uo pipefail
-# Arguments name the parts to run (fi_info iser fi_pingpong netpipe mpi;
+# Arguments name the parts to run (fi_info iser qperf fi_pingpong netpipe mpi;
 # all of them without any).
 PARTS=$*
 cd "$(dirname "$0")/.."
@@ -312,10 +313,43 @@ iser_checks() {
     if tgt_down; then pass iser-tgtd; else fail iser-tgtd; fi
 }
 
-for part in ${PARTS:-fi_info iser fi_pingpong netpipe mpi}; do
+# qperf -cm1 (rdma_cm) between two hosts, every RC test, against qperf's
+# own TCP tests between the same hosts as control. Each test must print
+# its figure (a bandwidth, latency or message rate).
+QPERF_RC="rc_bi_bw rc_bw rc_lat rc_rdma_read_bw rc_rdma_read_lat rc_rdma_write_bw \
+rc_rdma_write_lat rc_rdma_write_poll_lat rc_compare_swap_mr rc_fetch_add_mr"
+qperf_run() { # NAME WRAP PORT OPTIONS TESTS…: prints the client's exit status
+    local name=$1 wrap=$2 port=$3 opts=$4 rc=0 pidfile=$out/$1.server.pid
+    shift 4
+    on node1 "echo \$\$ >$pidfile; exec timeout 150 $wrap qperf -lp $port" \
+        >"$out/$name.server.log" 2>&1 &
+    local spid=$!
+    wait_listen node1 "$port"
+    on node2 "timeout 120 $wrap qperf -lp $port $opts -t 1 10.77.0.1 $*" \
+        >"$out/$name.client.log" 2>&1 || rc=$?
+    # The server's timeout passes TERM on to qperf (and stag run).
+    kill -TERM "$(cat "$pidfile")" 2>/dev/null
+    wait "$spid" 2>/dev/null
+    local t
+    for t in "$@"; do
+        grep -A1 -x "$t:" "$out/$name.client.log" | grep -Eq '= +[0-9.]+ [KMG]?[a-zA-Z/]+' ||
+            ((rc)) || rc=1
+    done
+    echo "$rc"
+}
+qperf_checks() {
+    local rs rc
+    # shellcheck disable=SC2086
+    rs=$(qperf_run qperf-rc "$STAG run --" 19950 -cm1 $QPERF_RC)
+    rc=$(qperf_run qperf-tcp-control "" 19951 "" tcp_bw tcp_lat)
+    both qperf-cm1-rc "$rs" "$rc"
+}
+
+for part in ${PARTS:-fi_info iser qperf fi_pingpong netpipe mpi}; do
     case $part in
     fi_info) fi_info_check ;;
     iser) iser_checks ;;
+    qperf) qperf_checks ;;
     fi_pingpong) fi_pingpong_checks ;;
     netpipe) netpipe_checks ;;
     mpi) mpi_checks ;;
