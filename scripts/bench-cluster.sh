@@ -61,10 +61,7 @@ bash "$C" up "$HOSTS" >/dev/null || exit 1
 LUN=$(mktemp -d /dev/shm/stag-bench-lun.XXXXXX)
 TGT_PORT=$((20000 + $$ % 10000))
 cleanup() {
-    if [ -f "$LUN/stag-run.pid" ]; then
-        local pid
-        pid=$(pgrep -P "$(cat "$LUN/stag-run.pid")" -x tgtd) && kill -KILL "$pid"
-    fi
+    tgt_down
     bash "$C" down >/dev/null 2>&1
     rm -rf "$LUN"
 }
@@ -88,23 +85,32 @@ declare -A STACK=(
 # on one LUN; see scripts/cluster-apps.sh for why both ACLs.
 IQN=iqn.2026-11.org.stag
 INITIATOR=$IQN:client
-truncate -s 256M "$LUN/lun.img"
-on 1 "echo \$\$ >$LUN/stag-run.pid; exec $STAG run -- tgtd -f -C $TGT_PORT \
-    --iscsi portal=10.77.0.1:3261" >"$RAW/tgtd.log" 2>&1 &
-t="tgtadm -C $TGT_PORT"
-for i in $(seq 1 100); do
-    on 1 "$t --op show --mode sys" >/dev/null 2>&1 && break
-    sleep 0.1
-done
-on 1 "$t --lld iser --op new --mode target --tid 1 -T $IQN:iser &&
-    $t --lld iser --op new --mode logicalunit --tid 1 --lun 1 -b $LUN/lun.img &&
-    $t --lld iser --op bind --mode target --tid 1 -I ALL &&
-    $t --lld iser --op bind --mode target --tid 1 -Q $INITIATOR &&
-    $t --lld iscsi --op new --mode target --tid 2 -T $IQN:tcp &&
-    $t --lld iscsi --op new --mode logicalunit --tid 2 --lun 1 -b $LUN/lun.img &&
-    $t --lld iscsi --op bind --mode target --tid 2 -I ALL" >"$RAW/tgtadm.log" 2>&1 || {
-    log "tgtd setup failed (see $RAW/tgtadm.log)"
-    exit 1
+# tgtd runs only for the iscsi-perf samples: an idle stag0 engine in it
+# would otherwise share the 2 cores with every other measurement.
+tgt_up() {
+    truncate -s 256M "$LUN/lun.img"
+    on 1 "echo \$\$ >$LUN/stag-run.pid; exec $STAG run -- tgtd -f -C $TGT_PORT \
+        --iscsi portal=10.77.0.1:3261" >>"$RAW/tgtd.log" 2>&1 &
+    local t="tgtadm -C $TGT_PORT" i
+    for i in $(seq 1 100); do
+        on 1 "$t --op show --mode sys" >/dev/null 2>&1 && break
+        sleep 0.1
+    done
+    on 1 "$t --lld iser --op new --mode target --tid 1 -T $IQN:iser &&
+        $t --lld iser --op new --mode logicalunit --tid 1 --lun 1 -b $LUN/lun.img &&
+        $t --lld iser --op bind --mode target --tid 1 -I ALL &&
+        $t --lld iser --op bind --mode target --tid 1 -Q $INITIATOR &&
+        $t --lld iscsi --op new --mode target --tid 2 -T $IQN:tcp &&
+        $t --lld iscsi --op new --mode logicalunit --tid 2 --lun 1 -b $LUN/lun.img &&
+        $t --lld iscsi --op bind --mode target --tid 2 -I ALL" >>"$RAW/tgtadm.log" 2>&1
+}
+# tgtd cannot be stopped once an iSER initiator has left (see README).
+tgt_down() {
+    local pid
+    [ -f "$LUN/stag-run.pid" ] || return 0
+    pid=$(pgrep -P "$(cat "$LUN/stag-run.pid")" -x tgtd) && kill -KILL "$pid"
+    rm -f "$LUN/stag-run.pid"
+    sleep 0.5
 }
 declare -A ISCSI=(
     [iser]="$STAG run -- iscsi-perf -i $INITIATOR iser://10.77.0.1/$IQN:iser/1"
@@ -151,7 +157,12 @@ for ((r = 1; r <= ROUNDS; r++)); do
     log "round $r of $ROUNDS"
     for s in stag ofi_tcp btl_tcp; do netpipe "$s" "$r"; done
     for s in stag ofi_tcp btl_tcp; do allreduce "$s" "$r"; done
-    for s in iser tcp; do iscsi_perf "$s" "$r"; done
+    if tgt_up; then
+        for s in iser tcp; do iscsi_perf "$s" "$r"; done
+    else
+        log "tgtd setup failed in round $r (see $RAW/tgtadm.log)"
+    fi
+    tgt_down
 done
 
 python3 - "$samples" "$OUT/report.json" "$ROUNDS" <<'PY' >"$OUT/report.md"
