@@ -21,7 +21,8 @@
 #
 #   scripts/bench-cluster.sh [--json] [--quick]
 #
-# ROUNDS (3), OUT (target/bench-cluster). --json prints the report as JSON
+# ROUNDS (3), OUT (target/bench-cluster), PROFILE (release: the stag and
+# plugin measured; debug is what cluster-apps.sh runs). --json prints the report as JSON
 # on stdout (it is always written to $OUT/report.json). --quick: one round.
 # Needs root; scripts/setup.sh installs what it runs.
 set -uo pipefail
@@ -45,8 +46,15 @@ done
 }
 log() { echo "bench-cluster: $*" >&2; }
 
-cargo build --quiet -p stag -p stag-rdma || exit 1
-STAG=$ROOT/target/debug/stag
+# A release build: a debug plugin spends the 1 MiB runs in unoptimised
+# CRC32c and copies (PROFILE=debug measures that one).
+PROFILE=${PROFILE:-release}
+if [ "$PROFILE" = release ]; then
+    cargo build --quiet --release -p stag -p stag-rdma || exit 1
+else
+    cargo build --quiet -p stag -p stag-rdma || exit 1
+fi
+STAG=$ROOT/target/$PROFILE/stag
 C=$ROOT/scripts/cluster.sh
 OUT=${OUT:-$ROOT/target/bench-cluster}
 RAW=$OUT/raw
