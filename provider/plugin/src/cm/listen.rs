@@ -19,6 +19,7 @@ use super::conn::{errno_of, refuse};
 use super::id::{Id, Op, Phase};
 use super::CmResult;
 use crate::ffi;
+use provider::thread::SpawnMasked;
 
 /// A running listener; dropping it stops its thread and closes the port.
 #[derive(Debug)]
@@ -70,7 +71,7 @@ pub(crate) fn listen(id: &Arc<Id>) -> CmResult<()> {
         let (listener, weak, stop) = (listener.clone(), Arc::downgrade(id), stop.clone());
         std::thread::Builder::new()
             .name(format!("stag-cm-listen-{}", local.port()))
-            .spawn(move || {
+            .spawn_masked(move || {
                 run(&listener, local, &weak, &stop);
                 drop(listener);
                 let _ = done_tx.send(());
