@@ -189,15 +189,18 @@ impl IbvPd {
     }
 }
 
-/// Transport retries of an RC QP (`retry_cnt`: the IB maximum, which rxe
-/// takes as "retry forever"). rdma_cm hands the QP what the connect and
-/// accept ask for, so zero meant none: one ack later than the local ACK
-/// timeout (2.1 s on rxe: rdma_cm's RoCE packet lifetime) put the sender in
-/// Error with IBV_WC_RETRY_EXC_ERR, and everything after it was lost. A
-/// QEMU/TCG guest on a loaded host stalls that long (the rxe0 VM-suite
-/// failure of `mailbox_survives_concurrent_pollers`, reproduced by freezing
-/// the VM for 2.5 s: `retry_exceeded_err` +1); a real fabric drops packets.
-const TRANSPORT_RETRIES: u8 = 7;
+/// Transport retries of an RC QP (`retry_cnt`) after the local ACK
+/// timeout (2.1 s on rxe: rdma_cm's RoCE packet lifetime). rdma_cm hands
+/// the QP what the connect and accept ask for, and zero meant none: one ack
+/// later than the timeout put the sender in Error with
+/// IBV_WC_RETRY_EXC_ERR, and everything after it was lost. A QEMU/TCG guest
+/// on a loaded host stalls that long (the rxe0 VM-suite failure of
+/// `mailbox_survives_concurrent_pollers`, reproduced by freezing the VM
+/// 2.5 s at a time: rxe's `retry_exceeded_err` +1); a real fabric drops
+/// packets. 6, not the IB maximum 7, which rxe takes as "retry forever": a
+/// peer that is gone still ends the connection, after 7 timeouts in a row
+/// (the count restarts whenever an ack makes progress).
+const TRANSPORT_RETRIES: u8 = 6;
 
 /// RNR retries (`rnr_retry`): none. A Send that finds no posted Receive
 /// ends the connection, as on iWARP (siw, stag0), which has no RNR (RFC
