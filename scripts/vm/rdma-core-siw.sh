@@ -50,7 +50,7 @@ case_() {
     fi
     failed=$((failed + 1))
     echo "FAIL  $name"
-    tail -n 4 "$out/$name.server" "$out/$name.client" | sed 's/^/  /'
+    tail -n 12 "$out/$name.server" "$out/$name.client" | sed 's/^/  /'
     dmesg 2>/dev/null | grep -i siw | tail -n 5 | sed 's/^/  dmesg: /'
 }
 
