@@ -13,7 +13,7 @@ packages=(
     # scripts/cluster.sh and scripts/cluster-apps.sh: namespace hosts,
     # Open MPI (mpicc, NetPIPE), qperf, the tgt iSER target and libiscsi.
     iputils-ping util-linux openmpi-bin libopenmpi-dev netpipe-openmpi qperf
-    tgt libiscsi-bin
+    tgt libiscsi-bin libiscsi-dev linux-perf
 )
 
 missing=()

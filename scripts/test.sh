@@ -16,7 +16,7 @@ cargo test --workspace --doc
 echo "== examples (each checks its own result and fails loudly)"
 cargo build --workspace --examples --quiet
 ex_pass=0
-for e in quickstart counter lock durable_log stream; do
+for e in quickstart counter lock durable_log stream async_quickstart async_kv; do
     if timeout 300 "target/debug/examples/$e" > "target/example-$e.log" 2>&1; then
         ex_pass=$((ex_pass + 1))
         tail -1 "target/example-$e.log"

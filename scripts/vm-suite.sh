@@ -58,11 +58,11 @@ while IFS= read -r line; do
     name=$(sed -n 's/.*"target":{[^}]*"name":"\([^"]*\)".*/\1/p' <<<"$line")
     exe=$(sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' <<<"$line")
     case $name in
-    operations | emulation | srq | api | ibv_loopback | cross_device) tests+=("$name=$exe") ;;
+    operations | emulation | srq | api | async_ops | ibv_loopback | cross_device) tests+=("$name=$exe") ;;
     esac
-done < <(cargo test --quiet -p stag-verbs --no-run --message-format=json 2>/dev/null |
+done < <(cargo test --quiet -p stag-verbs --features tokio --no-run --message-format=json 2>/dev/null |
     grep '"reason":"compiler-artifact"' | grep '"executable":"/')
-((${#tests[@]} == 6)) || { echo "vm-suite: expected 6 test executables, found: ${tests[*]}" >&2; exit 1; }
+((${#tests[@]} == 7)) || { echo "vm-suite: expected 7 test executables, found: ${tests[*]}" >&2; exit 1; }
 
 out=$(mktemp -d "${TMPDIR:-/tmp}/stag-vm-suite.XXXXXX")
 trap 'rm -rf "$out"' EXIT

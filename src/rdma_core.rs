@@ -184,14 +184,37 @@ fn libibverbs_driver_dir() -> PathBuf {
     PathBuf::from("/usr/lib/x86_64-linux-gnu/libibverbs")
 }
 
+/// A new, private directory for one run's device tree (mkdtemp: a random
+/// name, mode 0700). Named after the PID it was not unique: a tree left by
+/// a `stag run` that was killed before it cleaned up, possibly another
+/// user's, was in the way of a later run whose PID matched (PIDs wrap), and
+/// that run failed to write it (issue #19's user-* gate flakes).
+fn fresh_tree_dir() -> Result<PathBuf, RdmaCoreError> {
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    let template = std::env::temp_dir().join("stag-sysfs-XXXXXX");
+    let mut buf = template.as_os_str().as_bytes().to_vec();
+    buf.push(0);
+    // SAFETY: `buf` is a writable, NUL-terminated template ending in
+    // "XXXXXX", which mkdtemp rewrites in place.
+    if unsafe { libc::mkdtemp(buf.as_mut_ptr().cast()) }.is_null() {
+        return Err(io_err(format!("mkdtemp {}", template.display()))(
+            io::Error::last_os_error(),
+        ));
+    }
+    buf.pop();
+    Ok(PathBuf::from(std::ffi::OsString::from_vec(buf)))
+}
+
 /// `stag run -- CMD…`: CMD's exit status (128 + signal if killed).
 pub fn run(cmd: &[String]) -> Result<i32, RdmaCoreError> {
     let (prog, args) = cmd.split_first().ok_or(RdmaCoreError::NoCommand)?;
     let plugin = plugin_path()?;
     let plugin = plugin.canonicalize().unwrap_or(plugin);
-    let root = std::env::temp_dir().join(format!("stag-sysfs-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&root);
-    write_tree(&root)?;
+    let root = fresh_tree_dir()?;
+    if let Err(e) = write_tree(&root) {
+        let _ = fs::remove_dir_all(&root);
+        return Err(e);
+    }
     let preload = match std::env::var("LD_PRELOAD") {
         Ok(p) if !p.is_empty() => format!("{}:{p}", plugin.display()),
         _ => plugin.display().to_string(),
@@ -321,4 +344,36 @@ fn edit_environment(value: Option<&str>) -> Result<(), RdmaCoreError> {
         text.push('\n');
     }
     fs::write(path, text).map_err(io_err("write /etc/environment"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each run gets its own new tree, whatever the temp directory holds:
+    /// a leftover at the old PID-named path (here a file, which no run
+    /// could write a tree into) does not stop it, and two trees never
+    /// share a directory.
+    #[test]
+    fn tree_dirs_are_fresh_and_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let stale = std::env::temp_dir().join(format!("stag-sysfs-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&stale);
+        fs::write(&stale, "left by an earlier run").unwrap();
+        let a = fresh_tree_dir().unwrap();
+        let b = fresh_tree_dir().unwrap();
+        assert_ne!(a, b);
+        assert_ne!(a, stale);
+        assert_eq!(
+            fs::metadata(&a).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
+        assert_eq!(fs::read_dir(&a).unwrap().count(), 0, "new and empty");
+        write_tree(&a).unwrap();
+        assert!(a.join("class/infiniband_verbs/abi_version").is_file());
+        for d in [&a, &b] {
+            fs::remove_dir_all(d).unwrap();
+        }
+        fs::remove_file(&stale).unwrap();
+    }
 }

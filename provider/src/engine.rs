@@ -43,6 +43,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use crate::thread::SpawnMasked;
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use tracing::{debug, warn};
@@ -305,7 +306,7 @@ impl Engine {
             let thread_name = format!("{name}-engine");
             std::thread::Builder::new()
                 .name(thread_name.clone())
-                .spawn(move || crate::fatal::run_guarded(&thread_name, || run.run()))
+                .spawn_masked(move || crate::fatal::run_guarded(&thread_name, || run.run()))
                 .map_err(|e| {
                     nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(libc::EAGAIN))
                 })?

@@ -24,6 +24,7 @@ pub mod setup;
 pub mod srq;
 #[doc(hidden)]
 pub mod testing;
+pub mod thread;
 pub mod wire;
 pub mod wr;
 

@@ -21,6 +21,7 @@ use tracing::{debug, warn};
 
 use crate::device::{ConnRequest, DeviceError, SETUP_TIMEOUT};
 use crate::setup::Request;
+use crate::thread::SpawnMasked;
 use crate::wire::mpa::FrameReader;
 
 /// Requests read whole and not yet taken by [`Listener::accept`]; a
@@ -81,7 +82,7 @@ impl Listener {
             let failure = failure.clone();
             std::thread::Builder::new()
                 .name(format!("stag-listen-{}", local.port()))
-                .spawn(move || {
+                .spawn_masked(move || {
                     if let Err(e) = run.run() {
                         warn!(%local, error = %e, "listener failed");
                         *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);

@@ -24,10 +24,13 @@
 //! | [`wire`] | stag's own headers (connection hello, agent messages) |
 //! | `emulation` | routing, the strategies, RC ordering |
 //! | [`qp`], [`srq`], [`cm`] | queue pairs, shared receive queues, connections |
+//! | `r#async` (feature `tokio`) | futures for every operation, async connect/accept, `RdmaStream` |
 #![deny(unsafe_code)]
 
 // The FFI wrapper and the two backends are the crate's `unsafe`: calling C,
 // and posting memory the tracker holds (see `backend`).
+#[cfg(feature = "tokio")]
+pub mod r#async;
 #[allow(unsafe_code)]
 mod backend;
 pub mod caps;

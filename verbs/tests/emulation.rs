@@ -526,22 +526,50 @@ fn mailbox_survives_concurrent_pollers() {
 }
 
 /// Receive i is consumed by message i: Immediate Data 1000 + i when i is
-/// even, an empty Send when odd.
+/// even, an empty Send when odd. A failure names what was lost: the
+/// receives that never completed and any send that failed at the client
+/// (a send queue in Error loses everything after it).
 fn mailbox_round(c: &End, s: &End, ids: std::ops::Range<u64>) {
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::{Duration, Instant};
     let expect = |i: u64| i.is_multiple_of(2).then_some(1000 + i);
     for i in ids.clone() {
         s.qp.post_recv(i, &[]).unwrap();
     }
     let n = ids.clone().count();
-    let got = std::sync::Mutex::new(Vec::new());
+    let got = std::sync::Mutex::new(Vec::<verbs::Completion>::new());
+    let send_errors = std::sync::Mutex::new(Vec::<verbs::Completion>::new());
+    let sender_failed = AtomicBool::new(false);
+    let missing = || {
+        let got = got.lock().unwrap();
+        let seen: std::collections::HashSet<u64> = got.iter().map(|r| r.wr_id).collect();
+        let lost: Vec<u64> = ids.clone().filter(|i| !seen.contains(i)).collect();
+        let errors = send_errors.lock().unwrap();
+        format!(
+            "round {ids:?}: {} of {n} receives completed; missing {lost:?}; \
+             {} client send errors, the first: {:?}",
+            got.len(),
+            errors.len(),
+            &errors[..errors.len().min(3)]
+        )
+    };
+    // The client's completions: every one must be a success.
+    let drain_client = |max: usize| {
+        let mut out = Vec::new();
+        c.cq.poll(&mut out, max).unwrap();
+        let bad: Vec<_> = out.into_iter().filter(|r| !r.is_ok()).collect();
+        if !bad.is_empty() {
+            send_errors.lock().unwrap().extend(bad);
+            sender_failed.store(true, Ordering::Release);
+        }
+    };
     std::thread::scope(|sc| {
         for _ in 0..2 {
             sc.spawn(|| {
                 let deadline = Instant::now() + Duration::from_secs(60);
                 let mut out = Vec::new();
-                while got.lock().unwrap().len() < n {
-                    assert!(Instant::now() < deadline, "receives missing");
+                while got.lock().unwrap().len() < n && !sender_failed.load(Ordering::Acquire) {
+                    assert!(Instant::now() < deadline, "receives missing: {}", missing());
                     out.clear();
                     s.cq.poll(&mut out, 3).unwrap();
                     got.lock().unwrap().extend(out.iter().copied());
@@ -549,6 +577,9 @@ fn mailbox_round(c: &End, s: &End, ids: std::ops::Range<u64>) {
             });
         }
         for i in ids.clone() {
+            if sender_failed.load(Ordering::Acquire) {
+                break;
+            }
             let op = match expect(i) {
                 Some(imm) => SendOp::Imm {
                     imm,
@@ -566,11 +597,22 @@ fn mailbox_round(c: &End, s: &End, ids: std::ops::Range<u64>) {
             .unwrap();
             // Keep the send queue (and the mailbox) from overflowing.
             while c.qp.outstanding() > 64 {
-                let mut out = Vec::new();
-                c.cq.poll(&mut out, 16).unwrap();
+                drain_client(16);
             }
         }
+        // Every send acknowledged (or failed): nothing of the client's is
+        // left behind for the next round.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while c.qp.outstanding() > 0 {
+            assert!(
+                Instant::now() < deadline,
+                "sends outstanding: {}",
+                missing()
+            );
+            drain_client(16);
+        }
     });
+    assert!(!sender_failed.load(Ordering::Acquire), "{}", missing());
     let got = got.into_inner().unwrap();
     assert_eq!(got.len(), n);
     for r in &got {

@@ -31,6 +31,7 @@ use crate::pd::ProtectionDomain;
 use crate::tracker::{Table, Tracker};
 use crate::wire::agent::{self as msg, AgentOp, Refusal};
 use crate::wire::hello;
+use provider::thread::SpawnMasked;
 
 /// Receive buffers (and as many send buffers) per agent channel.
 const SLOTS: usize = 128;
@@ -160,7 +161,7 @@ impl AgentSetup {
         let cq = self.cq;
         let spawned = std::thread::Builder::new()
             .name("stag-agent".into())
-            .spawn(move || run(weak, cq));
+            .spawn_masked(move || run(weak, cq));
         if let Err(e) = spawned {
             warn!(error = %e, "agent thread could not start");
         }

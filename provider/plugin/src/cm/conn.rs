@@ -21,6 +21,7 @@ use super::id::{Id, IdState, Op, Phase};
 use super::verbs::{self, Stag};
 use super::{lock, qp_handle, CmResult};
 use crate::ffi;
+use provider::thread::SpawnMasked;
 
 /// How long the watcher sleeps at most between two looks at the connected
 /// QPs. It is woken when a QP queues a connection event (the stream
@@ -281,7 +282,7 @@ pub(crate) fn connect(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmR
     let id2 = id.clone();
     let spawned = std::thread::Builder::new()
         .name("stag-cm-connect".into())
-        .spawn(move || {
+        .spawn_masked(move || {
             let r = qp.connect(dst, &params);
             finish_connect(&id2, qp, r);
         });
@@ -503,7 +504,7 @@ fn watch(id: &Arc<Id>) {
     WATCHER.call_once(|| {
         if let Err(e) = std::thread::Builder::new()
             .name("stag-cm-watch".into())
-            .spawn(watcher)
+            .spawn_masked(watcher)
         {
             error!(error = %e, "rdma_cm: cannot start the disconnect watcher");
         }

@@ -32,6 +32,7 @@ use super::conn::{errno_of, refuse};
 use super::id::{Id, Op, Phase};
 use super::{lock, CmResult};
 use crate::ffi;
+use provider::thread::SpawnMasked;
 
 /// How long a destroyed id's listener waits for an id of this process to
 /// bind its address again (see the module's comment). Long enough for
@@ -93,7 +94,7 @@ pub(crate) fn retire(handle: ListenHandle) {
     drop(replaced);
     let spawned = std::thread::Builder::new()
         .name("stag-cm-retired".into())
-        .spawn(move || {
+        .spawn_masked(move || {
             std::thread::sleep(HANDOVER_GRACE);
             let mut retired = lock(&RETIRED);
             let map = retired.get_or_insert_with(HashMap::new);
@@ -207,7 +208,7 @@ pub(crate) fn listen(id: &Arc<Id>) -> CmResult<()> {
         let (listener, target, stop) = (listener.clone(), target.clone(), stop.clone());
         std::thread::Builder::new()
             .name(format!("stag-cm-listen-{}", local.port()))
-            .spawn(move || {
+            .spawn_masked(move || {
                 run(&listener, local, &target, &stop);
                 drop(listener);
                 let _ = done_tx.send(());

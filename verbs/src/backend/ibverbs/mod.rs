@@ -189,12 +189,31 @@ impl IbvPd {
     }
 }
 
+/// Transport retries of an RC QP (`retry_cnt`) after the local ACK
+/// timeout (2.1 s on rxe: rdma_cm's RoCE packet lifetime). rdma_cm hands
+/// the QP what the connect and accept ask for, and zero meant none: one ack
+/// later than the timeout put the sender in Error with
+/// IBV_WC_RETRY_EXC_ERR, and everything after it was lost. A QEMU/TCG guest
+/// on a loaded host stalls that long (the rxe0 VM-suite failure of
+/// `mailbox_survives_concurrent_pollers`, reproduced by freezing the VM
+/// 2.5 s at a time: rxe's `retry_exceeded_err` +1); a real fabric drops
+/// packets. 6, not the IB maximum 7, which rxe takes as "retry forever": a
+/// peer that is gone still ends the connection, after 7 timeouts in a row
+/// (the count restarts whenever an ack makes progress).
+const TRANSPORT_RETRIES: u8 = 6;
+
+/// RNR retries (`rnr_retry`): none. A Send that finds no posted Receive
+/// ends the connection, as on iWARP (siw, stag0), which has no RNR (RFC
+/// 5041 §7.2): an application behaves the same on every device.
+const RNR_RETRIES: u8 = 0;
+
 fn conn_param(req: &QpRequest<'_>) -> ibv::ConnParam {
     ibv::ConnParam {
         private_data: req.private_data.clone(),
         responder_resources: req.responder_resources,
         initiator_depth: req.initiator_depth,
-        ..ibv::ConnParam::default()
+        retry_count: TRANSPORT_RETRIES,
+        rnr_retry_count: RNR_RETRIES,
     }
 }
 

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The async API against the blocking one and against TCP, every figure from
+# two processes (server in the background, client in the foreground),
+# ROUNDS rounds each running every pair once in a fixed order, medians
+# over the rounds:
+#
+#   - async ping-pong (examples/async_bench.rs, current-thread runtime):
+#     8-byte send and write-imm (half round trip), fetch-add (full round
+#     trip of one Op future), against `stag lat` for the same op, busy
+#     polling and --blocking (event-driven, as the runtime is);
+#   - RdmaStream, 1 MiB writes, against `stag bw write -s 1048576` and a
+#     tokio TcpStream.
+#
+#   scripts/bench-async.sh            (ROUNDS=3 ITERS=5000 MIB=512 OUT=target/bench-async)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ROUNDS=${ROUNDS:-3}
+ITERS=${ITERS:-5000}
+MIB=${MIB:-512}
+BW_ITERS=${BW_ITERS:-$MIB}
+OUT=${OUT:-target/bench-async}
+mkdir -p "$OUT"
+rm -f "$OUT"/*.json
+
+cargo build --release --quiet -p stag --bins --examples
+STAG=target/release/stag
+BENCH=target/release/examples/async_bench
+port=$((20000 + RANDOM % 20000))
+
+# pair NAME SERVER_CMD... -- CLIENT_CMD...: one measurement, the client's
+# JSON appended to $OUT/NAME.json.
+pair() {
+    local name=$1
+    shift
+    local server=() client=()
+    while [[ $1 != -- ]]; do server+=("$1"); shift; done
+    shift
+    client=("$@")
+    "${server[@]}" >"$OUT/server.log" 2>&1 &
+    local spid=$!
+    sleep 0.3
+    if ! timeout 300 "${client[@]}" >"$OUT/client.out" 2>"$OUT/client.log"; then
+        echo "bench-async: $name failed:" >&2
+        cat "$OUT/client.log" "$OUT/server.log" >&2
+        kill "$spid" 2>/dev/null || true
+        exit 1
+    fi
+    wait "$spid" || true
+    python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); print(json.dumps(d))' \
+        <"$OUT/client.out" >>"$OUT/$name.json"
+    port=$((port + 7))
+}
+
+for round in $(seq "$ROUNDS"); do
+    echo "== round $round/$ROUNDS" >&2
+    for op in send write-imm fetch-add; do
+        size=(-s 8)
+        [[ $op == fetch-add ]] && size=()
+        pair "stag-lat-$op-busy" $STAG lat "$op" "${size[@]}" -n "$ITERS" -p $port --json -- \
+            $STAG lat "$op" "${size[@]}" -n "$ITERS" -p $port --json 127.0.0.1
+        pair "stag-lat-$op-blocking" $STAG lat "$op" "${size[@]}" -n "$ITERS" -p $port --json --blocking -- \
+            $STAG lat "$op" "${size[@]}" -n "$ITERS" -p $port --json --blocking 127.0.0.1
+        pair "async-lat-$op" $BENCH server lat "$op" $port -- \
+            $BENCH client lat "$op" 127.0.0.1:$port "$ITERS"
+    done
+    pair stag-bw-write $STAG bw write -s 1048576 -n "$BW_ITERS" -p $port --json -- \
+        $STAG bw write -s 1048576 -n "$BW_ITERS" -p $port --json 127.0.0.1
+    pair rdma-stream $BENCH server stream $port -- $BENCH client stream 127.0.0.1:$port "$MIB"
+    pair tcp-stream $BENCH server tcp $port -- $BENCH client tcp 127.0.0.1:$port "$MIB"
+done
+
+python3 - "$OUT" <<'PY'
+import json, statistics, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+def runs(name):
+    return [json.loads(l) for l in (out / f"{name}.json").read_text().splitlines()]
+def lat(name):
+    vals = []
+    for d in runs(name):
+        r = d["results"][0] if "results" in d else d
+        vals.append(r["t_typical_us"])
+    return statistics.median(vals)
+def bw(name):
+    vals = []
+    for d in runs(name):
+        r = d["results"][0] if "results" in d else d
+        vals.append(r["bw_avg_mb_s"])
+    return statistics.median(vals)
+rows = ["| measurement | async | against | ratio | target |", "|---|---|---|---|---|"]
+report = {}
+for op in ["send", "write-imm", "fetch-add"]:
+    a = lat(f"async-lat-{op}")
+    for mode in ["busy", "blocking"]:
+        s = lat(f"stag-lat-{op}-{mode}")
+        rows.append(f"| {op} 8 B latency (µs, median) | {a:.2f} | stag lat {mode} {s:.2f} | {a/s:.2f}× | ≤ 1.2× |")
+        report[f"lat-{op}-{mode}"] = {"async_us": a, "stag_us": s, "ratio": a / s}
+st, sb, tc = bw("rdma-stream"), bw("stag-bw-write"), bw("tcp-stream")
+rows.append(f"| RdmaStream 1 MiB (MB/s) | {st:.0f} | stag bw write {sb:.0f} | {st/sb:.2f}× | ≥ 0.8× |")
+rows.append(f"| RdmaStream 1 MiB (MB/s) | {st:.0f} | tokio TcpStream {tc:.0f} | {st/tc:.2f}× | ≥ 0.8× |")
+report["stream"] = {"rdma_stream_mb_s": st, "stag_bw_write_mb_s": sb, "tcp_mb_s": tc}
+(out / "report.md").write_text("\n".join(rows) + "\n")
+(out / "report.json").write_text(json.dumps(report, indent=2))
+print("\n".join(rows))
+PY

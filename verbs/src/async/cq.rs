@@ -1,0 +1,383 @@
+//! A completion queue on tokio's reactor, and the futures of posted work.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context as TaskContext, Poll, Waker};
+
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tracing::debug;
+
+use super::OpError;
+use crate::cq::{Completion, CompletionQueue};
+use crate::error::Result;
+use crate::qp::QueuePair;
+
+/// The CQ's fd, for tokio's reactor (which wants `AsRawFd`).
+struct CqFd(CompletionQueue);
+
+impl AsRawFd for CqFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_fd().as_raw_fd()
+    }
+}
+
+/// A [`CompletionQueue`] whose completions wake tokio tasks.
+///
+/// Whoever polls a future of this CQ drains it: takes every completion,
+/// hands each to the future waiting for its `wr_id`, and, when its own
+/// has not come, arms the CQ and sleeps on its fd. The readiness protocol
+/// arm-then-look: after a drain that found nothing the CQ is armed
+/// (`req_notify`, which itself reports completions that came before it)
+/// and only then does the task sleep on the fd, so a completion that
+/// lands between the drain and the arm is seen. There is no driver task and no extra thread: on a current-thread
+/// runtime over stag's userspace provider the polling task itself makes
+/// the QP's progress.
+///
+/// Only one task at a time sleeps on the fd (tokio keeps one reader
+/// waker); when that task's future finishes or is dropped, it wakes
+/// another waiting future to take over, so no future is left without
+/// someone watching the CQ.
+#[derive(Clone)]
+pub struct AsyncCompletionQueue {
+    pub(super) shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for AsyncCompletionQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AsyncCompletionQueue")
+            .field("cq", &self.shared.fd.get_ref().0)
+            .finish_non_exhaustive()
+    }
+}
+
+pub(super) struct Shared {
+    fd: AsyncFd<CqFd>,
+    next_id: AtomicU64,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    /// Posted work of this CQ's futures, by `wr_id`.
+    slots: HashMap<u64, Slot>,
+    /// The future whose waker the fd holds, if any.
+    watcher: Option<u64>,
+    /// Completions taken in one drain.
+    scratch: Vec<Completion>,
+    /// QPs that completed work with an error, and the first such status:
+    /// an RC QP is in Error from then on, and work posted to it may never
+    /// complete on some devices (kernel siw), so it is refused instead.
+    failed: HashMap<u32, crate::cq::WcStatus>,
+}
+
+enum Slot {
+    /// Posted; the waker of the task awaiting it.
+    Waiting(Option<Waker>),
+    /// Completed, not yet taken by its future.
+    Done(Completion),
+    /// Its future was dropped: the completion is thrown away on arrival.
+    Abandoned,
+}
+
+/// Completions taken from the CQ per round.
+const DRAIN: usize = 64;
+
+impl AsyncCompletionQueue {
+    /// Put `cq` on the current tokio runtime's reactor. Must be called
+    /// from inside a runtime. The CQ serves this wrapper alone from now
+    /// on: a completion with no future waiting is dropped.
+    /// Fails outside a runtime; the runtime needs its IO driver
+    /// (`enable_io`/`enable_all`, as `#[tokio::main]` has).
+    // The one `unsafe` here hands the CQ's fd to tokio's reactor.
+    #[allow(unsafe_code)]
+    pub fn new(cq: CompletionQueue) -> Result<AsyncCompletionQueue> {
+        tokio::runtime::Handle::try_current().map_err(std::io::Error::other)?;
+        // SAFETY: the fd is the CQ's epoll fd, owned by the `CqInner` that
+        // `CqFd` keeps alive through its `CompletionQueue` (an `Arc`): it
+        // stays open, and is never replaced, while the `AsyncFd` lives;
+        // `as_raw_fd` returns that same fd on every call.
+        let fd = unsafe { AsyncFd::register_with_interest(CqFd(cq), Interest::READABLE) }
+            .map_err(std::io::Error::from)?;
+        Ok(AsyncCompletionQueue {
+            shared: Arc::new(Shared {
+                fd,
+                next_id: AtomicU64::new(1),
+                state: Mutex::new(State::default()),
+            }),
+        })
+    }
+
+    /// The CQ underneath.
+    pub fn cq(&self) -> &CompletionQueue {
+        &self.shared.fd.get_ref().0
+    }
+
+    /// Take completions that are already there, without waiting: append
+    /// up to `max` to `out` or, when none are waiting, arm the CQ and
+    /// register `cx` to be woken when some may be. For a stream that owns
+    /// the CQ and keeps its own per-`wr_id` state (mixing it with the
+    /// operation futures of [`AsyncQueuePair`](super::AsyncQueuePair) on
+    /// one CQ takes their completions away from them).
+    pub fn poll_drain(
+        &self,
+        cx: &mut TaskContext<'_>,
+        out: &mut Vec<Completion>,
+        max: usize,
+    ) -> Poll<Result<usize>> {
+        self.shared.poll_drain(cx, out, max)
+    }
+
+    /// A fresh `wr_id`, and a slot waiting for its completion. The slot
+    /// exists before the work is posted, so a completion cannot outrun it.
+    pub(super) fn register(&self) -> u64 {
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        self.shared.lock().slots.insert(id, Slot::Waiting(None));
+        id
+    }
+
+    /// The error status QP `qp_num` completed work with, if it did.
+    pub(super) fn failed(&self, qp_num: u32) -> Option<crate::cq::WcStatus> {
+        self.shared.lock().failed.get(&qp_num).copied()
+    }
+
+    /// The post of `id` failed: nothing will complete.
+    pub(super) fn unregister(&self, id: u64) {
+        self.shared.lock().slots.remove(&id);
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn cq(&self) -> &CompletionQueue {
+        &self.fd.get_ref().0
+    }
+
+    fn poll_drain(
+        &self,
+        cx: &mut TaskContext<'_>,
+        out: &mut Vec<Completion>,
+        max: usize,
+    ) -> Poll<Result<usize>> {
+        loop {
+            let n = self.cq().poll(out, max)?;
+            if n > 0 {
+                return Poll::Ready(Ok(n));
+            }
+            if self.arm_and_sleep(cx)?.is_pending() {
+                return Poll::Pending;
+            }
+        }
+    }
+
+    /// After a drain that found nothing: arm the CQ and register `cx` on
+    /// its fd. Pending: asleep, woken by the next completion. Ready: look
+    /// again (completions came before the arm, or the fd was readable;
+    /// that readiness is cleared, and the next round arms again).
+    ///
+    /// Arming comes first, whatever tokio last saw of the fd: the fd
+    /// turns readable only for completions after an arm. A completion
+    /// after this arm makes the fd readable; one that lands between
+    /// tokio's report and `clear_ready` keeps its newer readiness (tokio
+    /// clears only what the guard saw), and the next round's drain finds
+    /// it anyway.
+    fn arm_and_sleep(&self, cx: &mut TaskContext<'_>) -> Result<Poll<()>> {
+        if self.cq().req_notify()? {
+            return Ok(Poll::Ready(()));
+        }
+        match self.fd.poll_read_ready(cx) {
+            Poll::Pending => Ok(Poll::Pending),
+            Poll::Ready(guard) => {
+                guard?.clear_ready();
+                Ok(Poll::Ready(()))
+            }
+        }
+    }
+
+    /// Hand every completion the CQ has to its slot, waking its task.
+    fn dispatch(&self, state: &mut State) -> Result<()> {
+        loop {
+            let mut batch = std::mem::take(&mut state.scratch);
+            let n = self.cq().poll(&mut batch, DRAIN)?;
+            for c in batch.drain(..) {
+                self.deliver(state, c);
+            }
+            state.scratch = batch;
+            if n < DRAIN {
+                return Ok(());
+            }
+        }
+    }
+
+    fn deliver(&self, state: &mut State, c: Completion) {
+        if !c.is_ok() {
+            state.failed.entry(c.qp_num).or_insert(c.status);
+        }
+        match state.slots.get_mut(&c.wr_id) {
+            Some(slot @ Slot::Waiting(_)) => {
+                if let Slot::Waiting(Some(w)) = std::mem::replace(slot, Slot::Done(c)) {
+                    w.wake();
+                }
+            }
+            Some(Slot::Abandoned) => {
+                state.slots.remove(&c.wr_id);
+            }
+            Some(Slot::Done(_)) | None => {
+                debug!(wr_id = c.wr_id, "completion no future waits for, dropped");
+            }
+        }
+    }
+
+    /// The future `id` is done with the CQ: when it was the one the fd
+    /// would wake, hand that watch to another waiting future.
+    fn hand_over(&self, state: &mut State, id: u64) {
+        if state.watcher != Some(id) {
+            return;
+        }
+        state.watcher = None;
+        let next = state.slots.values().find_map(|s| match s {
+            Slot::Waiting(Some(w)) => Some(w.clone()),
+            _ => None,
+        });
+        if let Some(w) = next {
+            w.wake();
+        }
+    }
+
+    /// Poll the future of work request `id`.
+    fn poll_op(&self, cx: &mut TaskContext<'_>, id: u64) -> Poll<Result<Completion>> {
+        let mut state = self.lock();
+        loop {
+            if let Some(Slot::Done(_)) = state.slots.get(&id) {
+                if let Some(Slot::Done(c)) = state.slots.remove(&id) {
+                    self.hand_over(&mut state, id);
+                    return Poll::Ready(Ok(c));
+                }
+            }
+            self.dispatch(&mut state)?;
+            match state.slots.get_mut(&id) {
+                Some(Slot::Done(_)) => continue,
+                Some(Slot::Waiting(w)) => match w {
+                    Some(w) if w.will_wake(cx.waker()) => {}
+                    _ => *w = Some(cx.waker().clone()),
+                },
+                // Only an `Op` holds `id`, and it polls no more once done.
+                _ => {
+                    return Poll::Ready(Err(crate::error::Error::InvalidRequest(
+                        "the operation's completion was already taken",
+                    )))
+                }
+            }
+            if self.arm_and_sleep(cx)?.is_pending() {
+                state.watcher = Some(id);
+                return Poll::Pending;
+            }
+        }
+    }
+
+    /// The future of `id` was dropped before it finished.
+    fn abandon(&self, id: u64) {
+        let mut state = self.lock();
+        match state.slots.get_mut(&id) {
+            Some(Slot::Done(_)) => {
+                state.slots.remove(&id);
+            }
+            Some(slot) => *slot = Slot::Abandoned,
+            None => {}
+        }
+        self.hand_over(&mut state, id);
+    }
+}
+
+/// The future of one posted work request: resolves to its completion, or
+/// to the error that kept it from being posted or that it completed with.
+///
+/// Dropping it does not cancel the work: see the module's cancellation
+/// rules ([`r#async`](super)).
+#[must_use = "the work is posted; awaiting the future gives its completion"]
+pub struct Op {
+    cq: Arc<Shared>,
+    state: OpState,
+    /// The QP stays alive while its work may complete.
+    _qp: Option<QueuePair>,
+}
+
+enum OpState {
+    Posted(u64),
+    Failed(OpError),
+    Finished,
+}
+
+impl Op {
+    pub(super) fn posted(cq: &AsyncCompletionQueue, id: u64, qp: QueuePair) -> Op {
+        Op {
+            cq: cq.shared.clone(),
+            state: OpState::Posted(id),
+            _qp: Some(qp),
+        }
+    }
+
+    pub(super) fn failed(cq: &AsyncCompletionQueue, e: OpError) -> Op {
+        Op {
+            cq: cq.shared.clone(),
+            state: OpState::Failed(e),
+            _qp: None,
+        }
+    }
+
+    /// The `wr_id` the work was posted with (`None` when the post failed).
+    pub fn wr_id(&self) -> Option<u64> {
+        match self.state {
+            OpState::Posted(id) => Some(id),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Debug for Op {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Op").field("wr_id", &self.wr_id()).finish()
+    }
+}
+
+impl Future for Op {
+    type Output = std::result::Result<Completion, OpError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let id = match std::mem::replace(&mut this.state, OpState::Finished) {
+            OpState::Posted(id) => id,
+            OpState::Failed(e) => return Poll::Ready(Err(e)),
+            OpState::Finished => return Poll::Ready(Err(OpError::Finished)),
+        };
+        match this.cq.poll_op(cx, id) {
+            Poll::Pending => {
+                this.state = OpState::Posted(id);
+                Poll::Pending
+            }
+            Poll::Ready(Err(e)) => {
+                // The CQ itself failed: the work may still run, so its
+                // slot stays (abandoned) until it completes.
+                this.cq.abandon(id);
+                Poll::Ready(Err(OpError::Verbs(e)))
+            }
+            Poll::Ready(Ok(c)) if c.is_ok() => Poll::Ready(Ok(c)),
+            Poll::Ready(Ok(c)) => Poll::Ready(Err(OpError::Failed(c))),
+        }
+    }
+}
+
+impl Drop for Op {
+    fn drop(&mut self) {
+        if let OpState::Posted(id) = self.state {
+            self.cq.abandon(id);
+        }
+    }
+}

@@ -1,0 +1,487 @@
+//! The async API (feature `tokio`) on the device named by `$STAG_DEVICE`
+//! (default: the userspace provider), so the same tests run on rxe0/siw0
+//! in the VM: every operation as a future, many in flight on one QP in RC
+//! order, futures dropped before their completion, a peer that
+//! disconnects mid-flight, and `RdmaStream`.
+
+mod common;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use common::{device, listen_addr, ALL};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use verbs::r#async::{
+    AsyncCompletionQueue, AsyncListener, AsyncQueuePair, Op, OpError, RdmaStream, StreamOptions,
+};
+use verbs::{
+    CompletionKind, ConnectOptions, Context, DeregisterError, MemoryRegion, ProtectionDomain,
+    WcStatus,
+};
+
+/// Nothing here may take longer: a hang fails the test instead.
+const LIMIT: Duration = Duration::from_secs(30);
+
+struct End {
+    ctx: Context,
+    pd: ProtectionDomain,
+    mr: MemoryRegion,
+    qp: AsyncQueuePair,
+}
+
+async fn end_parts() -> (
+    Context,
+    ProtectionDomain,
+    MemoryRegion,
+    AsyncCompletionQueue,
+) {
+    let ctx = Context::open(&device()).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let mr = pd.alloc_mr(1 << 20, ALL).unwrap();
+    let cq = AsyncCompletionQueue::new(ctx.create_cq(1024).unwrap()).unwrap();
+    (ctx, pd, mr, cq)
+}
+
+/// A connected (client, server) pair, made with the async connect and
+/// accept.
+async fn pair() -> (End, End) {
+    let (sctx, spd, smr, scq) = end_parts().await;
+    let (cctx, cpd, cmr, ccq) = end_parts().await;
+    let listener = AsyncListener::bind(&sctx, listen_addr()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let opts = ConnectOptions::default();
+    let (server, client) = tokio::join!(
+        listener.accept(&spd, &scq, &opts),
+        verbs::r#async::connect(&cpd, &ccq, addr, &opts)
+    );
+    let (sqp, _) = server.unwrap();
+    (
+        End {
+            ctx: cctx,
+            pd: cpd,
+            mr: cmr,
+            qp: client.unwrap().0,
+        },
+        End {
+            ctx: sctx,
+            pd: spd,
+            mr: smr,
+            qp: sqp,
+        },
+    )
+}
+
+async fn done(op: Op) -> verbs::Completion {
+    tokio::time::timeout(LIMIT, op)
+        .await
+        .expect("a completion in time")
+        .expect("the operation succeeds")
+}
+
+fn current_thread() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn multi_thread() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn every_operation_is_a_future_with_its_typed_completion() {
+    current_thread().block_on(async {
+        let (c, s) = pair().await;
+        let sl = |mr: &MemoryRegion, o, l| mr.slice(o, l).unwrap();
+
+        // Send into a posted receive; Immediate Data; Write with Immediate.
+        let r1 = s.qp.recv(&[sl(&s.mr, 4096, 256)]);
+        let r2 = s.qp.recv(&[sl(&s.mr, 8192, 256)]);
+        let r3 = s.qp.recv(&[sl(&s.mr, 12288, 256)]);
+        c.mr.write_at(0, b"hello, async").unwrap();
+        assert_eq!(
+            done(c.qp.send(&[sl(&c.mr, 0, 12)])).await.kind,
+            CompletionKind::Send
+        );
+        match done(r1).await.kind {
+            CompletionKind::Recv {
+                len: 12, imm: None, ..
+            } => {}
+            k => panic!("unexpected {k:?}"),
+        }
+        assert_eq!(s.mr.to_vec(4096, 12).unwrap(), b"hello, async");
+        done(c.qp.imm(0xfeed_f00d_dead_beef)).await;
+        match done(r2).await.kind {
+            CompletionKind::Recv {
+                imm: Some(0xfeed_f00d_dead_beef),
+                ..
+            } => {}
+            k => panic!("unexpected {k:?}"),
+        }
+        c.mr.write_at(64, b"imm-write").unwrap();
+        done(c.qp.write_imm(&[sl(&c.mr, 64, 9)], s.mr.remote(20000), 77)).await;
+        match done(r3).await.kind {
+            CompletionKind::Recv { imm: Some(77), .. } => {}
+            k => panic!("unexpected {k:?}"),
+        }
+        assert_eq!(s.mr.to_vec(20000, 9).unwrap(), b"imm-write");
+
+        // Write, then Read it back.
+        c.mr.write_at(128, b"written by an async write").unwrap();
+        let w = done(c.qp.write(&[sl(&c.mr, 128, 25)], s.mr.remote(1024))).await;
+        assert_eq!(w.kind, CompletionKind::Write);
+        let r = done(c.qp.read(&[sl(&c.mr, 256, 25)], s.mr.remote(1024))).await;
+        assert_eq!(r.kind, CompletionKind::Read);
+        assert_eq!(c.mr.to_vec(256, 25).unwrap(), b"written by an async write");
+
+        // The atomics on a counter at offset 0.
+        s.mr.store_u64(0, 40).unwrap();
+        let counter = s.mr.remote(0);
+        let res = sl(&c.mr, 512, 8);
+        let fa = done(c.qp.fetch_add(&res, counter, 2)).await;
+        assert_eq!(fa.kind, CompletionKind::FetchAdd { original: 40 });
+        assert_eq!(c.mr.load_u64(512).unwrap(), 40);
+        let cs = done(c.qp.cmp_swap(&res, counter, 42, 7)).await;
+        assert_eq!(
+            cs.kind,
+            CompletionKind::CmpSwap {
+                original: 42,
+                swapped: true
+            }
+        );
+        let mfa =
+            done(c.qp.masked_fetch_add(&res, counter, 0x1_0000_0001, 0x8000_0000_8000_0000)).await;
+        assert_eq!(mfa.kind, CompletionKind::FetchAdd { original: 7 });
+        assert_eq!(s.mr.load_u64(0).unwrap(), 0x1_0000_0008);
+        let mcs = done(c.qp.masked_cmp_swap(
+            &res,
+            counter,
+            0x1_0000_0000,
+            0xffff_ffff_0000_0000,
+            0xaa,
+            0xff,
+        ))
+        .await;
+        assert_eq!(
+            mcs.kind,
+            CompletionKind::CmpSwap {
+                original: 0x1_0000_0008,
+                swapped: true
+            }
+        );
+        assert_eq!(s.mr.load_u64(0).unwrap(), 0x1_0000_00aa);
+        let sw = done(c.qp.swap(&res, counter, 99)).await;
+        assert_eq!(
+            sw.kind,
+            CompletionKind::Swap {
+                original: 0x1_0000_00aa
+            }
+        );
+        let aw = done(c.qp.atomic_write(counter, 0x0123_4567_89ab_cdef)).await;
+        assert_eq!(aw.kind, CompletionKind::AtomicWrite);
+        assert_eq!(s.mr.load_u64(0).unwrap(), 0x0123_4567_89ab_cdef);
+
+        // Write + Commit to a durable region: the bytes reach the file.
+        let path = std::env::temp_dir().join(format!("stag-async-commit-{}", std::process::id()));
+        let durable = s.pd.alloc_file_mr(&path, 1 << 16, ALL).unwrap();
+        c.mr.write_at(1024, b"durable record").unwrap();
+        done(c.qp.write(&[sl(&c.mr, 1024, 14)], durable.remote(0))).await;
+        let cm = done(c.qp.commit(durable.remote(0), 14)).await;
+        assert_eq!(cm.kind, CompletionKind::Commit);
+        assert_eq!(&std::fs::read(&path).unwrap()[..14], b"durable record");
+        drop(durable);
+        let _ = std::fs::remove_file(&path);
+        let _ = (c.ctx, s.ctx);
+    });
+}
+
+/// Posts `n` FetchAdds of 1 (and a Write between each two) without
+/// awaiting, then awaits them all: each sees the counter as posted before
+/// it (RC order), however the futures are awaited.
+async fn many_in_flight(c: &End, s: &End, n: u64, reverse: bool) {
+    s.mr.store_u64(0, 0).unwrap();
+    let mut ops: Vec<(u64, Op)> = Vec::new();
+    for i in 0..n {
+        let res = c.mr.slice(4096 + 8 * i as usize, 8).unwrap();
+        ops.push((i, c.qp.fetch_add(&res, s.mr.remote(0), 1)));
+        let src = c.mr.slice(0, 64).unwrap();
+        ops.push((u64::MAX, c.qp.write(&[src], s.mr.remote(64))));
+    }
+    if reverse {
+        ops.reverse();
+    }
+    // All awaited together, each with the others pending on the CQ.
+    let all: Vec<Pin<Box<dyn Future<Output = _>>>> = ops
+        .into_iter()
+        .map(|(i, op)| -> Pin<Box<dyn Future<Output = _>>> {
+            Box::pin(async move { (i, tokio::time::timeout(LIMIT, op).await) })
+        })
+        .collect();
+    for (i, r) in join_all(all).await {
+        let c = r.expect("in time").expect("succeeds");
+        if i != u64::MAX {
+            assert_eq!(c.kind, CompletionKind::FetchAdd { original: i });
+        }
+    }
+    assert_eq!(s.mr.load_u64(0).unwrap(), n);
+}
+
+/// Await every future concurrently (a small `join_all`).
+async fn join_all<T>(mut futs: Vec<Pin<Box<dyn Future<Output = T>>>>) -> Vec<T> {
+    let mut out: Vec<Option<T>> = futs.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, o) in futs.iter_mut().zip(out.iter_mut()) {
+            if o.is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *o = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().map(|o| o.unwrap()).collect()
+}
+
+#[test]
+fn many_futures_in_flight_on_one_qp_keep_rc_order() {
+    current_thread().block_on(async {
+        let (c, s) = pair().await;
+        many_in_flight(&c, &s, 100, false).await;
+        many_in_flight(&c, &s, 100, true).await;
+    });
+}
+
+#[test]
+fn tasks_on_a_multi_thread_runtime_share_one_cq() {
+    multi_thread().block_on(async {
+        let (c, s) = pair().await;
+        let c = std::sync::Arc::new(c);
+        s.mr.store_u64(0, 0).unwrap();
+        let remote = s.mr.remote(0);
+        // Four tasks, each awaiting its own FetchAdds one by one: a task
+        // sleeps on the CQ while others' completions arrive.
+        let tasks: Vec<_> = (0..4)
+            .map(|t| {
+                let c = c.clone();
+                tokio::spawn(async move {
+                    let res = c.mr.slice(8192 + 8 * t, 8).unwrap();
+                    for _ in 0..200 {
+                        done(c.qp.fetch_add(&res, remote, 1)).await;
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            tokio::time::timeout(LIMIT, t)
+                .await
+                .expect("in time")
+                .unwrap();
+        }
+        assert_eq!(s.mr.load_u64(0).unwrap(), 800);
+    });
+}
+
+#[test]
+fn a_dropped_future_leaves_its_memory_with_the_qp_until_completion() {
+    current_thread().block_on(async {
+        let (c, s) = pair().await;
+        let buf = c.pd.alloc_mr(1 << 20, ALL).unwrap();
+        s.mr.write_at(0, &[0x5a; 4096]).unwrap();
+        // A Read into `buf`, its future dropped at once.
+        drop(c.qp.read(&[buf.slice(0, 1 << 20).unwrap()], s.mr.remote(0)));
+        // The posted Read holds the region: it cannot be given back.
+        let buf = match buf.deregister() {
+            Err(DeregisterError::InUse(mr)) => mr,
+            Ok(_) => panic!("deregistered under a posted Read"),
+            Err(e) => panic!("{e}"),
+        };
+        // A later operation completes after it (RC order), so the Read's
+        // completion was taken: now the region comes back, read into.
+        let res = c.mr.slice(0, 8).unwrap();
+        done(c.qp.fetch_add(&res, s.mr.remote(8192), 0)).await;
+        let owned = buf.deregister().expect("no work holds the region any more");
+        let _ = owned;
+        // Dropped futures of every kind, then the QP still works.
+        for _ in 0..50 {
+            drop(c.qp.write(&[c.mr.slice(0, 4096).unwrap()], s.mr.remote(0)));
+            drop(c.qp.fetch_add(&res, s.mr.remote(8192), 1));
+        }
+        let last = done(c.qp.fetch_add(&res, s.mr.remote(8192), 0)).await;
+        assert_eq!(last.kind, CompletionKind::FetchAdd { original: 50 });
+    });
+}
+
+#[test]
+fn a_peer_that_disconnects_mid_flight_fails_every_future() {
+    current_thread().block_on(async {
+        let (c, s) = pair().await;
+        // Receives that only a message or a flush can complete, and Reads
+        // in flight when the peer goes.
+        let recvs: Vec<Op> = (0..8)
+            .map(|i| c.qp.recv(&[c.mr.slice(65536 + 4096 * i, 4096).unwrap()]))
+            .collect();
+        let reads: Vec<Op> = (0..16)
+            .map(|i| {
+                c.qp.read(
+                    &[c.mr.slice(131072 + 8192 * i, 8192).unwrap()],
+                    s.mr.remote(0),
+                )
+            })
+            .collect();
+        drop(s);
+        for op in recvs {
+            match tokio::time::timeout(LIMIT, op)
+                .await
+                .expect("resolves in time")
+            {
+                Err(OpError::Failed(c)) => assert_ne!(c.status, WcStatus::Success),
+                other => panic!("a receive survived the peer: {other:?}"),
+            }
+        }
+        for op in reads {
+            // Reads that finished before the peer went succeed; none hangs.
+            let _ = tokio::time::timeout(LIMIT, op)
+                .await
+                .expect("resolves in time");
+        }
+        // Work after the disconnect is refused at once: the QP is known
+        // to be in Error (posting it could hang on kernel siw).
+        let after = c.qp.write(
+            &[c.mr.slice(0, 8).unwrap()],
+            verbs::Remote { rkey: 1, addr: 0 },
+        );
+        match tokio::time::timeout(LIMIT, after).await.expect("in time") {
+            Err(OpError::QpFailed { qp_num, .. }) => assert_eq!(qp_num, c.qp.qp().qp_num()),
+            other => panic!("work after the disconnect gave {other:?}"),
+        }
+        assert!(matches!(
+            c.qp.recv(&[]).await,
+            Err(OpError::QpFailed { .. })
+        ));
+    });
+}
+
+async fn stream_pair(opts: StreamOptions) -> (RdmaStream, RdmaStream, Context, Context) {
+    let sctx = Context::open(&device()).unwrap();
+    let cctx = Context::open(&device()).unwrap();
+    let spd = sctx.alloc_pd().unwrap();
+    let cpd = cctx.alloc_pd().unwrap();
+    let listener = AsyncListener::bind(&sctx, listen_addr()).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (s, c) = tokio::join!(
+        RdmaStream::accept(&listener, &spd, opts),
+        RdmaStream::connect(&cpd, addr, opts)
+    );
+    (c.unwrap(), s.unwrap(), cctx, sctx)
+}
+
+fn pattern(n: usize) -> Vec<u8> {
+    (0..n).map(|i| (i * 131 % 251) as u8).collect()
+}
+
+#[test]
+fn a_stream_carries_bytes_both_ways_and_closes_gracefully() {
+    multi_thread().block_on(async {
+        let (c, s, _cc, _sc) = stream_pair(StreamOptions::default()).await;
+        let data = pattern(5 << 20);
+        // The server echoes everything it reads, until end of stream.
+        let echo = tokio::spawn(async move {
+            let (mut r, mut w) = tokio::io::split(s);
+            let n = tokio::io::copy(&mut r, &mut w).await.unwrap();
+            w.shutdown().await.unwrap();
+            n
+        });
+        let (mut r, mut w) = tokio::io::split(c);
+        let send = data.clone();
+        let writer = tokio::spawn(async move {
+            // Odd-sized writes, larger and smaller than a slot.
+            for chunk in send.chunks(100_003) {
+                w.write_all(chunk).await.unwrap();
+            }
+            w.shutdown().await.unwrap();
+        });
+        let mut back = Vec::new();
+        tokio::time::timeout(LIMIT, r.read_to_end(&mut back))
+            .await
+            .expect("in time")
+            .unwrap();
+        writer.await.unwrap();
+        assert_eq!(echo.await.unwrap(), data.len() as u64);
+        assert!(back == data, "the echo differs from what was sent");
+    });
+}
+
+#[test]
+fn a_stream_writer_waits_for_a_reader_that_stopped() {
+    current_thread().block_on(async {
+        let opts = StreamOptions {
+            slots: 4,
+            slot_size: 4096,
+        };
+        let (mut c, mut s, _cc, _sc) = stream_pair(opts).await;
+        // The window: 4 slots of 4080 payload bytes. A write beyond it
+        // cannot finish while the server reads nothing.
+        let data = pattern(64 * 1024);
+        let blocked = tokio::time::timeout(Duration::from_millis(300), c.write_all(&data)).await;
+        assert!(
+            blocked.is_err(),
+            "a write past the window finished with no reader"
+        );
+        // Reading frees the window; the rest goes through.
+        let ((), got) = tokio::join!(
+            async {
+                c.write_all(&data).await.unwrap();
+                c.shutdown().await.unwrap();
+            },
+            async {
+                let mut got = Vec::new();
+                s.read_to_end(&mut got).await.unwrap();
+                got
+            }
+        );
+        // The first, interrupted write_all sent a prefix of `data`.
+        assert!(got.len() > data.len() && got.ends_with(&data));
+        assert!(data.starts_with(&got[..got.len() - data.len()]));
+    });
+}
+
+/// The peer goes away without a close. A reader alone learns of it only
+/// where the device reports the lost connection to an idle QP (stag0: its
+/// TCP connection; a RoCE QP with nothing in flight hears nothing until
+/// the connection manager's disconnect is acted on, which the libibverbs
+/// backend does not do yet), so the stream also writes: the write's Send
+/// fails (retries exhausted, or the connection reset), the QP goes to
+/// error, and both the pending read and later writes fail.
+#[test]
+fn a_stream_whose_peer_goes_away_fails_its_reads_and_writes() {
+    current_thread().block_on(async {
+        let (mut c, s, _cc, sc) = stream_pair(StreamOptions::default()).await;
+        drop(s);
+        drop(sc);
+        let (mut r, mut w) = tokio::io::split(c);
+        let mut buf = [0u8; 16];
+        let (read, ()) = tokio::join!(tokio::time::timeout(LIMIT, r.read(&mut buf)), async {
+            // Accepted (posted) or refused: either way no hang.
+            let _ = w.write(b"anyone there?").await;
+        });
+        let read = read.expect("the read fails in time");
+        assert!(read.is_err(), "a read from a vanished peer gave {read:?}");
+        let later = tokio::time::timeout(LIMIT, w.write_all(b"more")).await;
+        assert!(later.expect("in time").is_err());
+        c = r.unsplit(w);
+        drop(c);
+    });
+}
