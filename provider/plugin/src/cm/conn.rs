@@ -450,9 +450,7 @@ pub(crate) fn teardown(id: &Arc<Id>) {
     st.qp = None;
     let channel = st.channel.clone();
     drop(st);
-    if let Some(h) = listener {
-        super::listen::retire(h);
-    }
+    drop(listener);
     if let Some(req) = request {
         // Destroyed without an answer: refused.
         if let Err(e) = req.reject(&[]) {
