@@ -56,11 +56,11 @@ impl Listener {
     }
 
     /// Take over `tcp`, a socket the caller bound and made listen (with
-    /// socket options `bind` does not set, such as `IPV6_V6ONLY`):
-    /// connections the
-    /// kernel queued in its backlog before this call are served like
-    /// later ones. (rdma_cm listens at `rdma_bind_addr`, so that a peer
-    /// told the port before `rdma_listen` is queued, not refused.)
+    /// socket options `bind` does not set, such as `IPV6_V6ONLY`): the
+    /// connections the kernel queued in its backlog before this call are
+    /// served like later ones. (rdma_cm listens at `rdma_bind_addr`, so
+    /// that a peer told the port before `rdma_listen` is queued, not
+    /// refused.)
     pub fn adopt(tcp: TcpListener, timeout: Duration) -> Result<Listener, DeviceError> {
         tcp.set_nonblocking(true)?;
         let local = tcp.local_addr()?;
