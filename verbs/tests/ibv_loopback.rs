@@ -14,9 +14,9 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use verbs::ibv::{
-    self, AccessFlags, AtomicCap, CmEventType, CmId, CompletionQueue, ConnParam, EventChannel,
-    FlushLevel, FlushType, MemoryRegion, QpInitAttr, QueuePair, RecvWr, SendFlags, SendOp, SendOps,
-    SendWr, Sge, WcOpcode, WorkCompletion,
+    self, probe_wr_api, AccessFlags, AtomicCap, CmEventType, CmId, CompletionQueue, ConnParam,
+    EventChannel, FlushLevel, FlushType, MemoryRegion, QpInitAttr, QueuePair, RecvWr, SendFlags,
+    SendOp, SendOps, SendWr, Sge, WcOpcode, WorkCompletion,
 };
 
 const BUF: usize = 4096;
@@ -212,17 +212,18 @@ fn rc_loopback_over_rdma_cm() {
     let attr = cid.context().unwrap().query_device().expect("query_device");
     println!("device attr: {attr:#?}");
     assert_eq!(attr.name, dev, "rdma_cm bound {ip} to another device");
+    let wr = probe_wr_api(&cid.context().unwrap());
     let atomics = attr.atomic_cap != AtomicCap::None;
-    let send_ops = attr.wr_api().then(|| {
+    let send_ops = wr.available().then(|| {
         let mut ops = if atomics {
             SendOps::BASIC_ATOMICS
         } else {
             SendOps::BASIC
         };
-        if attr.wr_atomic_write && attr.atomic_write {
+        if wr.atomic_write && attr.atomic_write {
             ops = ops | SendOps::ATOMIC_WRITE;
         }
-        if attr.wr_flush && attr.flush_global {
+        if wr.flush && attr.flush_global {
             ops = ops | SendOps::FLUSH;
         }
         ops

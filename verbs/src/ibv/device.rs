@@ -200,32 +200,9 @@ pub struct DeviceAttr {
     pub node_type: NodeType,
     /// `ibv_device::transport_type`: iWARP vs IB/RoCE.
     pub transport: Transport,
-    /// The `send_ops_flags` the provider accepted for the operations stag
-    /// posts (probed; empty without the `ibv_wr_*` API: siw, irdma, cxgb4).
-    pub wr_ops: super::qp::SendOps,
-    /// ... and accepts `IBV_QP_EX_WITH_ATOMIC_WRITE` (probed; needs
-    /// [`super::HAS_WR_ATOMIC_WRITE`]).
-    pub wr_atomic_write: bool,
-    /// ... and accepts `IBV_QP_EX_WITH_FLUSH` (probed; needs
-    /// [`super::HAS_WR_FLUSH`]).
-    pub wr_flush: bool,
 }
 
 impl DeviceAttr {
-    /// The provider creates RC QPs through `ibv_create_qp_ex` with
-    /// `send_ops_flags`, i.e. supports the `ibv_wr_*` API.
-    pub fn wr_api(&self) -> bool {
-        !self.wr_ops.is_empty()
-    }
-
-    /// Commit can run as one `ibv_wr_flush(IBV_FLUSH_GLOBAL)`: the device
-    /// advertises FLUSH global (as a responder it executes one into a
-    /// region registered with `IBV_ACCESS_FLUSH_GLOBAL`) and its provider
-    /// library took `IBV_QP_EX_WITH_FLUSH` (so it can post one).
-    pub fn commit_by_flush(&self) -> bool {
-        self.flush_global && self.wr_flush
-    }
-
     /// iWARP transport (RNIC node type or iWARP transport type).
     pub fn is_iwarp(&self) -> bool {
         self.transport == Transport::Iwarp || self.node_type == NodeType::Rnic
@@ -435,7 +412,6 @@ impl Context {
         let a = &ex.orig_attr;
         let u = |v: i32| u32::try_from(v).unwrap_or(0);
         let caps = ffi::CapFlagsEx::from_bits(ex.device_cap_flags_ex);
-        let wr = super::qp::probe_wr_api(self);
         let attr = DeviceAttr {
             name: self.name.clone(),
             fw_ver: c_chars(&a.fw_ver),
@@ -463,9 +439,6 @@ impl Context {
             atomic_write: caps.atomic_write,
             node_type: self.node_type,
             transport: self.transport,
-            wr_ops: wr.ops,
-            wr_atomic_write: wr.atomic_write,
-            wr_flush: wr.flush,
         };
         tracing::debug!(?attr, "query_device");
         Ok(attr)

@@ -20,19 +20,20 @@ pub mod cq;
 pub mod device;
 pub mod mr;
 pub mod pd;
+pub mod probe;
 pub mod qp;
 pub mod srq;
+pub mod wr;
 
 pub use cm::{CmEvent, CmEventType, CmId, ConnParam, EventChannel};
 pub use cq::{CompletionChannel, CompletionQueue, WcOpcode, WcStatus, WorkCompletion};
 pub use device::{devices, AtomicCap, Context, DeviceAttr, DeviceInfo, NodeType, Transport};
 pub use mr::{AccessFlags, MemoryRegion};
 pub use pd::ProtectionDomain;
-pub use qp::{
-    FlushLevel, FlushType, QpInitAttr, QpState, QueuePair, RecvWr, SendFlags, SendOp, SendOps,
-    SendWr, Sge, WrApi, WrBatch,
-};
+pub use probe::{probe_wr_api, WrApi};
+pub use qp::{QpInitAttr, QpState, QueuePair, WrBatch};
 pub use srq::SharedReceiveQueue;
+pub use wr::{FlushLevel, FlushType, RecvWr, SendFlags, SendOp, SendOps, SendWr, Sge};
 
 /// Whether the installed rdma-core has `ibv_wr_flush` (build-time probe).
 pub const HAS_WR_FLUSH: bool = rdma_sys_ext::HAS_WR_FLUSH;

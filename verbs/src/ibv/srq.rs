@@ -3,7 +3,7 @@
 //! `ibv_destroy_srq`.
 
 use super::pd::ProtectionDomain;
-use super::qp::{post_recv_chain, RecvWr};
+use super::wr::{post_recv_chain, RecvWr};
 use super::{IbvError, Result};
 use rdma_sys_ext as ffi;
 use std::sync::Arc;

@@ -1,10 +1,11 @@
 //! The capability matrix of a libibverbs device, from what it reports.
 
 use crate::caps::{native_flush_commit, Capabilities, Emulation, OpKind, PostPath, Support};
-use crate::ibv::{AtomicCap, DeviceAttr};
+use crate::ibv::{AtomicCap, DeviceAttr, WrApi};
 
-/// A libibverbs device, from what it reports.
-pub(crate) fn capabilities(device: &str, attr: &DeviceAttr) -> Capabilities {
+/// A libibverbs device, from what it reports (`attr`) and what its provider
+/// library took of the `ibv_wr_*` API (`wr`).
+pub(crate) fn capabilities(device: &str, attr: &DeviceAttr, wr: &WrApi) -> Capabilities {
     let atomics = attr.atomic_cap != AtomicCap::None;
     let mut ops = Vec::new();
     for k in OpKind::ALL {
@@ -26,7 +27,7 @@ pub(crate) fn capabilities(device: &str, attr: &DeviceAttr) -> Capabilities {
             OpKind::FetchAdd | OpKind::CmpSwap if atomics => Support::Native,
             // IBV_WR_ATOMIC_WRITE: the device advertises it (rxe from
             // Linux 6.2) and its provider takes the send_ops flag.
-            OpKind::AtomicWrite if atomics && attr.atomic_write && attr.wr_atomic_write => {
+            OpKind::AtomicWrite if atomics && attr.atomic_write && wr.atomic_write => {
                 Support::Native
             }
             OpKind::MaskedFetchAdd | OpKind::MaskedCmpSwap | OpKind::Swap | OpKind::AtomicWrite
@@ -46,7 +47,7 @@ pub(crate) fn capabilities(device: &str, attr: &DeviceAttr) -> Capabilities {
             // Commit by one ibv_wr_flush: the device advertises FLUSH
             // (rxe from Linux 6.2) and its provider library takes
             // IBV_QP_EX_WITH_FLUSH (rdma-core >= 45).
-            OpKind::Commit if attr.commit_by_flush() => native_flush_commit(),
+            OpKind::Commit if wr.commit_by_flush(attr) => native_flush_commit(),
             OpKind::Commit => {
                 let mut s = Emulation::Agent.support_for(k);
                 if attr.flush_global || attr.flush_persistent {
@@ -61,7 +62,7 @@ pub(crate) fn capabilities(device: &str, attr: &DeviceAttr) -> Capabilities {
                             if !crate::ibv::HAS_WR_FLUSH {
                                 "stag was built against an rdma-core without ibv_wr_flush \
                                  (>= 45 has it)"
-                            } else if !attr.wr_flush {
+                            } else if !wr.flush {
                                 "its provider library refuses IBV_QP_EX_WITH_FLUSH"
                             } else {
                                 "not FLUSH global, and a persistent FLUSH reaches pmem \
@@ -78,7 +79,7 @@ pub(crate) fn capabilities(device: &str, attr: &DeviceAttr) -> Capabilities {
     Capabilities {
         device: device.to_owned(),
         transport: format!("{:?}", attr.transport),
-        post_path: if attr.wr_api() {
+        post_path: if wr.available() {
             PostPath::Extended
         } else {
             PostPath::Legacy
@@ -95,9 +96,9 @@ mod tests {
     /// the FLUSH and ATOMIC_WRITE bits (Linux >= 6.2), the library whether
     /// `IBV_QP_EX_WITH_FLUSH` is taken (rdma-core >= 45; Atomic Write's
     /// flag is in 44 already).
-    fn rxe(kernel_6_12: bool, rdma_core_55: bool) -> DeviceAttr {
+    fn rxe(kernel_6_12: bool, rdma_core_55: bool) -> (DeviceAttr, WrApi) {
         use crate::ibv::{NodeType, SendOps, Transport};
-        DeviceAttr {
+        let attr = DeviceAttr {
             name: "rxe0".into(),
             fw_ver: String::new(),
             node_guid: 0,
@@ -124,16 +125,24 @@ mod tests {
             atomic_write: kernel_6_12,
             node_type: NodeType::Ca,
             transport: Transport::Ib,
-            wr_ops: SendOps::BASIC_ATOMICS,
-            wr_atomic_write: true,
-            wr_flush: rdma_core_55,
-        }
+        };
+        let wr = WrApi {
+            ops: SendOps::BASIC_ATOMICS,
+            atomic_write: true,
+            flush: rdma_core_55,
+        };
+        (attr, wr)
+    }
+
+    fn rxe_caps(kernel_6_12: bool, rdma_core_55: bool) -> Capabilities {
+        let (attr, wr) = rxe(kernel_6_12, rdma_core_55);
+        capabilities("rxe0", &attr, &wr)
     }
 
     #[test]
     fn rxe_commit_per_kernel_and_rdma_core() {
         // 6.12 + 55: a device FLUSH, except into file-backed regions.
-        let c = capabilities("rxe0", &rxe(true, true));
+        let c = rxe_caps(true, true);
         let commit = c.get(OpKind::Commit);
         assert!(commit.is_native(), "{commit}");
         assert_eq!(commit.any_emulation(), Some(Emulation::Agent));
@@ -150,7 +159,7 @@ mod tests {
         // The file-backed case needs the peer's agent.
         assert!(c.needs_agent());
         // 6.12 + 44: the kernel has FLUSH, the library cannot post it.
-        let c = capabilities("rxe0", &rxe(true, false));
+        let c = rxe_caps(true, false);
         let text = c.get(OpKind::Commit).to_string();
         assert!(
             text.starts_with("emulated (a zero-length RDMA Read"),
@@ -167,7 +176,7 @@ mod tests {
         assert_eq!(c.get(OpKind::AtomicWrite), &Support::Native);
         // 6.1, either library: no FLUSH, no ATOMIC_WRITE in the kernel.
         for lib55 in [false, true] {
-            let c = capabilities("rxe0", &rxe(false, lib55));
+            let c = rxe_caps(false, lib55);
             assert_eq!(
                 c.get(OpKind::Commit).to_string(),
                 "emulated (a zero-length RDMA Read places earlier Writes, then the \
@@ -182,7 +191,7 @@ mod tests {
 
     #[test]
     fn a_flush_commit_resolves_against_the_peer() {
-        let dev = capabilities("rxe0", &rxe(true, true));
+        let dev = rxe_caps(true, true);
         let native = dev.native_ops();
         // Both ends FLUSH: it stays a device FLUSH except for files.
         let both = dev.for_connection(&[], Some(native));
@@ -191,7 +200,7 @@ mod tests {
             Support::NativeExcept { .. }
         ));
         // A peer that cannot be FLUSHed into (6.12 + 44): the agent.
-        let old = capabilities("rxe0", &rxe(true, false)).native_ops();
+        let old = rxe_caps(true, false).native_ops();
         let conn = dev.for_connection(&[], Some(old));
         assert_eq!(conn.get(OpKind::Commit).emulation(), Some(Emulation::Agent));
         // A peer without stag has no stag files: the FLUSH is all there is.

@@ -65,15 +65,16 @@ pub(crate) fn open(name: &str, options: &ContextOptions) -> Result<Opened> {
         }
     })?;
     let attr = ctx.query_device()?;
-    let mut caps = capabilities(name, &attr);
-    let mut ops = attr.wr_ops;
+    let wr = ibv::probe_wr_api(&ctx);
+    let mut caps = capabilities(name, &attr, &wr);
+    let mut ops = wr.ops;
     if caps.get(OpKind::AtomicWrite) == &Support::Native {
         ops = ops | ibv::SendOps::ATOMIC_WRITE;
     }
     if caps.get(OpKind::Commit).is_native() {
         ops = ops | ibv::SendOps::FLUSH;
     }
-    let mut wr_ops = attr.wr_api().then_some(ops);
+    let mut wr_ops = wr.available().then_some(ops);
     if options.legacy_post && caps.post_path == PostPath::Extended {
         caps.on_legacy_post();
         wr_ops = None;
