@@ -16,9 +16,12 @@
 #
 # Knobs (environment): ROUNDS (3), ITERS (20000 latency iterations; a
 # tenth for Commit and UCX's Get), BW_ITERS (2000 messages of 1 MiB),
-# QP_ITERS (4000 8-byte messages per QP of the 64-QP run), STREAM_ITERS
-# (50000 8-byte messages per floor stream), PROGRESS_MODES ("busy adaptive blocking": each stag run once
-# per mode), OUT (target/bench-peers). --quick: one round, few iterations
+# QP_ITERS (4000 8-byte messages per QP of the 64-QP run; the 256- and
+# 1024-QP runs send as many messages in all), STREAM_ITERS (50000 8-byte
+# messages per floor stream of 8; an eighth of that per stream of 64),
+# PROGRESS_MODES ("busy adaptive blocking": each stag run once per mode),
+# SCALE_QPS (1024 QPs for `stag scale` and cmtime) and SCALE_IDLE (3 s of
+# rest), OUT (target/bench-peers). --quick: one round, few iterations
 # (a smoke run, not a measurement).
 #
 # Needs cargo, gcc, python3, ss; installs ucx-utils, libfabric-bin and
@@ -48,6 +51,8 @@ if [[ $QUICK == 1 ]]; then
     BW_ITERS=${BW_ITERS:-50}
     QP_ITERS=${QP_ITERS:-100}
     STREAM_ITERS=${STREAM_ITERS:-2000}
+    SCALE_QPS=${SCALE_QPS:-64}
+    SCALE_IDLE=${SCALE_IDLE:-0.5}
 fi
 ROUNDS=${ROUNDS:-3}
 ITERS=${ITERS:-20000}
@@ -55,6 +60,8 @@ BW_ITERS=${BW_ITERS:-2000}
 QP_ITERS=${QP_ITERS:-4000}
 STREAM_ITERS=${STREAM_ITERS:-50000}
 PROGRESS_MODES=${PROGRESS_MODES:-busy adaptive blocking}
+SCALE_QPS=${SCALE_QPS:-1024}
+SCALE_IDLE=${SCALE_IDLE:-3}
 OUT=${OUT:-target/bench-peers}
 # Slow round trips (a Commit's msync, UCX's software Get) get fewer.
 SLOW_ITERS=$(((ITERS / 10) > 100 ? ITERS / 10 : 100))
@@ -167,6 +174,9 @@ one_round() {
         run_pair "floor-streams8-$m" "$r" -- "$STAG" floor bw -p @PORT@ --mode "$m" -- \
             "$STAG" floor bw 127.0.0.1 -p @PORT@ -s 8 -n "$STREAM_ITERS" --streams 8 \
             --mode "$m" --json
+        run_pair "floor-streams64-$m" "$r" -- "$STAG" floor bw -p @PORT@ --mode "$m" -- \
+            "$STAG" floor bw 127.0.0.1 -p @PORT@ -s 8 -n "$((STREAM_ITERS / 8))" --streams 64 \
+            --mode "$m" --json
     done
     for m in busy blocking; do
         run_pair "c-lat-$m" "$r" -- "$CHECK" lat server @PORT@ 8 "$ITERS" "$m" -- \
@@ -193,7 +203,22 @@ one_round() {
         done
         stag_pair "stag-$mode-bw-write-qps64" "$r" "$mode" bw write -s 8 -n "$QP_ITERS" \
             --qps 64
+        for n in 256 1024; do
+            stag_pair "stag-$mode-bw-write-qps$n" "$r" "$mode" bw write -s 8 \
+                -n "$((QP_ITERS * 64 / n))" --qps "$n"
+        done
     done
+
+    log "round $r/$ROUNDS: scale ($SCALE_QPS QPs)"
+    # Memory per idle QP, idle CPU and the connect rate through verbs
+    # (stag scale, the provider's default progress); the connect rate
+    # through rdma_cm (rdmacm-utils' cmtime under stag run).
+    run_pair scale "$r" -- "$STAG" scale -p @PORT@ --json -- \
+        "$STAG" scale 127.0.0.1 -p @PORT@ --qps "$SCALE_QPS" --idle "$SCALE_IDLE" --json
+    if command -v cmtime >/dev/null; then
+        run_pair cmtime "$r" -- "$STAG" run cmtime -b 127.0.0.1 -p @PORT@ -c "$SCALE_QPS" -- \
+            "$STAG" run cmtime -s 127.0.0.1 -p @PORT@ -c "$SCALE_QPS"
+    fi
 
     if command -v ucx_perftest >/dev/null; then
         log "round $r/$ROUNDS: UCX (UCX_TLS=tcp)"
@@ -221,6 +246,6 @@ done
 ELAPSED=$((SECONDS - START))
 
 python3 scripts/bench-report.py "$RAW" "$OUT" "$ROUNDS" "$PROGRESS_MODES" "$ELAPSED" \
-    "ITERS=$ITERS BW_ITERS=$BW_ITERS QP_ITERS=$QP_ITERS STREAM_ITERS=$STREAM_ITERS SLOW_ITERS=$SLOW_ITERS" \
+    "ITERS=$ITERS BW_ITERS=$BW_ITERS QP_ITERS=$QP_ITERS STREAM_ITERS=$STREAM_ITERS SLOW_ITERS=$SLOW_ITERS SCALE_QPS=$SCALE_QPS SCALE_IDLE=$SCALE_IDLE" \
     "$PROGRESS_FLAG"
 log "wrote $OUT/report.md and $OUT/report.json in ${ELAPSED}s"

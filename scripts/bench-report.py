@@ -112,6 +112,8 @@ floor_raw = {
     "tcp_stream_blocking": agg(series(lambda d: json_result(d, "floor-bw-blocking", "bw_avg_mb_s"))),
     "tcp_8streams_busy": agg(series(lambda d: json_result(d, "floor-streams8-busy", "msg_rate_mpps"))),
     "tcp_8streams_blocking": agg(series(lambda d: json_result(d, "floor-streams8-blocking", "msg_rate_mpps"))),
+    "tcp_64streams_busy": agg(series(lambda d: json_result(d, "floor-streams64-busy", "msg_rate_mpps"))),
+    "tcp_64streams_blocking": agg(series(lambda d: json_result(d, "floor-streams64-blocking", "msg_rate_mpps"))),
     "msync_8b": agg(series(lambda d: json_result(d, "msync", "t_typical_us"))),
 }
 c_check = {
@@ -165,6 +167,9 @@ floors = {
     "tcp_stream": per_round_best(floor_raw["tcp_stream_busy"], floor_raw["tcp_stream_blocking"],
                                  c_check["tcp_stream_busy"], c_check["tcp_stream_blocking"]),
     "tcp_8streams": per_round_best(floor_raw["tcp_8streams_busy"], floor_raw["tcp_8streams_blocking"]),
+    # Issue #20's message-rate floor: the best of 8 or 64 streams, either mode.
+    "tcp_streams": per_round_best(floor_raw["tcp_8streams_busy"], floor_raw["tcp_8streams_blocking"],
+                                  floor_raw["tcp_64streams_busy"], floor_raw["tcp_64streams_blocking"]),
 }
 rtt, ms = floors["tcp_rtt_busy"], floor_raw["msync_8b"]
 if rtt and ms and len(rtt["samples"]) == len(ms["samples"]):
@@ -178,6 +183,7 @@ FLOOR_LABEL = {
     "tcp_oneway_blocking": "TCP ping-pong one-way (blocking, best of stag floor/C)",
     "tcp_stream": "TCP stream 1 MiB (best mode, stag floor/C)",
     "tcp_8streams": "8 TCP streams, 8 B (best mode)",
+    "tcp_streams": "8 or 64 TCP streams, 8 B (best of both, best mode)",
     "tcp_rtt_plus_msync": "TCP round trip + msync(8 B)",
 }
 
@@ -223,7 +229,11 @@ TESTS = [
     ("bw read 1 MiB, no MPA CRC", "bw-read-nocrc", "bw_avg_mb_s", "MiB/s", True, "tcp_stream",
      0.9, None, None),
     ("bw write 8 B, 64 QPs, message rate", "bw-write-qps64", "msg_rate_mpps", "Mpps", True,
-     "tcp_8streams", 0.9, None, None),
+     "tcp_streams", 0.9, None, None),
+    ("bw write 8 B, 256 QPs, message rate", "bw-write-qps256", "msg_rate_mpps", "Mpps", True,
+     "tcp_streams", None, None, None),
+    ("bw write 8 B, 1024 QPs, message rate", "bw-write-qps1024", "msg_rate_mpps", "Mpps", True,
+     "tcp_streams", 0.8, None, None),
 ]
 
 
@@ -253,7 +263,7 @@ for label, suffix, key, unit, higher, fkey, factor, ucx_peer, fi_peer in TESTS:
         name = f"stag-{mode}-{suffix}"
         stag_v = agg(series(lambda d: json_result(d, name, key)))
         r = ratio(med(stag_v), med(fl))
-        met = None if r is None else (r >= factor if higher else r <= factor)
+        met = None if r is None or factor is None else (r >= factor if higher else r <= factor)
         bw_peak = None
         if unit == "MiB/s":
             bw_peak = agg(series(lambda d: json_result(d, name, "bw_peak_mb_s")))
@@ -263,7 +273,7 @@ for label, suffix, key, unit, higher, fkey, factor, ucx_peer, fi_peer in TESTS:
             "stag": stag_v, "bw_peak_mb_s": bw_peak,
             "floor": fkey, "floor_label": FLOOR_LABEL[fkey], "floor_value": fl,
             "stag_over_floor": r,
-            "target": f"{'≥' if higher else '≤'} {factor}× floor",
+            "target": "none" if factor is None else f"{'≥' if higher else '≤'} {factor}× floor",
             "met": met,
             "cores_busy": agg(series(lambda d: cores_busy(d, name))),
             "ucx": ucx_v and {**ucx_v, "over_floor": ratio(med(ucx_v["value"]), med(fl))},
@@ -324,9 +334,79 @@ for key, label, unit in [
 for key, label, unit in [
     ("tcp_8streams_busy", "floor: 8 TCP streams of 8 B, busy", "Mpps"),
     ("tcp_8streams_blocking", "floor: 8 TCP streams of 8 B, blocking", "Mpps"),
+    ("tcp_64streams_busy", "floor: 64 TCP streams of 8 B, busy", "Mpps"),
+    ("tcp_64streams_blocking", "floor: 64 TCP streams of 8 B, blocking", "Mpps"),
     ("msync_8b", "floor: msync of 8 dirty bytes (file in $TMPDIR)", "us"),
 ]:
     md.append(f"| {label} [{unit}] | — | {fmt_agg(floor_raw[key], unit)} | — | — | — | — | — | — | — | — |")
+
+# ---- scale ---------------------------------------------------------------
+
+
+def scale_field(rdir, role, key):
+    """A field of `stag scale --json` (the client's line in NAME.out, the
+    server's in NAME.server)."""
+    text = read(rdir, "scale", ".out" if role == "client" else ".server")
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                return float(json.loads(line)[key])
+            except (ValueError, KeyError, TypeError):
+                return None
+    return None
+
+
+def cmtime_rate(rdir):
+    """Connections set up per second through rdma_cm: cmtime's connections
+    over the sum of its setup steps' wall times (each step runs for all
+    connections at once; disconnect and destroy are not setup)."""
+    total_ms, n = 0.0, None
+    for line in read(rdir, "cmtime").splitlines():
+        f = line.replace(":", " ").split()
+        if len(f) >= 5 and f[0] in ("create", "resolve", "connect"):
+            try:
+                total_ms += float(f[-4])
+            except ValueError:
+                return None
+    m = KNOBS.split("SCALE_QPS=")
+    if len(m) > 1:
+        n = float(m[1].split()[0])
+    return n / (total_ms / 1000.0) if n and total_ms > 0 else None
+
+
+scale_rows = []
+for label, fn, unit, higher, target in [
+    ("memory per connected idle QP, client (RSS)", lambda d: scale_field(d, "client", "rss_per_qp_kib"),
+     "KiB", False, 64),
+    ("memory per connected idle QP, server (RSS)", lambda d: scale_field(d, "server", "rss_per_qp_kib"),
+     "KiB", False, 64),
+    ("idle CPU, client process, all QPs connected", lambda d: scale_field(d, "client", "idle_cpu_pct"),
+     "% of a core", False, 1),
+    ("idle CPU, server process, all QPs connected", lambda d: scale_field(d, "server", "idle_cpu_pct"),
+     "% of a core", False, 1),
+    ("connections per second, verbs::connect one after another",
+     lambda d: scale_field(d, "client", "connects_per_s"), "1/s", True, None),
+    ("connections per second, rdma_cm (cmtime, all at once)", cmtime_rate, "1/s", True, 2000),
+    ("QPs alive after the idle period", lambda d: scale_field(d, "client", "alive"), "QPs", True, None),
+]:
+    v = agg(series(fn))
+    met = None
+    if v and target is not None:
+        met = v["median"] >= target if higher else v["median"] <= target
+    scale_rows.append({"test": label, "unit": unit, "value": v, "target": target,
+                       "higher_is_better": higher, "met": met})
+md += [
+    "",
+    "Scale (`stag scale` and `cmtime`, two processes):",
+    "",
+    "| measurement | value | target | met |",
+    "| --- | ---: | --- | --- |",
+]
+for row in scale_rows:
+    t = row["target"]
+    tgt = "none" if t is None else f"{'≥' if row['higher_is_better'] else '≤'} {t} {row['unit']}"
+    md.append(f"| {row['test']} [{row['unit']}] | {fmt_agg(row['value'], row['unit'])} | {tgt} | "
+              f"{MET[row['met']]} |")
 md += [
     "",
     f"¹ {LF_NA}: Read, atomics and streaming bandwidth have no libfabric figure; fi_pingpong "
@@ -341,6 +421,6 @@ with open(os.path.join(OUT, "report.json"), "w") as f:
         "rounds": ROUNDS, "progress_modes": MODES, "progress_flag": FLAG == "1",
         "knobs": KNOBS, "elapsed_s": int(ELAPSED),
         "floors": floors, "floor_raw": floor_raw, "c_check": check_rows,
-        "rows": rows, "libfabric_missing": LF_NA,
+        "rows": rows, "scale": scale_rows, "libfabric_missing": LF_NA,
     }, f, indent=2)
 print(text)

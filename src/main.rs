@@ -36,6 +36,9 @@ enum Command {
     /// The raw-TCP (and msync) floor stag is measured against: `stag floor
     /// lat|bw [HOST]` (server without HOST), `stag floor msync`.
     Floor(bench::floor::FloorArgs),
+    /// Many connected QPs at rest: connection rate, memory per idle QP, idle
+    /// CPU, and that every QP still works after (server without HOST).
+    Scale(bench::scale::ScaleArgs),
     /// Run an unmodified libibverbs/librdmacm program on stag0 (no root, no
     /// setup): `stag run -- ib_write_lat -R HOST`.
     Run {
@@ -135,6 +138,7 @@ fn main() {
         Command::Lat(args) => bench_exit(bench::run_lat(args)),
         Command::Bw(args) => bench_exit(bench::run_bw(args)),
         Command::Floor(args) => bench_exit(bench::floor::run_floor(args)),
+        Command::Scale(args) => bench_exit(bench::scale::run_scale(args)),
         Command::Run { command } => rdma_core::run(&command).unwrap_or_else(|e| {
             eprintln!("stag run: {e}");
             127

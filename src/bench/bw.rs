@@ -106,6 +106,9 @@ fn window(plan: &Plan) -> u32 {
 /// Run `stag bw`: server, client or both (`--loopback`).
 pub fn run_bw(args: BwArgs) -> Result<()> {
     let plan = plan_of(&args)?;
+    if plan.qps > 1 {
+        super::raise_fd_limit();
+    }
     let common = args.common.clone();
     let op = common.op;
     let blocking = common.blocking;

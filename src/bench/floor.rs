@@ -5,7 +5,7 @@
 //! (one-way = round trip / 2, like `stag lat write|send`, plus the full
 //! round trip Reads and atomics compare with); `stag floor bw [HOST]` a
 //! one-way stream of SIZE-byte `send`s on `--streams` connections (one
-//! thread each), closed by a 1-byte ack so the last byte has arrived when
+//! thread each, up to the cores there are; see [`StreamSet`]), closed by a 1-byte ack so the last byte has arrived when
 //! the clock stops; `stag floor msync` times one msync of a SIZE-byte
 //! dirty range of a file-backed mapping (a Commit's responder-side cost).
 //!
@@ -86,9 +86,14 @@ pub struct NetArgs {
 pub struct BwFloorArgs {
     #[command(flatten)]
     pub net: NetArgs,
-    /// Parallel TCP connections, one thread each (client's choice).
+    /// Parallel TCP connections (client's choice).
     #[arg(long, default_value_t = 1)]
     pub streams: u16,
+    /// Threads that drive them, on each side (each side's own choice):
+    /// default one per stream up to 64 streams, beyond that one per core
+    /// (a thread per stream then spins or wakes against all the others).
+    #[arg(long)]
+    pub threads: Option<u16>,
 }
 
 /// Flags of `stag floor msync`.
@@ -267,6 +272,177 @@ impl Conn {
             let n = self.read_some(&mut buf[..want])?;
             left -= n as u64;
             idle.tick(n, "waiting for the stream")?;
+        }
+        Ok(())
+    }
+}
+
+/// The streams one thread drives. By default a thread has one stream up
+/// to 64 streams (the floor `stag bw --qps` has always been held to), and
+/// beyond that there is one thread per core: a thousand threads would
+/// spin (or wake) against each other on two cores, a floor no RDMA program
+/// is held to (stag drives all its QPs from one thread). A thread with one
+/// stream is the plain single-connection loop; with several, it goes round them,
+/// one `send` of one message (or one `recv`) per stream per turn, on
+/// non-blocking sockets: `--mode busy` spins, `--mode blocking` sleeps in
+/// poll(2) when a turn moved nothing.
+struct StreamSet {
+    conns: Vec<Conn>,
+    mode: Mode,
+}
+
+impl StreamSet {
+    /// Deal `socks` out to `threads` sets (round robin).
+    fn split(socks: Vec<TcpStream>, mode: Mode, threads: Option<u16>) -> Result<Vec<StreamSet>> {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let threads = threads.map_or(
+            if socks.len() <= 64 {
+                socks.len()
+            } else {
+                cores
+            },
+            usize::from,
+        );
+        let n = socks.len().min(threads).max(1);
+        let many = socks.len() > n;
+        let mut sets: Vec<StreamSet> = (0..n)
+            .map(|_| StreamSet {
+                conns: Vec::new(),
+                mode,
+            })
+            .collect();
+        for (i, s) in socks.into_iter().enumerate() {
+            // A shared thread must never block on one of its streams.
+            let c = Conn::new(s, if many { Mode::Busy } else { mode })?;
+            sets[i % n].conns.push(c);
+        }
+        Ok(sets)
+    }
+
+    fn single(&mut self) -> Option<&mut Conn> {
+        match self.conns.as_mut_slice() {
+            [one] => Some(one),
+            _ => None,
+        }
+    }
+
+    /// After a turn that moved nothing: spin on, or sleep until a socket
+    /// is ready for `events`.
+    fn idle_turn(&self, busy: &[bool], events: libc::c_short) -> Result<()> {
+        if self.mode == Mode::Busy {
+            std::hint::spin_loop();
+            return Ok(());
+        }
+        let mut fds: Vec<libc::pollfd> = self
+            .conns
+            .iter()
+            .zip(busy)
+            .filter(|(_, &b)| b)
+            .map(|(c, _)| libc::pollfd {
+                fd: std::os::fd::AsRawFd::as_raw_fd(&c.s),
+                events,
+                revents: 0,
+            })
+            .collect();
+        // SAFETY: `fds` is a live array of fds.len() pollfds we own, and
+        // every fd in it belongs to a socket of this set.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 100) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != ErrorKind::Interrupted {
+                return Err(e.into());
+            }
+        }
+        Ok(())
+    }
+
+    /// `iters` copies of `msg` on every stream.
+    fn send(&mut self, msg: &[u8], iters: u32) -> Result<()> {
+        if let Some(c) = self.single() {
+            for _ in 0..iters {
+                c.send_all(msg)?;
+            }
+            return Ok(());
+        }
+        let mut left = vec![iters; self.conns.len()];
+        let mut off = vec![0usize; self.conns.len()];
+        let mut idle = Idle::new();
+        loop {
+            let mut moved = 0;
+            for (i, c) in self.conns.iter_mut().enumerate() {
+                if left[i] == 0 {
+                    continue;
+                }
+                match c.s.write(&msg[off[i]..]) {
+                    Ok(n) => {
+                        moved += n;
+                        off[i] += n;
+                        if off[i] == msg.len() {
+                            off[i] = 0;
+                            left[i] -= 1;
+                        }
+                    }
+                    Err(e)
+                        if e.kind() == ErrorKind::WouldBlock
+                            || e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            let busy: Vec<bool> = left.iter().map(|&l| l > 0).collect();
+            if !busy.contains(&true) {
+                return Ok(());
+            }
+            if moved == 0 {
+                self.idle_turn(&busy, libc::POLLOUT)?;
+            }
+            idle.tick(moved, "waiting for room in the sockets")?;
+        }
+    }
+
+    /// `total` bytes from every stream.
+    fn drain(&mut self, total: u64) -> Result<()> {
+        if let Some(c) = self.single() {
+            return c.drain(total);
+        }
+        let mut buf = vec![0u8; RX_CHUNK.min(total as usize).max(1)];
+        let mut left = vec![total; self.conns.len()];
+        let mut idle = Idle::new();
+        loop {
+            let mut moved = 0;
+            for (i, c) in self.conns.iter_mut().enumerate() {
+                if left[i] == 0 {
+                    continue;
+                }
+                let want = buf
+                    .len()
+                    .min(usize::try_from(left[i]).unwrap_or(usize::MAX));
+                let n = c.read_some(&mut buf[..want])?;
+                moved += n;
+                left[i] -= n as u64;
+            }
+            let busy: Vec<bool> = left.iter().map(|&l| l > 0).collect();
+            if !busy.contains(&true) {
+                return Ok(());
+            }
+            if moved == 0 {
+                self.idle_turn(&busy, libc::POLLIN)?;
+            }
+            idle.tick(moved, "waiting for the streams")?;
+        }
+    }
+
+    /// The server's 1-byte ack on every stream.
+    fn send_acks(&mut self) -> Result<()> {
+        for c in &mut self.conns {
+            c.send_all(&[1])?;
+        }
+        Ok(())
+    }
+
+    /// Every stream's ack.
+    fn recv_acks(&mut self) -> Result<()> {
+        for c in &mut self.conns {
+            c.recv_exact(&mut [0u8; 1])?;
         }
         Ok(())
     }
@@ -481,9 +657,10 @@ struct Span {
 }
 
 fn run_bw(a: &BwFloorArgs) -> Result<()> {
+    super::raise_fd_limit();
     let net = &a.net;
     let Some(host) = &net.host else {
-        return serve_bw(net);
+        return serve_bw(net, a.threads);
     };
     let size = net.size.unwrap_or(BW_SIZE);
     let iters = net
@@ -493,7 +670,7 @@ fn run_bw(a: &BwFloorArgs) -> Result<()> {
     if a.streams == 0 {
         return Err(BenchError::Args("--streams must be at least 1".into()));
     }
-    let conns = (0..a.streams)
+    let socks = (0..a.streams)
         .map(|index| {
             let h = Header {
                 test: Kind::Bw,
@@ -502,30 +679,28 @@ fn run_bw(a: &BwFloorArgs) -> Result<()> {
                 iters,
                 index,
             };
-            Conn::new(connect(host, net.port, h)?, net.mode)
+            connect(host, net.port, h)
         })
         .collect::<Result<Vec<_>>>()?;
     info!(size, iters, streams = a.streams, mode = ?net.mode, "floor stream");
+    let sets = StreamSet::split(socks, net.mode, a.threads)?;
     // All streams start together; the run lasts from the first start to
     // the last ack.
-    let start = Arc::new(Barrier::new(conns.len()));
+    let start = Arc::new(Barrier::new(sets.len()));
     let origin = Instant::now();
-    let handles: Vec<_> = conns
+    let handles: Vec<_> = sets
         .into_iter()
         .enumerate()
-        .map(|(i, mut c)| {
+        .map(|(i, mut set)| {
             let start = Arc::clone(&start);
             std::thread::Builder::new()
                 .name(format!("floor-stream-{i}"))
                 .spawn(move || -> Result<Span> {
                     let msg = vec![0x5au8; size as usize];
-                    let mut ack = [0u8; 1];
                     start.wait();
                     let t0 = origin.elapsed().as_nanos() as u64;
-                    for _ in 0..iters {
-                        c.send_all(&msg)?;
-                    }
-                    c.recv_exact(&mut ack)?;
+                    set.send(&msg, iters)?;
+                    set.recv_acks()?;
                     Ok(Span {
                         start: t0,
                         end: origin.elapsed().as_nanos() as u64,
@@ -536,7 +711,7 @@ fn run_bw(a: &BwFloorArgs) -> Result<()> {
     let spans = join_all(handles)?;
     let first = spans.iter().map(|s| s.start).min().unwrap_or(0);
     let last = spans.iter().map(|s| s.end).max().unwrap_or(0);
-    let msgs = u64::from(iters) * spans.len() as u64;
+    let msgs = u64::from(iters) * u64::from(a.streams);
     let r = BwStats::from_total(u64::from(size), msgs, last.saturating_sub(first));
     let report = Report {
         test: "bw",
@@ -567,7 +742,7 @@ fn join_all<T>(handles: Vec<std::thread::JoinHandle<Result<T>>>) -> Result<Vec<T
 
 /// The stream server: take every stream the client announces, drain each
 /// in its own thread, ack its end.
-fn serve_bw(net: &NetArgs) -> Result<()> {
+fn serve_bw(net: &NetArgs, threads: Option<u16>) -> Result<()> {
     let l = listen(net)?;
     let (s, first) = accept(&l)?;
     if first.test != Kind::Bw {
@@ -589,17 +764,15 @@ fn serve_bw(net: &NetArgs) -> Result<()> {
         socks.push(s);
     }
     let total = u64::from(first.size) * u64::from(first.iters);
-    let mode = net.mode;
-    let handles: Vec<_> = socks
+    let handles: Vec<_> = StreamSet::split(socks, net.mode, threads)?
         .into_iter()
         .enumerate()
-        .map(|(i, s)| {
+        .map(|(i, mut set)| {
             std::thread::Builder::new()
                 .name(format!("floor-drain-{i}"))
                 .spawn(move || -> Result<()> {
-                    let mut c = Conn::new(s, mode)?;
-                    c.drain(total)?;
-                    c.send_all(&[1])
+                    set.drain(total)?;
+                    set.send_acks()
                 })
         })
         .collect::<std::io::Result<_>>()?;
@@ -736,6 +909,49 @@ mod tests {
         assert!(Header::decode(&b).is_err());
         let zero = Header { iters: 0, ..h };
         assert!(Header::decode(&zero.encode()).is_err());
+    }
+
+    /// 16 streams on 2 threads a side, in each mode: every stream
+    /// carries every message and every ack arrives.
+    #[test]
+    fn shared_threads_carry_every_stream() {
+        for mode in [Mode::Busy, Mode::Blocking] {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = l.local_addr().unwrap();
+            let (ours, theirs): (Vec<_>, Vec<_>) = (0..16)
+                .map(|_| {
+                    let c = TcpStream::connect(addr).unwrap();
+                    (c, l.accept().unwrap().0)
+                })
+                .unzip();
+            let (size, iters) = (8usize, 500u32);
+            let senders = StreamSet::split(ours, mode, Some(2)).unwrap();
+            let drains = StreamSet::split(theirs, mode, Some(2)).unwrap();
+            assert_eq!((senders.len(), drains.len()), (2, 2));
+            assert!(senders.iter().all(|s| s.conns.len() == 8));
+            let total = (size as u64) * u64::from(iters);
+            let d: Vec<_> = drains
+                .into_iter()
+                .map(|mut set| {
+                    std::thread::spawn(move || {
+                        set.drain(total)?;
+                        set.send_acks()
+                    })
+                })
+                .collect();
+            let t: Vec<_> = senders
+                .into_iter()
+                .map(|mut set| {
+                    std::thread::spawn(move || {
+                        set.send(&vec![0x5a; size], iters)?;
+                        set.recv_acks()
+                    })
+                })
+                .collect();
+            for h in d.into_iter().chain(t) {
+                h.join().unwrap().unwrap();
+            }
+        }
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod bw;
 pub mod floor;
 pub mod lat;
 pub mod plot;
+pub mod scale;
 pub mod stats;
 
 use std::cell::RefCell;
@@ -827,6 +828,39 @@ impl Endpoint {
 }
 
 /// Open the device with the requested emulation.
+/// Open a device with default options but for the progress mode.
+pub(crate) fn open_context_on(
+    ib_dev: Option<String>,
+    progress: Option<stag::Progress>,
+) -> Result<Context> {
+    let name = ib_dev.unwrap_or_else(stag::default_device);
+    let opts = ContextOptions {
+        progress,
+        ..ContextOptions::default()
+    };
+    Ok(Context::open_with(&name, &opts)?)
+}
+
+/// Raise this process's soft limit on open files to its hard limit: on
+/// stag0 every QP is a TCP socket, so a benchmark with a thousand QPs needs
+/// more than the usual soft limit of 1024. A failure only leaves the
+/// limit as it was (the connects then fail with EMFILE, which says so).
+pub fn raise_fd_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write one rlimit we own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                debug!("could not raise RLIMIT_NOFILE");
+            }
+        }
+    }
+}
+
 pub(crate) fn open_context(common: &CommonArgs) -> Result<Context> {
     let name = common.ib_dev.clone().unwrap_or_else(stag::default_device);
     let opts = ContextOptions {
