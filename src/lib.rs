@@ -5,3 +5,6 @@
 
 pub use verbs;
 pub use verbs::*;
+
+/// The messages of the `stag` CLI's benchmarks (`stag lat|bw|floor|scale`).
+pub mod bench_wire;

@@ -126,70 +126,10 @@ const BW_BYTES: u64 = 4 << 30;
 /// makes a stream of small sends as fast as the sender can go.
 const RX_CHUNK: usize = 1 << 20;
 
-/// The client's parameters, on every connection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Header {
-    test: Kind,
-    streams: u16,
-    size: u32,
-    iters: u32,
-    /// Which stream this connection is.
-    index: u16,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Lat,
-    Bw,
-}
-
-const HEADER_MAGIC: &[u8; 4] = b"STGF";
-const HEADER_VERSION: u8 = 1;
-const HEADER_LEN: usize = 20;
-
-impl Header {
-    fn encode(&self) -> [u8; HEADER_LEN] {
-        let mut b = [0u8; HEADER_LEN];
-        b[..4].copy_from_slice(HEADER_MAGIC);
-        b[4] = HEADER_VERSION;
-        b[5] = match self.test {
-            Kind::Lat => 0,
-            Kind::Bw => 1,
-        };
-        b[6..8].copy_from_slice(&self.streams.to_be_bytes());
-        b[8..12].copy_from_slice(&self.size.to_be_bytes());
-        b[12..16].copy_from_slice(&self.iters.to_be_bytes());
-        b[16..18].copy_from_slice(&self.index.to_be_bytes());
-        b
-    }
-
-    fn decode(b: &[u8; HEADER_LEN]) -> Result<Header> {
-        let bad = |why: &str| BenchError::Protocol(format!("bad floor header: {why}"));
-        if &b[..4] != HEADER_MAGIC {
-            return Err(bad("not a stag floor client"));
-        }
-        if b[4] != HEADER_VERSION {
-            return Err(bad(&format!("version {} (ours {HEADER_VERSION})", b[4])));
-        }
-        let test = match b[5] {
-            0 => Kind::Lat,
-            1 => Kind::Bw,
-            t => return Err(bad(&format!("test {t}"))),
-        };
-        let u32_at = |o: usize| u32::from_be_bytes(b[o..o + 4].try_into().expect("4 bytes"));
-        let h = Header {
-            test,
-            streams: u16::from_be_bytes([b[6], b[7]]),
-            size: u32_at(8),
-            iters: u32_at(12),
-            index: u16::from_be_bytes([b[16], b[17]]),
-        };
-        if h.size == 0 || h.size > 1 << 30 || h.iters == 0 || h.streams == 0 {
-            return Err(bad(&format!("{h:?}")));
-        }
-        Ok(h)
-    }
-}
+/// The client's parameters, on every connection (`STGF`,
+/// [`stag::bench_wire::floor`]).
+type Header = stag::bench_wire::floor::Repr;
+use stag::bench_wire::floor::{Kind, LEN as HEADER_LEN};
 
 /// Ping-pong warm-up (as `stag lat`).
 fn warmup(iters: u32) -> u32 {
@@ -496,7 +436,7 @@ fn accept(l: &TcpListener) -> Result<(TcpStream, Header)> {
     let (mut s, peer) = l.accept()?;
     let mut b = [0u8; HEADER_LEN];
     s.read_exact(&mut b)?;
-    let h = Header::decode(&b)?;
+    let h = Header::decode(&b).map_err(|e| BenchError::Protocol(e.to_string()))?;
     debug!(%peer, ?h, "floor client");
     Ok((s, h))
 }
@@ -893,23 +833,6 @@ fn run_msync(a: &MsyncArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn header_round_trips_and_refuses_garbage() {
-        let h = Header {
-            test: Kind::Bw,
-            streams: 8,
-            size: 1 << 20,
-            iters: 4096,
-            index: 7,
-        };
-        assert_eq!(Header::decode(&h.encode()).unwrap(), h);
-        let mut b = h.encode();
-        b[0] = b'X';
-        assert!(Header::decode(&b).is_err());
-        let zero = Header { iters: 0, ..h };
-        assert!(Header::decode(&zero.encode()).is_err());
-    }
 
     /// 16 streams on 2 threads a side, in each mode: every stream
     /// carries every message and every ack arrives.

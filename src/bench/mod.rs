@@ -6,7 +6,7 @@
 //! parameters, measures and reports. `--loopback` runs both in one process.
 //!
 //! The two sides agree through the connection's private data (a
-//! [`BenchHello`]: test, operation, sizes, iterations, and each side's target
+//! `STGB` hello, [`stag::bench_wire::hello`]: test, operation, sizes, iterations, and each side's target
 //! buffer as address + rkey) and then synchronise every message size with
 //! small control Sends on the same QP (`READY` from the client, `GO` from
 //! the server, `CREDIT`s for receive-consuming bandwidth tests, `DONE` at
@@ -231,15 +231,7 @@ pub struct CommonArgs {
     pub bind: Option<IpAddr>,
 }
 
-/// The test kind, as carried in the [`BenchHello`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Test {
-    /// Latency.
-    Lat,
-    /// Bandwidth.
-    Bw,
-}
+pub use stag::bench_wire::hello::Test;
 
 /// How an operation's latency is taken.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -348,99 +340,18 @@ impl Plan {
     }
 }
 
-/// What the two sides tell each other in the connection's private data.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct BenchHello {
-    pub test: Test,
-    pub op: OpKind,
-    pub all: bool,
-    pub size: u32,
-    pub iters: u32,
-    pub tx_depth: u16,
-    /// Commit: the server's target is memory, not a file.
-    pub commit_to_memory: bool,
-    /// The sender's target buffer.
-    pub target: Remote,
-    /// Queue pairs the client opens (each connection carries the count).
-    pub qps: u16,
+/// What the two sides tell each other in the connection's private data
+/// (`STGB`, [`stag::bench_wire::hello`]).
+pub(crate) type BenchHello = stag::bench_wire::hello::Repr;
+
+/// Parse a peer's hello.
+fn decode_hello(b: &[u8]) -> Result<BenchHello> {
+    BenchHello::decode(b).map_err(|e| BenchError::Protocol(format!("bad hello from the peer: {e}")))
 }
 
-const HELLO_MAGIC: &[u8; 4] = b"STGB";
-/// 2: the QP count.
-const HELLO_VERSION: u8 = 2;
-/// Fits librdmacm's 56-byte limit for an RC connect's private data.
-pub(crate) const HELLO_LEN: usize = 36;
-
-impl BenchHello {
-    pub fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(HELLO_LEN);
-        b.extend_from_slice(HELLO_MAGIC);
-        b.push(HELLO_VERSION);
-        b.push(match self.test {
-            Test::Lat => 0,
-            Test::Bw => 1,
-        });
-        b.push(self.op.code());
-        b.push(u8::from(self.all));
-        b.extend_from_slice(&self.size.to_be_bytes());
-        b.extend_from_slice(&self.iters.to_be_bytes());
-        b.extend_from_slice(&self.tx_depth.to_be_bytes());
-        b.extend_from_slice(&[u8::from(self.commit_to_memory), 0]);
-        b.extend_from_slice(&self.target.addr.to_be_bytes());
-        b.extend_from_slice(&self.target.rkey.to_be_bytes());
-        b.extend_from_slice(&self.qps.to_be_bytes());
-        b.extend_from_slice(&[0, 0]);
-        debug_assert_eq!(b.len(), HELLO_LEN);
-        b
-    }
-
-    pub fn decode(b: &[u8]) -> Result<BenchHello> {
-        let bad = |why: &str| BenchError::Protocol(format!("bad hello from the peer: {why}"));
-        if b.len() < HELLO_LEN || &b[..4] != HELLO_MAGIC {
-            return Err(bad("not a stag benchmark peer"));
-        }
-        if b[4] != HELLO_VERSION {
-            return Err(bad(&format!("version {} (ours {HELLO_VERSION})", b[4])));
-        }
-        let test = match b[5] {
-            0 => Test::Lat,
-            1 => Test::Bw,
-            t => return Err(bad(&format!("test {t}"))),
-        };
-        let op = OpKind::from_code(b[6]).ok_or_else(|| bad("operation"))?;
-        let u32_at = |o: usize| u32::from_be_bytes(b[o..o + 4].try_into().expect("4 bytes"));
-        Ok(BenchHello {
-            test,
-            op,
-            all: b[7] != 0,
-            size: u32_at(8),
-            iters: u32_at(12),
-            tx_depth: u16::from_be_bytes([b[16], b[17]]),
-            commit_to_memory: b[18] & 1 != 0,
-            target: Remote {
-                addr: u64::from_be_bytes(b[20..28].try_into().expect("8 bytes")),
-                rkey: u32_at(28),
-            },
-            qps: u16::from_be_bytes([b[32], b[33]]),
-        })
-    }
-}
-
-/// Control messages (16 bytes: magic, kind, argument).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Ctrl {
-    /// Client: ready for size index `n`.
-    Ready = 1,
-    /// Server: go ahead.
-    Go = 2,
-    /// Server: `n` more receives are posted.
-    Credit = 3,
-    /// Client: finished.
-    Done = 4,
-}
-
-const CTRL_MAGIC: &[u8; 4] = b"STGC";
-pub(crate) const CTRL_LEN: usize = 16;
+/// Control messages (`STGC`, [`stag::bench_wire::ctrl`]).
+pub(crate) use stag::bench_wire::ctrl::Kind as Ctrl;
+use stag::bench_wire::ctrl::{Repr as CtrlMsg, LEN as CTRL_LEN};
 
 /// wr_id bit of control Sends (never reported to the benchmark loops).
 const CTRL_WR: u64 = 1 << 63;
@@ -673,11 +584,7 @@ impl Endpoint {
 
     /// Send a control message.
     pub fn send_ctrl(&mut self, kind: Ctrl, arg: u32) -> Result<()> {
-        let mut m = [0u8; CTRL_LEN];
-        m[..4].copy_from_slice(CTRL_MAGIC);
-        m[4..8].copy_from_slice(&(kind as u32).to_be_bytes());
-        m[8..12].copy_from_slice(&arg.to_be_bytes());
-        self.ctl.write_at(0, &m)?;
+        self.ctl.write_at(0, &CtrlMsg { kind, arg }.encode())?;
         self.qp.post_send(WorkRequest::new(
             CTRL_WR | kind as u64,
             SendOp::Send {
@@ -700,18 +607,18 @@ impl Endpoint {
         }
         let mut m = [0u8; CTRL_LEN];
         self.rx.read_at(0, &mut m)?;
-        if &m[..4] != CTRL_MAGIC {
+        let Some(msg) =
+            CtrlMsg::decode(&m).map_err(|e| BenchError::Protocol(format!("from the peer: {e}")))?
+        else {
             return Ok(None);
-        }
-        let got = u32::from_be_bytes(m[4..8].try_into().expect("4 bytes"));
-        if got != kind as u32 {
+        };
+        if msg.kind != kind {
             return Err(BenchError::Protocol(format!(
-                "expected control message {kind:?}, got kind {got}"
+                "expected control message {kind:?}, got {:?}",
+                msg.kind
             )));
         }
-        Ok(Some(u32::from_be_bytes(
-            m[8..12].try_into().expect("4 bytes"),
-        )))
+        Ok(Some(msg.arg))
     }
 
     /// Wait for the control message `kind`, reaping data completions on the
@@ -924,7 +831,7 @@ pub(crate) fn connect_client(
         target: bufs.data.remote(0),
         qps: plan.qps,
     };
-    let opts = connect_options(plan, hello.encode());
+    let opts = connect_options(plan, hello.encode().to_vec());
     info!(%addr, op = %plan.op, "connecting");
     let (qp, private) = stag::connect_with(&bufs.pd, &bufs.cq, addr, &opts, bufs.pre_post())
         .map_err(|e| match e {
@@ -934,7 +841,7 @@ pub(crate) fn connect_client(
             )),
             other => other.into(),
         })?;
-    let reply = BenchHello::decode(&private)?;
+    let reply = decode_hello(&private)?;
     debug!(?reply, "server hello");
     Ok(bufs.into_endpoint(Role::Client, qp, reply.target, blocking))
 }
@@ -1001,7 +908,7 @@ pub(crate) fn accept_rest(
 /// The next connection request and its [`BenchHello`] (a stranger is rejected).
 fn next_request(listener: &Listener) -> Result<(stag::Incoming, BenchHello)> {
     let req = listener.get_request()?;
-    match BenchHello::decode(req.private_data()) {
+    match decode_hello(req.private_data()) {
         Ok(h) => Ok((req, h)),
         Err(e) => {
             let _ = req.reject(b"not a stag benchmark");
@@ -1023,7 +930,7 @@ fn accept_request(
         target: bufs.data.remote(0),
         ..hello
     };
-    let opts = connect_options(plan, ours.encode());
+    let opts = connect_options(plan, ours.encode().to_vec());
     let qp = req.accept_with(&bufs.pd, &bufs.cq, &opts, bufs.pre_post())?;
     Ok(bufs.into_endpoint(Role::Server, qp, hello.target, blocking))
 }
@@ -1397,37 +1304,5 @@ mod tests {
         assert_eq!(sizes(OpKind::Imm, None, false, 2).unwrap(), [8]);
         assert!(sizes(OpKind::Write, Some(0), false, 2).is_err());
         assert!(sizes(OpKind::Write, Some(64), true, 2).is_err());
-    }
-
-    #[test]
-    fn hello_round_trips() {
-        let h = BenchHello {
-            test: Test::Bw,
-            op: OpKind::MaskedCmpSwap,
-            all: true,
-            size: 0,
-            iters: 5000,
-            tx_depth: 128,
-            commit_to_memory: true,
-            target: Remote {
-                addr: 0x7f00_dead_beef_0000,
-                rkey: 0x1234_5678,
-            },
-            qps: 64,
-        };
-        let b = h.encode();
-        assert_eq!(b.len(), HELLO_LEN);
-        assert_eq!(BenchHello::decode(&b).unwrap(), h);
-        let file = BenchHello {
-            commit_to_memory: false,
-            ..h
-        };
-        assert_eq!(BenchHello::decode(&file.encode()).unwrap(), file);
-        assert!(BenchHello::decode(&b[..20]).is_err());
-        // A version-1 peer (no QP count) is told apart.
-        let mut v1 = b.clone();
-        v1[4] = 1;
-        assert!(BenchHello::decode(&v1).is_err());
-        assert!(BenchHello::decode(b"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx").is_err());
     }
 }

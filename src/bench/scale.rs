@@ -18,7 +18,7 @@
 //! one object each; the server's on its stdout).
 //!
 //! The plan travels in the first connection's private data as a
-//! [`Hello`] (after stag's own header).
+//! [`stag::bench_wire::scale`] message (after stag's own header).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -30,6 +30,8 @@ use stag::{
     Access, CompletionQueue, ConnectOptions, Context, Listener, QpCaps, QueuePair, SendOp,
     WorkRequest,
 };
+
+use stag::bench_wire::scale as hello;
 
 use super::{open_context_on, resolve, BenchError, Result};
 
@@ -92,175 +94,6 @@ pub struct ScaleReport {
     pub idle_cpu_pct: f64,
     /// QPs that carried the 8-byte message after the idle period.
     pub alive: u16,
-}
-
-/// The plan, in front of the first connection's private data.
-///
-/// ```text
-///  0      4   5   6     8          12       14
-/// +------+---+---+-----+----------+--------+
-/// | STGS | 1 | 0 | qps | idle ms  | index  |
-/// +------+---+---+-----+----------+--------+
-///                 u16 BE  u32 BE    u16 BE
-/// ```
-pub mod hello {
-    use super::{BenchError, Result};
-
-    /// Magic of the scale test's private data.
-    pub const MAGIC: [u8; 4] = *b"STGS";
-    /// The only version.
-    pub const VERSION: u8 = 1;
-    /// Bytes of the header.
-    pub const LEN: usize = 14;
-
-    mod field {
-        use std::ops::Range;
-        pub const MAGIC: Range<usize> = 0..4;
-        pub const VERSION: usize = 4;
-        pub const QPS: Range<usize> = 6..8;
-        pub const IDLE_MS: Range<usize> = 8..12;
-        pub const INDEX: Range<usize> = 12..14;
-    }
-
-    /// A view of the scale hello.
-    #[derive(Debug, Clone, Copy)]
-    pub struct Packet<T: AsRef<[u8]>> {
-        buffer: T,
-    }
-
-    impl<T: AsRef<[u8]>> Packet<T> {
-        /// The view, after checking its length.
-        pub fn new_checked(buffer: T) -> Result<Packet<T>> {
-            if buffer.as_ref().len() < LEN {
-                return Err(BenchError::Protocol(format!(
-                    "scale hello of {} bytes, want {LEN}",
-                    buffer.as_ref().len()
-                )));
-            }
-            Ok(Packet { buffer })
-        }
-        fn be16(&self, r: std::ops::Range<usize>) -> u16 {
-            let b = &self.buffer.as_ref()[r];
-            u16::from_be_bytes([b[0], b[1]])
-        }
-        /// The magic bytes.
-        pub fn magic(&self) -> &[u8] {
-            &self.buffer.as_ref()[field::MAGIC]
-        }
-        /// The version.
-        pub fn version(&self) -> u8 {
-            self.buffer.as_ref()[field::VERSION]
-        }
-        /// QPs the client connects.
-        pub fn qps(&self) -> u16 {
-            self.be16(field::QPS)
-        }
-        /// The idle period in milliseconds.
-        pub fn idle_ms(&self) -> u32 {
-            let b = &self.buffer.as_ref()[field::IDLE_MS];
-            u32::from_be_bytes([b[0], b[1], b[2], b[3]])
-        }
-        /// This connection's index (0 for the first).
-        pub fn index(&self) -> u16 {
-            self.be16(field::INDEX)
-        }
-    }
-
-    /// The hello, parsed.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    pub struct Repr {
-        /// QPs the client connects (at least 1).
-        pub qps: u16,
-        /// The idle period.
-        pub idle_ms: u32,
-        /// This connection's index.
-        pub index: u16,
-    }
-
-    impl Repr {
-        /// Parse a checked view.
-        pub fn parse<T: AsRef<[u8]>>(p: &Packet<T>) -> Result<Repr> {
-            if p.magic() != MAGIC {
-                return Err(BenchError::Protocol("not a stag scale client".into()));
-            }
-            if p.version() != VERSION {
-                return Err(BenchError::Protocol(format!(
-                    "scale hello version {}, want {VERSION}",
-                    p.version()
-                )));
-            }
-            let r = Repr {
-                qps: p.qps(),
-                idle_ms: p.idle_ms(),
-                index: p.index(),
-            };
-            if r.qps == 0 || r.index >= r.qps {
-                return Err(BenchError::Protocol(format!("bad scale hello {r:?}")));
-            }
-            Ok(r)
-        }
-
-        /// The header's bytes.
-        pub fn encode(&self) -> [u8; LEN] {
-            let mut b = [0u8; LEN];
-            b[field::MAGIC].copy_from_slice(&MAGIC);
-            b[field::VERSION] = VERSION;
-            b[field::QPS].copy_from_slice(&self.qps.to_be_bytes());
-            b[field::IDLE_MS].copy_from_slice(&self.idle_ms.to_be_bytes());
-            b[field::INDEX].copy_from_slice(&self.index.to_be_bytes());
-            b
-        }
-    }
-
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-
-        #[test]
-        fn bytes_are_as_drawn() {
-            let r = Repr {
-                qps: 1024,
-                idle_ms: 5000,
-                index: 7,
-            };
-            assert_eq!(
-                r.encode(),
-                [b'S', b'T', b'G', b'S', 1, 0, 0x04, 0x00, 0, 0, 0x13, 0x88, 0, 7]
-            );
-            assert_eq!(
-                Repr::parse(&Packet::new_checked(&r.encode()[..]).unwrap()).unwrap(),
-                r
-            );
-        }
-
-        #[test]
-        fn bad_hellos_are_errors() {
-            assert!(Packet::new_checked(&[0u8; LEN - 1][..]).is_err());
-            let mut b = Repr {
-                qps: 2,
-                idle_ms: 0,
-                index: 1,
-            }
-            .encode();
-            b[0] = b'X';
-            assert!(Repr::parse(&Packet::new_checked(&b[..]).unwrap()).is_err());
-            let b = Repr {
-                qps: 2,
-                idle_ms: 0,
-                index: 2,
-            }
-            .encode();
-            assert!(Repr::parse(&Packet::new_checked(&b[..]).unwrap()).is_err());
-            let mut b = Repr {
-                qps: 1,
-                idle_ms: 0,
-                index: 0,
-            }
-            .encode();
-            b[4] = 2;
-            assert!(Repr::parse(&Packet::new_checked(&b[..]).unwrap()).is_err());
-        }
-    }
 }
 
 /// Resident set size of this process, in KiB.
@@ -341,11 +174,11 @@ fn reap(cq: &CompletionQueue, n: usize, what: &'static str) -> Result<usize> {
 /// The next connection request and its plan (a stranger is rejected).
 fn next_request(listener: &Listener) -> Result<(stag::Incoming, hello::Repr)> {
     let req = listener.get_request()?;
-    match hello::Packet::new_checked(req.private_data()).and_then(|p| hello::Repr::parse(&p)) {
+    match hello::Repr::decode(req.private_data()) {
         Ok(h) => Ok((req, h)),
         Err(e) => {
             let _ = req.reject(b"not a stag scale client");
-            Err(e)
+            Err(BenchError::Protocol(e.to_string()))
         }
     }
 }
