@@ -14,6 +14,7 @@ pub mod cq;
 pub mod device;
 mod driver;
 pub mod engine;
+pub mod error;
 pub mod fatal;
 pub mod listener;
 pub mod mem;

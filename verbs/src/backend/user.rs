@@ -295,27 +295,14 @@ impl QpOps for UserQp {
     }
 
     fn post_send(&self, wrs: &[SendPost<'_>]) -> std::result::Result<(), (Error, usize)> {
-        if let [one] = wrs {
-            return self
-                .0
-                .post_send_ref(send_wr(one), true)
-                .map_err(|e| (post_error(e), 0));
+        // Framed as they come, written in one go when the guard posts (or
+        // drops, after a refused WR: the ones before it still leave).
+        let mut post = self.0.start_post();
+        for (posted, p) in wrs.iter().enumerate() {
+            post.push(send_wr(p)).map_err(|e| (post_error(e), posted))?;
         }
-        // A list: framed as it comes, written in one go at the doorbell.
-        let mut posted = 0;
-        let mut failed = None;
-        for p in wrs {
-            if let Err(e) = self.0.post_send_ref(send_wr(p), false) {
-                failed = Some(post_error(e));
-                break;
-            }
-            posted += 1;
-        }
-        self.0.ring_doorbell();
-        match failed {
-            None => Ok(()),
-            Some(e) => Err((e, posted)),
-        }
+        post.post();
+        Ok(())
     }
 
     fn post_recv(&self, wr: &RecvPost<'_>) -> Result<()> {
