@@ -1,4 +1,6 @@
-//! Wire interop between the userspace provider and kernel soft-iWARP (siw).
+//! Wire interop between the userspace provider and kernel soft-iWARP (siw):
+//! VM-only, every case `#[ignore]`d, so `cargo test` outside the VM skips
+//! them all.
 //!
 //! Runs inside the test VM (`scripts/vm.sh -- scripts/vm/interop.sh`), where
 //! `siw0` sits on `$STAG_SIW_ADDR` (10.12.0.1). Each case connects our
@@ -6,23 +8,24 @@
 //! no stag header and no agent connection) in one process, then runs Send,
 //! RDMA Write and RDMA Read in both directions at several sizes, checks the
 //! data on both sides, and checks that no Terminate was sent or received.
+//! interop.sh runs each case as its own process:
 //!
 //! ```text
-//! siw_interop list                 the case names
-//! siw_interop CASE...              run these cases ("all" = every case)
+//! siw_interop --ignored --exact --nocapture --test-threads=1 stag_client_crc
 //! ```
 //!
-//! Cases: `stag-client-crc`, `stag-client-nocrc` (we initiate, siw0
-//! listens), `siw-client-crc`, `siw-client-nocrc` (siw0 initiates, we
-//! listen; siw's own module default is CRC off, our Reply's C bit turns it
-//! on), `stag-client-p2p-write`, `stag-client-p2p-read` (we initiate in
-//! peer-to-peer mode and send the RTR frame siw chose; siw cannot initiate
-//! in that mode: its `peer_to_peer` is a compile-time constant, off),
-//! `terminate-from-siw` (we Read with a bad STag: siw's Terminate must
-//! decode as RDMAP / remote protection / invalid STag) and
-//! `terminate-to-siw` (siw Writes with a bad STag: we send DDP / tagged
-//! buffer / invalid STag). Prints one line per check and
-//! `interop: N passed, M failed`; exits 1 if anything failed.
+//! Cases (test names; the output spells them with `-`): `stag_client_crc`,
+//! `stag_client_nocrc` (we initiate, siw0 listens), `siw_client_crc`,
+//! `siw_client_nocrc` (siw0 initiates, we listen; siw's own module default
+//! is CRC off, our Reply's C bit turns it on), `stag_client_p2p_write`,
+//! `stag_client_p2p_read` (we initiate in peer-to-peer mode and send the
+//! RTR frame siw chose; siw cannot initiate in that mode: its
+//! `peer_to_peer` is a compile-time constant, off), `terminate_from_siw`
+//! (we Read with a bad STag: siw's Terminate must decode as RDMAP / remote
+//! protection / invalid STag) and `terminate_to_siw` (siw Writes with a
+//! bad STag: we send DDP / tagged buffer / invalid STag). Each prints one
+//! line per check and `interop: N passed, M failed`, and fails if any
+//! check did.
 //!
 //! `scripts/vm/fpdu-dump.py CAPTURE.pcap` decodes the captures that
 //! `STAG_INTEROP_PCAP` makes interop.sh write.
@@ -879,36 +882,55 @@ fn expect_terminate(p: &Pair, sent: bool) -> Res<()> {
     }
 }
 
-fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.is_empty() || args[0] == "-h" || args[0] == "--help" {
-        eprintln!("usage: siw_interop list | all | CASE...");
-        std::process::exit(2);
-    }
-    if args[0] == "list" {
-        for c in CASES {
-            println!("{}", c.name);
-        }
-        return;
-    }
-    let mut cases = Vec::new();
-    for a in &args {
-        if a == "all" {
-            cases.extend(CASES.iter());
-        } else if let Some(c) = CASES.iter().find(|c| c.name == a) {
-            cases.push(c);
-        } else {
-            eprintln!("unknown case {a} (see `siw_interop list`)");
-            std::process::exit(2);
-        }
-    }
+/// Run the case named `name` (as in [`CASES`]) and fail if a check did.
+fn run_named(name: &str) {
+    let case = CASES
+        .iter()
+        .find(|c| c.name == name)
+        .expect("a case of CASES");
     let mut t = Tally {
         passed: 0,
         failed: 0,
     };
-    for c in cases {
-        run_case(c, &mut t);
-    }
+    run_case(case, &mut t);
     println!("interop: {} passed, {} failed", t.passed, t.failed);
-    std::process::exit(if t.failed == 0 { 0 } else { 1 });
+    assert!(
+        t.failed == 0 && t.passed > 0,
+        "{name}: {} checks failed, {} passed",
+        t.failed,
+        t.passed
+    );
+}
+
+macro_rules! siw_cases {
+    ($($test:ident => $name:literal,)*) => {
+        $(
+            #[test]
+            #[ignore = "needs kernel siw0: runs in the VM (scripts/vm/interop.sh)"]
+            fn $test() {
+                run_named($name);
+            }
+        )*
+        /// The cases that have a test.
+        const TESTED: &[&str] = &[$($name),*];
+    };
+}
+
+siw_cases! {
+    stag_client_crc => "stag-client-crc",
+    stag_client_nocrc => "stag-client-nocrc",
+    siw_client_crc => "siw-client-crc",
+    siw_client_nocrc => "siw-client-nocrc",
+    stag_client_p2p_write => "stag-client-p2p-write",
+    stag_client_p2p_read => "stag-client-p2p-read",
+    terminate_from_siw => "terminate-from-siw",
+    terminate_to_siw => "terminate-to-siw",
+}
+
+/// Runs everywhere: a case added to [`CASES`] without a test would never
+/// run in the VM.
+#[test]
+fn every_case_has_a_test() {
+    let cases: Vec<&str> = CASES.iter().map(|c| c.name).collect();
+    assert_eq!(cases, TESTED);
 }
