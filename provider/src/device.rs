@@ -21,9 +21,10 @@ pub use crate::listener::Listener;
 use crate::mem::{Access, MrTable, PdId};
 use crate::nosignal::NoSignal;
 use crate::qp::{Event, QpCaps, QpState};
+use crate::region::Region;
 use crate::setup::{Answer, Initiator, MpaParams, Negotiated, Request};
 use crate::srq::Srq;
-use crate::wr::{RecvWr, SendWr, SendWrRef};
+use crate::wr::{RecvWr, Remote, SendWr, SendWrRef, Sge};
 
 /// How long connection setup may take before it fails.
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -145,6 +146,39 @@ impl ProtectionDomain {
         Ok(stag)
     }
 
+    /// `ibv_reg_mr` of memory the registration owns (sideway's
+    /// `reg_managed_mr`): `region`'s bytes are visible to SGEs and peers at
+    /// `iova..iova + len` (pass `region.addr(0)` for the usual
+    /// virtual-address registration), and dropping the [`MemoryRegion`]
+    /// deregisters them before the memory is unmapped.
+    pub fn register(
+        &self,
+        region: Region,
+        iova: u64,
+        access: Access,
+    ) -> Result<MemoryRegion, DeviceError> {
+        // SAFETY: the MemoryRegion built below owns `region` and
+        // deregisters the STag (Drop or `into_region`) before it drops or
+        // hands back the memory; every safe access to a Region is a raw
+        // copy or an atomic, so the device writing it meanwhile is sound.
+        let stag = unsafe {
+            self.device.inner.mem.register(
+                self.id,
+                region.as_ptr(),
+                iova,
+                region.len() as u64,
+                access,
+                region.is_durable(),
+            )
+        }?;
+        Ok(MemoryRegion {
+            pd: self.clone(),
+            stag,
+            iova,
+            region: Some(region),
+        })
+    }
+
     /// `ibv_dereg_mr`. Once it returns the region is never read or
     /// written again. Output already framed from it (a Send's segments,
     /// a Read Response, waiting for the socket) is copied first, so that
@@ -204,6 +238,79 @@ impl ProtectionDomain {
         QueuePair {
             shared,
             _device: self.device.clone(),
+        }
+    }
+}
+
+/// A registration that owns its memory, from
+/// [`ProtectionDomain::register`]: deregistered when dropped, and only
+/// then is the memory unmapped.
+#[derive(Debug)]
+pub struct MemoryRegion {
+    pd: ProtectionDomain,
+    stag: u32,
+    iova: u64,
+    /// `None` once handed back by [`into_region`](Self::into_region).
+    region: Option<Region>,
+}
+
+impl MemoryRegion {
+    /// The STag, used as both lkey and rkey.
+    pub fn stag(&self) -> u32 {
+        self.stag
+    }
+
+    /// The address of byte 0 for SGEs and peers.
+    pub fn iova(&self) -> u64 {
+        self.iova
+    }
+
+    /// The registered memory.
+    pub fn region(&self) -> &Region {
+        self.region
+            .as_ref()
+            .expect("a registration has its region until into_region")
+    }
+
+    /// A local SGE over `len` bytes at `offset`.
+    pub fn sge(&self, offset: usize, len: u32) -> Sge {
+        Sge {
+            addr: self.iova + offset as u64,
+            length: len,
+            lkey: self.stag,
+        }
+    }
+
+    /// What a peer needs to reach `offset` (address and rkey).
+    pub fn remote(&self, offset: usize) -> Remote {
+        Remote {
+            addr: self.iova + offset as u64,
+            rkey: self.stag,
+        }
+    }
+
+    /// Deregister and give the memory back. If deregistration fails the
+    /// STag stays in the table, so the memory stays mapped for good (it
+    /// is leaked, never freed under the device) and the error returned.
+    pub fn into_region(mut self) -> Result<Region, DeviceError> {
+        let region = self.region.take().expect("taken once");
+        match self.pd.dereg_mr(self.stag) {
+            Ok(()) => Ok(region),
+            Err(e) => {
+                std::mem::forget(region);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        if let Some(region) = self.region.take() {
+            if self.pd.dereg_mr(self.stag).is_err() {
+                // Still in the table: the memory must stay mapped.
+                std::mem::forget(region);
+            }
         }
     }
 }

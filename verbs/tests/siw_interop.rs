@@ -35,7 +35,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use provider::cq::CompletionQueue as StagCq;
-use provider::device::{Device, Listener, QueuePair as StagQp};
+use provider::device::{Device, Listener, MemoryRegion as StagMr, QueuePair as StagQp};
 use provider::mem::Access;
 use provider::qp::{Event, QpCaps as StagCaps};
 use provider::region::Region;
@@ -293,9 +293,7 @@ struct StagSide {
     _dev: Device,
     cq: Arc<StagCq>,
     qp: StagQp,
-    stag: u32,
-    buf: Region,
-    pd: provider::device::ProtectionDomain,
+    mr: StagMr,
     /// Every connection event so far (take_events drains the QP's).
     events: std::sync::Mutex<Vec<Event>>,
 }
@@ -308,26 +306,21 @@ impl StagSide {
         let qp = pd.create_qp(StagCaps::default(), &cq, &cq, None);
         let buf = Region::anonymous(BUF).map_err(|e| e.to_string())?;
         let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
-        // SAFETY: `buf` outlives the registration: Drop deregisters first.
-        let stag = unsafe { pd.reg_mr(buf.as_ptr(), BUF, access, false) }
+        let iova = buf.addr(0);
+        let mr = pd
+            .register(buf, iova, access)
             .map_err(|e| format!("reg_mr: {e}"))?;
         Ok(StagSide {
             _dev: dev,
             cq,
             qp,
-            stag,
-            buf,
-            pd,
+            mr,
             events: Default::default(),
         })
     }
 
     fn sge(&self, off: usize, len: usize) -> StagSge {
-        StagSge {
-            addr: self.buf.addr(off),
-            length: len as u32,
-            lkey: self.stag,
-        }
+        self.mr.sge(off, len as u32)
     }
 
     fn events(&self) -> Vec<Event> {
@@ -337,8 +330,8 @@ impl StagSide {
     }
 
     fn token(&self) -> Vec<u8> {
-        let mut v = self.buf.addr(0).to_le_bytes().to_vec();
-        v.extend_from_slice(&self.stag.to_le_bytes());
+        let mut v = self.mr.iova().to_le_bytes().to_vec();
+        v.extend_from_slice(&self.mr.stag().to_le_bytes());
         v
     }
 
@@ -393,12 +386,6 @@ impl StagSide {
             }
             std::thread::sleep(Duration::from_micros(200));
         }
-    }
-}
-
-impl Drop for StagSide {
-    fn drop(&mut self) {
-        let _ = self.pd.dereg_mr(self.stag);
     }
 }
 
@@ -609,7 +596,11 @@ fn check_eq(what: &str, got: Vec<u8>, want: &[u8]) -> Res<()> {
 
 fn send_to_siw(p: &Pair, i: usize, len: usize) -> Res<()> {
     let data = pattern(len, 1 + i as u8);
-    p.stag.buf.write_at(SRC, &data).map_err(|e| e.to_string())?;
+    p.stag
+        .mr
+        .region()
+        .write_at(SRC, &data)
+        .map_err(|e| e.to_string())?;
     p.stag.post(
         1,
         SendOp::Send {
@@ -642,7 +633,11 @@ fn send_to_stag(p: &Pair, i: usize, len: usize) -> Res<()> {
     }
     check_eq(
         "stag receive buffer",
-        p.stag.buf.to_vec(RECV_BASE + i * SLOT, len).unwrap(),
+        p.stag
+            .mr
+            .region()
+            .to_vec(RECV_BASE + i * SLOT, len)
+            .unwrap(),
         &data,
     )
 }
@@ -652,7 +647,11 @@ const DST: usize = 3 * SLOT;
 
 fn write_to_siw(p: &Pair, i: usize, len: usize) -> Res<()> {
     let data = pattern(len, 21 + i as u8);
-    p.stag.buf.write_at(SRC, &data).map_err(|e| e.to_string())?;
+    p.stag
+        .mr
+        .region()
+        .write_at(SRC, &data)
+        .map_err(|e| e.to_string())?;
     let remote = Remote {
         addr: p.siw_remote.addr + DST as u64,
         rkey: p.siw_remote.rkey,
@@ -669,7 +668,7 @@ fn write_to_siw(p: &Pair, i: usize, len: usize) -> Res<()> {
     )?;
     check_eq(
         "stag Read back",
-        p.stag.buf.to_vec(SRC + SLOT, len).unwrap(),
+        p.stag.mr.region().to_vec(SRC + SLOT, len).unwrap(),
         &data,
     )
 }
@@ -685,7 +684,7 @@ fn read_from_siw(p: &Pair, i: usize, len: usize) -> Res<()> {
     p.stag.wait(5)?;
     check_eq(
         "stag Read result",
-        p.stag.buf.to_vec(SRC, len).unwrap(),
+        p.stag.mr.region().to_vec(SRC, len).unwrap(),
         &data,
     )
 }
@@ -708,7 +707,7 @@ fn write_to_stag(p: &Pair, i: usize, len: usize) -> Res<()> {
     p.siw.wait(7)?;
     check_eq(
         "stag memory after Write",
-        p.stag.buf.to_vec(DST, len).unwrap(),
+        p.stag.mr.region().to_vec(DST, len).unwrap(),
         &data,
     )?;
     check_eq(
@@ -720,7 +719,11 @@ fn write_to_stag(p: &Pair, i: usize, len: usize) -> Res<()> {
 
 fn read_from_stag(p: &Pair, i: usize, len: usize) -> Res<()> {
     let data = pattern(len, 51 + i as u8);
-    p.stag.buf.write_at(DST, &data).map_err(|e| e.to_string())?;
+    p.stag
+        .mr
+        .region()
+        .write_at(DST, &data)
+        .map_err(|e| e.to_string())?;
     let (addr, rkey) = p.stag_remote;
     let op = ibv::SendOp::RdmaRead {
         rkey,

@@ -1,8 +1,5 @@
-//! The userspace iWARP provider as a backend.
-//!
-//! `unsafe` here: registering memory with the provider's MR table, whose
-//! contract ([`provider::device::ProtectionDomain::reg_mr`]) the
-//! registration keeps by owning the region and deregistering it first.
+//! The userspace iWARP provider as a backend. No `unsafe`: registrations
+//! are the provider's owning [`provider::device::MemoryRegion`]s.
 
 use std::any::Any;
 use std::net::SocketAddr;
@@ -150,19 +147,8 @@ impl PdOps for UserPd {
     }
 
     fn register(&self, region: Region, access: Access) -> Result<Box<dyn MrOps>> {
-        // SAFETY: the region is owned by the UserMr built below, which
-        // deregisters the STag before the region is dropped or handed
-        // back; every access to it from safe code is a raw copy or an
-        // atomic.
-        let stag = unsafe {
-            self.pd
-                .reg_mr(region.as_ptr(), region.len(), access, region.is_durable())
-        }?;
-        Ok(Box::new(UserMr {
-            pd: self.pd.clone(),
-            stag,
-            region: Some(region),
-        }))
+        let iova = region.addr(0);
+        Ok(Box::new(self.pd.register(region, iova, access)?))
     }
 
     fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<Arc<dyn SrqOps>> {
@@ -182,45 +168,19 @@ impl PdOps for UserPd {
     }
 }
 
-/// A registration on the provider's MR table; owns its region.
-#[derive(Debug)]
-struct UserMr {
-    pd: provider::device::ProtectionDomain,
-    stag: u32,
-    /// `None` once handed back.
-    region: Option<Region>,
-}
-
-impl Drop for UserMr {
-    fn drop(&mut self) {
-        if self.region.is_some() {
-            // Deregistered before the region (a later field) is unmapped.
-            let _ = self.pd.dereg_mr(self.stag);
-        }
-    }
-}
-
-impl MrOps for UserMr {
+/// A registration on the provider's MR table, owning its region.
+impl MrOps for provider::device::MemoryRegion {
     fn lkey(&self) -> u32 {
-        self.stag
+        self.stag()
     }
     fn rkey(&self) -> u32 {
-        self.stag
+        self.stag()
     }
     fn region(&self) -> &Region {
-        self.region
-            .as_ref()
-            .expect("a registration has its region until into_region")
+        provider::device::MemoryRegion::region(self)
     }
-    fn into_region(mut self: Box<Self>) -> Result<Region> {
-        match self.pd.dereg_mr(self.stag) {
-            Ok(()) => Ok(self.region.take().expect("taken once")),
-            Err(e) => {
-                // Still in the table: keep the memory mapped for good.
-                std::mem::forget(self.region.take());
-                Err(e.into())
-            }
-        }
+    fn into_region(self: Box<Self>) -> Result<Region> {
+        Ok((*self).into_region()?)
     }
 }
 
