@@ -18,9 +18,9 @@ use provider::wr::{RecvWr, Remote, SendOp, SendWr, Sge};
 
 use crate::async_events::AsyncSource;
 use crate::c_list::{post_chain, sge_list};
-use crate::context::limits;
 use crate::errno::{self, guard};
 use crate::ffi::*;
+use provider::identity::LIMITS;
 
 /// `verbs_qp` as libibverbs lays it out (`ibv_qp_ex` first, then
 /// `comp_mask`), then ours.
@@ -144,7 +144,7 @@ impl QpShared {
                 InlineRing::new(
                     &self.pd,
                     self.caps.max_send_wr as usize + 1,
-                    limits::MAX_INLINE as usize,
+                    LIMITS.max_inline as usize,
                 )
                 .map_err(|e| tracing::warn!("stag0: no inline buffers for QP: errno {e}"))
                 .ok()
@@ -249,11 +249,11 @@ struct Batch {
 }
 
 fn caps_of(cap: &ibv_qp_cap) -> Result<(QpCaps, u32), c_int> {
-    if cap.max_send_wr > limits::MAX_QP_WR as u32
-        || cap.max_recv_wr > limits::MAX_QP_WR as u32
-        || cap.max_send_sge > limits::MAX_SGE as u32
-        || cap.max_recv_sge > limits::MAX_SGE as u32
-        || cap.max_inline_data > limits::MAX_INLINE
+    if cap.max_send_wr > LIMITS.max_qp_wr
+        || cap.max_recv_wr > LIMITS.max_qp_wr
+        || cap.max_send_sge > LIMITS.max_sge
+        || cap.max_recv_sge > LIMITS.max_sge
+        || cap.max_inline_data > LIMITS.max_inline
     {
         return Err(libc::EINVAL);
     }
@@ -615,7 +615,7 @@ pub(crate) unsafe extern "C" fn query_qp(
             .prov
             .negotiated()
             .map(|n| (n.ird, n.ord))
-            .unwrap_or((limits::MAX_RD_ATOM as u16, limits::MAX_RD_ATOM as u16));
+            .unwrap_or((LIMITS.max_rd_atom as u16, LIMITS.max_rd_atom as u16));
         let state = sh.state();
         // SAFETY: the caller's structs; qp is live.
         unsafe {
