@@ -1,10 +1,12 @@
 //! The userspace RNIC's verbs objects: device, protection domains,
 //! registrations, QPs, and the passive side of connection setup.
 //!
-//! Each connected QP is a sans-IO [`Connection`] under a TCP driver
-//! ([`crate::driver`]); the device's progress engine ([`crate::engine`])
-//! drives the QPs no application thread is driving, in the device's
-//! [`Progress`] mode.
+//! Each connected QP is a sans-IO [`Connection`](crate::qp::Connection)
+//! under a TCP driver (`driver.rs`, which also holds what a QP does
+//! before it is connected); a [`QueuePair`] is a handle onto it, as
+//! quinn's `Connection` is over quinn-proto. The device's progress engine
+//! ([`crate::engine`]) drives the QPs no application thread is driving,
+//! in the device's [`Progress`] mode.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
