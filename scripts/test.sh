@@ -72,6 +72,9 @@ in_vm() {
     return "$rc"
 }
 echo "== wire interop with kernel siw (VM; prints interop: N passed, M failed)"
+# verbs/tests/siw_interop.rs: ignored tests (they need siw0), built by the
+# workspace test run above; interop.sh runs each case in the VM.
+cargo test --workspace --test siw_interop --no-run --quiet
 in_vm -- scripts/vm/interop.sh
 # Unmodified rping and ib_write_lat -R on stag0 (stag run) against the same
 # programs on kernel siw0, both directions, on both kernels.

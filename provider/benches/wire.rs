@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use provider::cq::CompletionQueue;
-use provider::device::{Device, Listener, ProtectionDomain, QueuePair};
+use provider::device::{Device, Listener, MemoryRegion, QueuePair};
 use provider::mem::Access;
 use provider::qp::QpCaps;
 use provider::region::Region;
@@ -226,23 +226,11 @@ const ALL: Access = Access::LOCAL_WRITE
     .union(Access::REMOTE_READ)
     .union(Access::REMOTE_ATOMIC);
 
-struct Mr {
-    region: Region,
-    stag: u32,
-    pd: ProtectionDomain,
-}
-
-impl Drop for Mr {
-    fn drop(&mut self) {
-        let _ = self.pd.dereg_mr(self.stag);
-    }
-}
-
 struct Side {
     _dev: Device,
     cq: Arc<CompletionQueue>,
     qp: QueuePair,
-    mr: Mr,
+    mr: MemoryRegion,
 }
 
 fn side() -> Side {
@@ -251,14 +239,13 @@ fn side() -> Side {
     let cq = CompletionQueue::new(8192).unwrap();
     let qp = pd.create_qp(QpCaps::default(), &cq, &cq, None);
     let region = Region::anonymous(1 << 20).unwrap();
-    // SAFETY: the region is deregistered in `Mr::drop` before it is
-    // unmapped (fields drop after `drop`).
-    let stag = unsafe { pd.reg_mr(region.as_ptr(), region.len(), ALL, false) }.unwrap();
+    let iova = region.addr(0);
+    let mr = pd.register(region, iova, ALL).unwrap();
     Side {
         _dev: dev,
         cq,
         qp,
-        mr: Mr { region, stag, pd },
+        mr,
     }
 }
 
@@ -284,13 +271,13 @@ fn post_poll(c: &mut Criterion) {
     let mut g = c.benchmark_group("post_poll");
     let (a, b) = pair();
     let sge = Sge {
-        addr: a.mr.region.addr(0),
+        addr: a.mr.region().addr(0),
         length: 8,
-        lkey: a.mr.stag,
+        lkey: a.mr.stag(),
     };
     let remote = Remote {
-        addr: b.mr.region.addr(0),
-        rkey: b.mr.stag,
+        addr: b.mr.region().addr(0),
+        rkey: b.mr.stag(),
     };
     let ops: Vec<(&str, SendOp)> = vec![
         ("write_8B", SendOp::Write { remote }),
@@ -317,9 +304,9 @@ fn post_poll(c: &mut Criterion) {
                         b.qp.post_recv(RecvWr {
                             wr_id: 0,
                             sg_list: vec![Sge {
-                                addr: b.mr.region.addr(4096),
+                                addr: b.mr.region().addr(4096),
                                 length: 8,
-                                lkey: b.mr.stag,
+                                lkey: b.mr.stag(),
                             }],
                         })
                         .unwrap();

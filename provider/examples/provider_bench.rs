@@ -26,12 +26,12 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use provider::cq::CompletionQueue;
-use provider::device::{Device, Listener, ProtectionDomain, QueuePair};
+use provider::device::{Device, Listener, MemoryRegion, QueuePair};
 use provider::mem::Access;
 use provider::qp::QpCaps;
 use provider::region::Region;
 use provider::setup::MpaParams;
-use provider::wr::{RecvWr, Remote, SendOp, SendWr, Sge, WcStatus, WorkCompletion};
+use provider::wr::{RecvWr, SendOp, SendWr, Sge, WcStatus, WorkCompletion};
 
 const MSG: usize = 8;
 const BIG: usize = 1 << 20;
@@ -229,54 +229,13 @@ const ALL: Access = Access::LOCAL_WRITE
     .union(Access::REMOTE_READ)
     .union(Access::REMOTE_ATOMIC);
 
-struct Mr {
-    region: Region,
-    stag: u32,
-    pd: ProtectionDomain,
-}
-
-impl Mr {
-    fn new(pd: &ProtectionDomain, len: usize) -> Mr {
-        let region = Region::anonymous(len).unwrap();
-        // SAFETY: `region` lives in the same struct and is unmapped only
-        // after `Drop` below has deregistered it (fields drop after `drop`).
-        let stag = unsafe { pd.reg_mr(region.as_ptr(), region.len(), ALL, false) }.unwrap();
-        Mr {
-            region,
-            stag,
-            pd: pd.clone(),
-        }
-    }
-
-    fn sge(&self, offset: usize, len: usize) -> Sge {
-        Sge {
-            addr: self.region.addr(offset),
-            length: len as u32,
-            lkey: self.stag,
-        }
-    }
-
-    fn remote(&self, offset: usize) -> Remote {
-        Remote {
-            addr: self.region.addr(offset),
-            rkey: self.stag,
-        }
-    }
-}
-
-impl Drop for Mr {
-    fn drop(&mut self) {
-        let _ = self.pd.dereg_mr(self.stag);
-    }
-}
-
 /// One endpoint; each has its own device (and so its own engine thread),
 /// as two hosts would.
 struct Side {
     _dev: Device,
     cq: Arc<CompletionQueue>,
     qp: QueuePair,
-    mr: Mr,
+    mr: MemoryRegion,
 }
 
 impl Side {
@@ -285,7 +244,9 @@ impl Side {
         let pd = dev.alloc_pd();
         let cq = CompletionQueue::new(8192).unwrap();
         let qp = pd.create_qp(QpCaps::default(), &cq, &cq, None);
-        let mr = Mr::new(&pd, mr_len);
+        let region = Region::anonymous(mr_len).unwrap();
+        let iova = region.addr(0);
+        let mr = pd.register(region, iova, ALL).unwrap();
         Side {
             _dev: dev,
             cq,
@@ -310,7 +271,7 @@ impl Side {
         self.qp
             .post_recv(RecvWr {
                 wr_id,
-                sg_list: vec![self.mr.sge(4096, MSG)],
+                sg_list: vec![self.mr.sge(4096, MSG as u32)],
             })
             .unwrap();
     }
@@ -355,7 +316,7 @@ impl Side {
     fn spin_mem(&self, offset: usize, want: u64) {
         let mut spins = 0u32;
         let deadline = Instant::now() + WAIT;
-        while self.mr.region.load_u64(offset).unwrap() != want {
+        while self.mr.region().load_u64(offset).unwrap() != want {
             self.qp.progress();
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(4096) {
@@ -417,13 +378,13 @@ fn write_lat(iters: usize, crc: bool) -> Vec<f64> {
     let n = (warm + iters) as u64;
     // Offset 0: what this side sends; offset 64: where the peer writes.
     let ping = |s: &Side, peer: &Side, i: u64| {
-        s.mr.region.store_u64(0, i).unwrap();
+        s.mr.region().store_u64(0, i).unwrap();
         s.post(
             i,
             SendOp::Write {
                 remote: peer.mr.remote(64),
             },
-            vec![s.mr.sge(0, MSG)],
+            vec![s.mr.sge(0, MSG as u32)],
             false,
         );
     };
@@ -470,7 +431,7 @@ fn send_lat(iters: usize, busy: bool, crc: bool) -> Vec<f64> {
                 solicited: false,
                 invalidate: None,
             },
-            vec![s.mr.sge(0, MSG)],
+            vec![s.mr.sge(0, MSG as u32)],
             false,
         );
     };
@@ -536,7 +497,7 @@ fn rtt(iters: usize, op: RttOp, busy: bool, crc: bool) -> Vec<f64> {
                     },
                 };
                 let t = Instant::now();
-                a.post(i as u64, op, vec![a.mr.sge(256, MSG)], true);
+                a.post(i as u64, op, vec![a.mr.sge(256, MSG as u32)], true);
                 a.get(&mut wc, busy);
                 let dt = t.elapsed().as_nanos() as f64;
                 if i >= warm {
@@ -571,7 +532,7 @@ fn write_bw(total: usize, trials: usize, busy: bool, crc: bool) -> Vec<f64> {
             SendOp::Write {
                 remote: b.mr.remote(0),
             },
-            vec![a.mr.sge(0, BIG)],
+            vec![a.mr.sge(0, BIG as u32)],
             true,
         );
     };
@@ -582,7 +543,7 @@ fn write_bw(total: usize, trials: usize, busy: bool, crc: bool) -> Vec<f64> {
             SendOp::Read {
                 remote: b.mr.remote(0),
             },
-            vec![a.mr.sge(0, MSG)],
+            vec![a.mr.sge(0, MSG as u32)],
             true,
         );
         while a.get(wc, busy).wr_id != u64::MAX {}

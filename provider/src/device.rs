@@ -1,10 +1,12 @@
 //! The userspace RNIC's verbs objects: device, protection domains,
 //! registrations, QPs, and the passive side of connection setup.
 //!
-//! Each connected QP is a sans-IO [`Connection`] under a TCP driver
-//! ([`crate::driver`]); the device's progress engine ([`crate::engine`])
-//! drives the QPs no application thread is driving, in the device's
-//! [`Progress`] mode.
+//! Each connected QP is a sans-IO [`Connection`](crate::qp::Connection)
+//! under a TCP driver (`driver.rs`, which also holds what a QP does
+//! before it is connected); a [`QueuePair`] is a handle onto it, as
+//! quinn's `Connection` is over quinn-proto. The device's progress engine
+//! ([`crate::engine`]) drives the QPs no application thread is driving,
+//! in the device's [`Progress`] mode.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
@@ -16,45 +18,15 @@ use std::time::{Duration, Instant};
 use crate::cq::CompletionQueue;
 use crate::driver::QpShared;
 use crate::engine::{Engine, Progress};
+pub use crate::error::DeviceError;
 pub use crate::listener::Listener;
-use crate::mem::{Access, MrTable, PdId, RegisterError};
+use crate::mem::{Access, MrTable, PdId};
 use crate::nosignal::NoSignal;
-use crate::qp::{Connection, Event, PostError, QpCaps, QpState};
+use crate::qp::{Event, QpCaps, QpState};
+use crate::region::Region;
 use crate::setup::{Answer, Initiator, MpaParams, Negotiated, Request};
 use crate::srq::Srq;
-use crate::wr::{RecvWr, SendWr, SendWrRef, WcOpcode, WcStatus, WorkCompletion};
-
-/// Errors of the device-level verbs.
-#[derive(Debug, thiserror::Error)]
-pub enum DeviceError {
-    /// A socket or system call failed.
-    #[error("I/O: {0}")]
-    Io(#[from] std::io::Error),
-    /// The MPA exchange failed or the peer spoke something else.
-    #[error("MPA: {0}")]
-    Mpa(#[from] crate::wire::Error),
-    /// The peer rejected the connection, with its private data.
-    #[error("connection rejected by peer")]
-    Rejected(Vec<u8>),
-    /// The MPA exchange did not finish in time.
-    #[error("connection setup timed out")]
-    Timeout,
-    /// The QP is not in a state that allows this.
-    #[error("QP in wrong state for this")]
-    InvalidState,
-    /// Posting failed.
-    #[error(transparent)]
-    Post(#[from] PostError),
-    /// Registration failed.
-    #[error(transparent)]
-    Register(#[from] RegisterError),
-    /// epoll/eventfd failed.
-    #[error("system: {0}")]
-    Sys(#[from] nix::Error),
-    /// The listener was shut down.
-    #[error("listener shut down")]
-    ListenerClosed,
-}
+use crate::wr::{RecvWr, Remote, SendWr, SendWrRef, Sge};
 
 /// How long connection setup may take before it fails.
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -176,6 +148,39 @@ impl ProtectionDomain {
         Ok(stag)
     }
 
+    /// `ibv_reg_mr` of memory the registration owns (sideway's
+    /// `reg_managed_mr`): `region`'s bytes are visible to SGEs and peers at
+    /// `iova..iova + len` (pass `region.addr(0)` for the usual
+    /// virtual-address registration), and dropping the [`MemoryRegion`]
+    /// deregisters them before the memory is unmapped.
+    pub fn register(
+        &self,
+        region: Region,
+        iova: u64,
+        access: Access,
+    ) -> Result<MemoryRegion, DeviceError> {
+        // SAFETY: the MemoryRegion built below owns `region` and
+        // deregisters the STag (Drop or `into_region`) before it drops or
+        // hands back the memory; every safe access to a Region is a raw
+        // copy or an atomic, so the device writing it meanwhile is sound.
+        let stag = unsafe {
+            self.device.inner.mem.register(
+                self.id,
+                region.as_ptr(),
+                iova,
+                region.len() as u64,
+                access,
+                region.is_durable(),
+            )
+        }?;
+        Ok(MemoryRegion {
+            pd: self.clone(),
+            stag,
+            iova,
+            region: Some(region),
+        })
+    }
+
     /// `ibv_dereg_mr`. Once it returns the region is never read or
     /// written again. Output already framed from it (a Send's segments,
     /// a Read Response, waiting for the socket) is copied first, so that
@@ -239,6 +244,79 @@ impl ProtectionDomain {
     }
 }
 
+/// A registration that owns its memory, from
+/// [`ProtectionDomain::register`]: deregistered when dropped, and only
+/// then is the memory unmapped.
+#[derive(Debug)]
+pub struct MemoryRegion {
+    pd: ProtectionDomain,
+    stag: u32,
+    iova: u64,
+    /// `None` once handed back by [`into_region`](Self::into_region).
+    region: Option<Region>,
+}
+
+impl MemoryRegion {
+    /// The STag, used as both lkey and rkey.
+    pub fn stag(&self) -> u32 {
+        self.stag
+    }
+
+    /// The address of byte 0 for SGEs and peers.
+    pub fn iova(&self) -> u64 {
+        self.iova
+    }
+
+    /// The registered memory.
+    pub fn region(&self) -> &Region {
+        self.region
+            .as_ref()
+            .expect("a registration has its region until into_region")
+    }
+
+    /// A local SGE over `len` bytes at `offset`.
+    pub fn sge(&self, offset: usize, len: u32) -> Sge {
+        Sge {
+            addr: self.iova + offset as u64,
+            length: len,
+            lkey: self.stag,
+        }
+    }
+
+    /// What a peer needs to reach `offset` (address and rkey).
+    pub fn remote(&self, offset: usize) -> Remote {
+        Remote {
+            addr: self.iova + offset as u64,
+            rkey: self.stag,
+        }
+    }
+
+    /// Deregister and give the memory back. If deregistration fails the
+    /// STag stays in the table, so the memory stays mapped for good (it
+    /// is leaked, never freed under the device) and the error returned.
+    pub fn into_region(mut self) -> Result<Region, DeviceError> {
+        let region = self.region.take().expect("taken once");
+        match self.pd.dereg_mr(self.stag) {
+            Ok(()) => Ok(region),
+            Err(e) => {
+                std::mem::forget(region);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        if let Some(region) = self.region.take() {
+            if self.pd.dereg_mr(self.stag).is_err() {
+                // Still in the table: the memory must stay mapped.
+                std::mem::forget(region);
+            }
+        }
+    }
+}
+
 /// An RC queue pair.
 #[derive(Debug)]
 pub struct QueuePair {
@@ -255,23 +333,17 @@ impl QueuePair {
 
     /// The current state (RTR before the connection is up).
     pub fn state(&self) -> QpState {
-        let io = self.shared.lock();
-        io.conn
-            .as_ref()
-            .map(Connection::state)
-            .unwrap_or(QpState::Rtr)
+        self.shared.state()
     }
 
     /// What the MPA exchange settled, once connected.
     pub fn negotiated(&self) -> Option<Negotiated> {
-        let io = self.shared.lock();
-        io.conn.as_ref().map(|c| c.negotiated().clone())
+        self.shared.negotiated()
     }
 
     /// Connection events so far (Established, Terminate sent/received, Closed).
     pub fn take_events(&self) -> Vec<Event> {
-        let mut io = self.shared.lock();
-        io.events.drain(..).collect()
+        self.shared.take_events()
     }
 
     /// Have `hook` called whenever connection events are queued for
@@ -294,139 +366,35 @@ impl QueuePair {
             .set_async_hook(crate::driver::AsyncHook(Box::new(hook)))
     }
 
-    /// `ibv_post_send`. The request is framed and written from the calling
-    /// thread (which does not read the socket: input is for whoever polls,
-    /// the device's engine when nobody does).
-    pub fn post_send(&self, wr: SendWr) -> Result<(), DeviceError> {
-        self.post(wr, true)
+    /// Start a post list (`ibv_post_send` with a chain, or
+    /// `ibv_wr_start`): each [`PostGuard::push`] queues and frames one WR,
+    /// and [`PostGuard::post`] (or dropping the guard) rings the doorbell
+    /// once, so that the list leaves in one write.
+    pub fn start_post(&self) -> PostGuard<'_> {
+        PostGuard {
+            qp: &self.shared,
+            pushed: false,
+        }
     }
 
-    /// One WR of a post list: queued and framed like
-    /// [`post_send`](Self::post_send), but written to the socket only at
-    /// the list's [`ring_doorbell`](Self::ring_doorbell) (or by whoever
-    /// drives the QP first), so that a list leaves in one write.
-    pub fn post_send_unrung(&self, wr: SendWr) -> Result<(), DeviceError> {
-        self.post(wr, false)
-    }
-
-    /// [`post_send`](Self::post_send) (`ring`) or
-    /// [`post_send_unrung`](Self::post_send_unrung) with a borrowed SGE
-    /// list: the QP copies it into storage recycled from completed WRs, so
-    /// a steady stream of posts allocates nothing.
-    pub fn post_send_ref(&self, wr: SendWrRef<'_>, ring: bool) -> Result<(), DeviceError> {
-        let env = self.shared.env();
-        let mut io = self.shared.lock();
-        match io.conn.as_mut() {
-            Some(conn) => conn.post_send_ref(wr, &env)?,
-            // Not connected (or errored early): the owned path handles it.
-            None => {
-                drop(io);
-                let owned = SendWr {
-                    wr_id: wr.wr_id,
-                    op: wr.op,
-                    sg_list: wr.sg_list.to_vec(),
-                    signaled: wr.signaled,
-                    fence: wr.fence,
-                };
-                return self.post(owned, ring);
-            }
-        }
-        if ring {
-            self.shared.drive_with(&mut io, false);
-        }
-        Ok(())
-    }
-
-    /// Write what [`post_send_unrung`](Self::post_send_unrung) queued.
-    pub fn ring_doorbell(&self) {
-        let mut io = self.shared.lock();
-        self.shared.drive_with(&mut io, false);
-    }
-
-    fn post(&self, wr: SendWr, ring: bool) -> Result<(), DeviceError> {
-        let env = self.shared.env();
-        let mut io = self.shared.lock();
-        if io.conn.is_none() && io.errored_early {
-            // A QP in Error completes what is posted with a flush error.
-            self.shared.send_cq.push(WorkCompletion {
-                wr_id: wr.wr_id,
-                status: WcStatus::WrFlushErr,
-                opcode: wr.op.wc_opcode(),
-                qp_num: self.shared.qpn,
-                ..WorkCompletion::BLANK
-            });
-            return Ok(());
-        }
-        let Some(conn) = io.conn.as_mut() else {
-            return Err(DeviceError::InvalidState);
-        };
-        conn.post_send(wr, &env)?;
-        if ring {
-            self.shared.drive_with(&mut io, false);
-        }
+    /// `ibv_post_send` of one WR: [`start_post`](Self::start_post),
+    /// [`push`](PostGuard::push), [`post`](PostGuard::post).
+    pub fn post_send(&self, wr: impl AsSendWr) -> Result<(), DeviceError> {
+        let mut post = self.start_post();
+        post.push(wr)?;
+        post.post();
         Ok(())
     }
 
     /// `ibv_post_recv`. Allowed before the connection exists.
     pub fn post_recv(&self, wr: RecvWr) -> Result<(), DeviceError> {
-        if self.shared.srq.is_some() {
-            return Err(PostError::HasSrq.into());
-        }
-        let mut io = self.shared.lock();
-        let errored_early = io.errored_early;
-        match io.conn.as_mut() {
-            Some(conn) => conn.post_recv(wr)?,
-            None if errored_early => self.shared.recv_cq.push(WorkCompletion {
-                wr_id: wr.wr_id,
-                status: WcStatus::WrFlushErr,
-                opcode: WcOpcode::Recv,
-                qp_num: self.shared.qpn,
-                ..WorkCompletion::BLANK
-            }),
-            None => {
-                if wr.sg_list.len() > self.shared.caps.max_recv_sge as usize {
-                    return Err(PostError::TooManySges(
-                        wr.sg_list.len(),
-                        self.shared.caps.max_recv_sge,
-                    )
-                    .into());
-                }
-                if io.early_recv.len() >= self.shared.caps.max_recv_wr as usize {
-                    return Err(PostError::Recv(crate::srq::PostRecvError::Full(
-                        self.shared.caps.max_recv_wr as usize,
-                    ))
-                    .into());
-                }
-                io.early_recv.push_back(wr);
-            }
-        }
-        Ok(())
+        self.shared.post_recv(wr)
     }
 
     /// Move the QP to Error (`ibv_modify_qp(IBV_QPS_ERR)`): outstanding WRs
     /// complete with a flush error and the stream closes.
     pub fn set_error(&self) {
-        let mut io = self.shared.lock();
-        if let Some(conn) = io.conn.as_mut() {
-            conn.set_error();
-        } else {
-            io.errored_early = true;
-            let flushed: Vec<_> = io.early_recv.drain(..).collect();
-            for wr in flushed {
-                self.shared.recv_cq.push(WorkCompletion {
-                    wr_id: wr.wr_id,
-                    status: WcStatus::WrFlushErr,
-                    opcode: WcOpcode::Recv,
-                    byte_len: 0,
-                    imm: None,
-                    invalidated_rkey: None,
-                    qp_num: self.shared.qpn,
-                    vendor_err: 0,
-                    solicited: false,
-                });
-            }
-        }
-        self.shared.drive(&mut io);
+        self.shared.set_error();
     }
 
     /// Drive this QP once from the calling thread.
@@ -475,35 +443,83 @@ impl QueuePair {
             Answer::Rejected(pd) => Err(DeviceError::Rejected(pd)),
             Answer::Accepted(neg) => {
                 let private = neg.peer_private_data.clone();
-                self.start(sock, neg, &leftover)?;
+                self.shared.start(sock, neg, &leftover)?;
                 Ok(private)
             }
         }
     }
+}
 
-    /// Turn a finished MPA exchange into a running stream.
-    fn start(&self, sock: TcpStream, neg: Negotiated, leftover: &[u8]) -> Result<(), DeviceError> {
-        sock.set_nonblocking(true)?;
-        let mut conn = Connection::new(
-            self.shared.qpn,
-            self.shared.pd,
-            self.shared.caps,
-            neg,
-            self.shared.srq.is_some(),
-        );
-        let mut io = self.shared.lock();
-        if io.conn.is_some() || io.errored_early {
-            return Err(DeviceError::InvalidState);
-        }
-        for wr in io.early_recv.drain(..) {
-            conn.post_recv(wr)?;
-        }
-        if !leftover.is_empty() {
-            conn.handle_bytes(leftover, &self.shared.env());
-        }
-        io.conn = Some(conn);
-        self.shared.attach_socket(&mut io, sock)?;
+/// A post list on one QP, from [`QueuePair::start_post`]: WRs are queued
+/// and framed as they are pushed, and written to the socket once, at
+/// [`post`](Self::post) or when the guard is dropped (a list that stops at
+/// a failing WR still sends the WRs before it, as `ibv_post_send` does).
+/// The guard holds no lock between pushes.
+#[derive(Debug)]
+#[must_use = "the WRs leave at post() or when the guard is dropped"]
+pub struct PostGuard<'q> {
+    qp: &'q QpShared,
+    /// A WR was queued since the last ring.
+    pushed: bool,
+}
+
+impl PostGuard<'_> {
+    /// Queue one send WR. Its SGE list is copied into storage the QP
+    /// recycles from completed WRs, so posting a [`SendWrRef`] allocates
+    /// nothing in steady state. A refused WR leaves the earlier ones
+    /// queued.
+    pub fn push(&mut self, wr: impl AsSendWr) -> Result<(), DeviceError> {
+        self.qp.queue_send(wr.as_send_wr())?;
+        self.pushed = true;
         Ok(())
+    }
+
+    /// Ring the doorbell: write what was pushed, from the calling thread.
+    pub fn post(mut self) {
+        self.ring();
+    }
+
+    fn ring(&mut self) {
+        if std::mem::take(&mut self.pushed) {
+            self.qp.ring();
+        }
+    }
+}
+
+impl Drop for PostGuard<'_> {
+    fn drop(&mut self) {
+        self.ring();
+    }
+}
+
+/// A send WR, owned ([`SendWr`]) or with a borrowed SGE list
+/// ([`SendWrRef`]): what [`PostGuard::push`] takes.
+pub trait AsSendWr {
+    /// The WR, borrowed.
+    fn as_send_wr(&self) -> SendWrRef<'_>;
+}
+
+impl AsSendWr for SendWrRef<'_> {
+    fn as_send_wr(&self) -> SendWrRef<'_> {
+        *self
+    }
+}
+
+impl AsSendWr for SendWr {
+    fn as_send_wr(&self) -> SendWrRef<'_> {
+        SendWrRef {
+            wr_id: self.wr_id,
+            op: self.op,
+            sg_list: &self.sg_list,
+            signaled: self.signaled,
+            fence: self.fence,
+        }
+    }
+}
+
+impl AsSendWr for &SendWr {
+    fn as_send_wr(&self) -> SendWrRef<'_> {
+        (*self).as_send_wr()
     }
 }
 
@@ -596,7 +612,7 @@ impl ConnRequest {
             }
         };
         NoSignal(&self.sock).write_all(&reply)?;
-        qp.start(self.sock, neg, &self.leftover)
+        qp.shared.start(self.sock, neg, &self.leftover)
     }
 
     /// Reject with private data, then close.

@@ -18,11 +18,13 @@ use tracing::debug;
 
 use crate::cq::{CompletionQueue, CqQp};
 use crate::engine::{Engine, EngineQp, Ownership, Progress};
+use crate::error::DeviceError;
 use crate::mem::{MrTable, PdId};
 use crate::nosignal::send_vectored;
-use crate::qp::{Connection, CqSide, Env, Event, QpCaps, QpState};
+use crate::qp::{Connection, CqSide, Env, Event, PostError, QpCaps, QpState};
+use crate::setup::Negotiated;
 use crate::srq::Srq;
-use crate::wr::RecvWr;
+use crate::wr::{RecvWr, SendWrRef, WcOpcode, WcStatus, WorkCompletion};
 
 /// Size of the socket read buffer.
 const READ_CHUNK: usize = 256 * 1024;
@@ -160,11 +162,7 @@ impl QpShared {
 
     /// Take the connected stream: register it with the engine and drive
     /// once (the connection is already in `io`).
-    pub(crate) fn attach_socket(
-        self: &Arc<Self>,
-        io: &mut QpIo,
-        sock: TcpStream,
-    ) -> Result<(), nix::Error> {
+    fn attach_socket(self: &Arc<Self>, io: &mut QpIo, sock: TcpStream) -> Result<(), nix::Error> {
         let sock = self.sock.get_or_init(|| sock);
         if let Some(engine) = self.engine.upgrade() {
             let weak: Weak<dyn EngineQp> = Arc::downgrade(self) as Weak<dyn EngineQp>;
@@ -462,5 +460,143 @@ impl CqQp for QpShared {
 
     fn release_to_engine(&self) {
         self.own.release(self.engine.upgrade().as_deref());
+    }
+}
+
+/// The verbs of a QP handle ([`crate::device::QueuePair`]), including what
+/// they do before the connection exists: receives wait in `early_recv`, a
+/// QP moved to Error flushes what is posted, and a send needs the stream.
+impl QpShared {
+    /// The current state (RTR before the connection is up).
+    pub(crate) fn state(&self) -> QpState {
+        let io = self.lock();
+        io.conn
+            .as_ref()
+            .map(Connection::state)
+            .unwrap_or(QpState::Rtr)
+    }
+
+    /// What the MPA exchange settled, once connected.
+    pub(crate) fn negotiated(&self) -> Option<Negotiated> {
+        let io = self.lock();
+        io.conn.as_ref().map(|c| c.negotiated().clone())
+    }
+
+    /// Connection events queued so far.
+    pub(crate) fn take_events(&self) -> Vec<Event> {
+        let mut io = self.lock();
+        io.events.drain(..).collect()
+    }
+
+    /// Queue and frame one send WR; it reaches the socket at the next
+    /// [`ring`](Self::ring) (or whichever drive of the QP comes first).
+    pub(crate) fn queue_send(&self, wr: SendWrRef<'_>) -> Result<(), DeviceError> {
+        let env = self.env();
+        let mut io = self.lock();
+        if let Some(conn) = io.conn.as_mut() {
+            return Ok(conn.post_send_ref(wr, &env)?);
+        }
+        if !io.errored_early {
+            return Err(DeviceError::InvalidState);
+        }
+        // A QP in Error completes what is posted with a flush error.
+        self.send_cq.push(WorkCompletion {
+            wr_id: wr.wr_id,
+            status: WcStatus::WrFlushErr,
+            opcode: wr.op.wc_opcode(),
+            qp_num: self.qpn,
+            ..WorkCompletion::BLANK
+        });
+        Ok(())
+    }
+
+    /// The doorbell: write what was queued, from the calling thread
+    /// (which does not read the socket: input is for whoever polls, the
+    /// device's engine when nobody does).
+    pub(crate) fn ring(&self) {
+        let mut io = self.lock();
+        self.drive_with(&mut io, false);
+    }
+
+    /// `ibv_post_recv`; allowed before the connection exists.
+    pub(crate) fn post_recv(&self, wr: RecvWr) -> Result<(), DeviceError> {
+        if self.srq.is_some() {
+            return Err(PostError::HasSrq.into());
+        }
+        let mut io = self.lock();
+        let errored_early = io.errored_early;
+        match io.conn.as_mut() {
+            Some(conn) => conn.post_recv(wr)?,
+            None if errored_early => self.recv_cq.push(WorkCompletion {
+                wr_id: wr.wr_id,
+                status: WcStatus::WrFlushErr,
+                opcode: WcOpcode::Recv,
+                qp_num: self.qpn,
+                ..WorkCompletion::BLANK
+            }),
+            None => {
+                if wr.sg_list.len() > self.caps.max_recv_sge as usize {
+                    return Err(
+                        PostError::TooManySges(wr.sg_list.len(), self.caps.max_recv_sge).into(),
+                    );
+                }
+                if io.early_recv.len() >= self.caps.max_recv_wr as usize {
+                    return Err(PostError::Recv(crate::srq::PostRecvError::Full(
+                        self.caps.max_recv_wr as usize,
+                    ))
+                    .into());
+                }
+                io.early_recv.push_back(wr);
+            }
+        }
+        Ok(())
+    }
+
+    /// Move the QP to Error: outstanding WRs complete with a flush error
+    /// and the stream closes.
+    pub(crate) fn set_error(&self) {
+        let mut io = self.lock();
+        if let Some(conn) = io.conn.as_mut() {
+            conn.set_error();
+        } else {
+            io.errored_early = true;
+            let flushed: Vec<_> = io.early_recv.drain(..).collect();
+            for wr in flushed {
+                self.recv_cq.push(WorkCompletion {
+                    wr_id: wr.wr_id,
+                    status: WcStatus::WrFlushErr,
+                    opcode: WcOpcode::Recv,
+                    qp_num: self.qpn,
+                    ..WorkCompletion::BLANK
+                });
+            }
+        }
+        self.drive(&mut io);
+    }
+
+    /// Turn a finished MPA exchange into a running stream: the connection
+    /// takes the receives posted early and the bytes that followed the
+    /// exchange, then the engine takes the socket.
+    pub(crate) fn start(
+        self: &Arc<Self>,
+        sock: TcpStream,
+        neg: Negotiated,
+        leftover: &[u8],
+    ) -> Result<(), DeviceError> {
+        sock.set_nonblocking(true)?;
+        let mut conn = Connection::new(self.qpn, self.pd, self.caps, neg, self.srq.is_some());
+        let mut io = self.lock();
+        if io.conn.is_some() || io.errored_early {
+            return Err(DeviceError::InvalidState);
+        }
+        for wr in io.early_recv.drain(..) {
+            conn.post_recv(wr)?;
+        }
+        if !leftover.is_empty() {
+            conn.handle_bytes(leftover, &self.env());
+        }
+        io.conn = Some(conn);
+        self.attach_socket(&mut io, sock)?;
+        Ok(())
     }
 }

@@ -4,6 +4,46 @@
 //! the application does something else — a hardware RNIC's responder never
 //! waits for the host.
 //!
+//! # Glossary
+//!
+//! One vocabulary for "run a QP's I/O", used across the provider, `verbs`
+//! and the rdma-core plugin:
+//!
+//! - **drive** (internal, once): take the QP's lock and run its I/O one
+//!   time: write what is framed, read and process what the socket has
+//!   (bounded, so one QP cannot starve the others), write the answers,
+//!   deliver completions and events (`QpShared::drive`). Whoever holds
+//!   the lock drives; the byte stream stays in order whoever that is.
+//! - **ring** (the doorbell): a write-only drive from the posting thread,
+//!   once per post list (`device::PostGuard::post`). Input is left to
+//!   whoever polls.
+//! - **progress** (the public verb): drive from the calling thread on the
+//!   application's behalf: `QueuePair::progress`, `try_progress` (unless
+//!   another thread is driving), and every CQ poll or wait, which
+//!   progresses the CQ's QPs.
+//! - **progress mode** ([`Progress`]: `Busy`, `Adaptive`, `Blocking`):
+//!   how the engine waits for input on the QPs it owns, and whether a
+//!   thread waiting on a CQ sleeps on the sockets itself (`Blocking`).
+//! - **owner**: who is expected to drive a QP (`Ownership`): the
+//!   engine (the socket armed in its epoll set) or an application thread
+//!   (it polled a CQ with no notification armed).
+//! - **park**: the engine finds input on a QP an application thread owns:
+//!   it disarms the socket and looks again every [`PARK_RECHECK`], taking
+//!   the QP back once the application stops driving it
+//!   (`Device::engine_parks` counts them).
+//! - **release**: an application thread hands its QPs back to the engine
+//!   at once (arming a CQ's notification, `QueuePair::release_to_engine`).
+//! - **wait**: a thread asleep on a CQ polls the QPs' sockets itself; the
+//!   sockets leave the engine's epoll set until it wakes.
+//!
+//! The rdma-core plugin adds two policies for C programs, in these words:
+//! its **sweep** is a `poll_cq` that finds its CQ empty progressing (with
+//! `try_progress`) the process's QPs whose CQs nobody polls, so that
+//! thread owns them and the engine parks them; its **assist** is a
+//! `poll_cq` that reaps an RDMA Write's completion progressing that QP for
+//! a short adaptive window until the peer's answer is read, and releasing
+//! it to the engine when the window finds none.
+//!
 //! How the engine waits for input is the device's [`Progress`] mode: it
 //! polls (`Busy`), polls for a while after traffic and then sleeps in
 //! `epoll_wait` (`Adaptive`, the default), or always sleeps (`Blocking`).

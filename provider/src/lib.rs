@@ -14,6 +14,7 @@ pub mod cq;
 pub mod device;
 mod driver;
 pub mod engine;
+pub mod error;
 pub mod fatal;
 pub mod listener;
 pub mod mem;
@@ -60,4 +61,53 @@ pub mod identity {
     pub const GID: [u8; 16] = [
         0, 0, 0, 0, 0, 0, 0, 0, 0x02, 0x73, 0x74, 0xff, 0xfe, 0x61, 0x67, 0x00,
     ];
+
+    /// The device's limits, as `ibv_query_device` reports them: the one
+    /// table that the rdma-core plugin's `query_device` and its
+    /// create_qp/create_cq/create_srq checks, and the `verbs` capability
+    /// matrix of a userspace device, read.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Limits {
+        /// `max_qp`.
+        pub max_qp: u32,
+        /// `max_qp_wr`: WRs per send or receive queue.
+        pub max_qp_wr: u32,
+        /// `max_sge` (also `max_sge_rd`, `max_srq_sge`): SGEs per WR.
+        pub max_sge: u32,
+        /// `max_cq`.
+        pub max_cq: u32,
+        /// `max_cqe`: entries per CQ.
+        pub max_cqe: u32,
+        /// `max_mr`.
+        pub max_mr: u32,
+        /// `max_pd`.
+        pub max_pd: u32,
+        /// `max_qp_rd_atom` = `max_qp_init_rd_atom`: IRD and ORD, the
+        /// inbound and outbound Reads, atomics and Commits in flight.
+        pub max_rd_atom: u32,
+        /// `max_srq`.
+        pub max_srq: u32,
+        /// `max_srq_wr`.
+        pub max_srq_wr: u32,
+        /// `max_inline_data` a QP may ask for.
+        pub max_inline: u32,
+        /// `max_msg_sz`: an RDMAP message is at most 2^32 - 1 bytes.
+        pub max_msg: u32,
+    }
+
+    /// stag0's limits.
+    pub const LIMITS: Limits = Limits {
+        max_qp: 16384,
+        max_qp_wr: 4096,
+        max_sge: 8,
+        max_cq: 16384,
+        max_cqe: 1 << 20,
+        max_mr: 1 << 20,
+        max_pd: 1 << 16,
+        max_rd_atom: 128,
+        max_srq: 4096,
+        max_srq_wr: 4096,
+        max_inline: 256,
+        max_msg: u32::MAX,
+    };
 }

@@ -264,7 +264,7 @@ pub struct SendWr {
 
 /// A send work request whose SGE list is borrowed: what a caller that
 /// keeps its SGEs on the stack posts with
-/// [`QueuePair::post_send_ref`](crate::device::QueuePair::post_send_ref),
+/// [`PostGuard::push`](crate::device::PostGuard::push),
 /// so that posting allocates nothing (the QP copies the list into storage
 /// it recycles from completed WRs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -66,7 +66,7 @@ fn responder(path: &str) {
     let dev = provider::device::Device::open("crash").unwrap();
     let pd = dev.alloc_pd();
     let side = Side::in_pd(&pd, None);
-    let durable = Mr::from_region(
+    let durable = common::register(
         &pd,
         Region::file_backed(std::path::Path::new(path), FILE_LEN).unwrap(),
         ALL,
@@ -75,8 +75,8 @@ fn responder(path: &str) {
     let port = listener.local_addr().unwrap().port();
     println!(
         "STAG_PORT {port} {} {}",
-        durable.stag,
-        durable.region.addr(0)
+        durable.stag(),
+        durable.region().addr(0)
     );
     let req = listener.accept().unwrap();
     req.accept(&side.qp, &MpaParams::default()).unwrap();
@@ -150,7 +150,7 @@ fn trial(trial_no: u64, rng: &mut u64, path: &PathBuf) -> Trial {
     for pair in slots.chunks(2) {
         for &slot in pair {
             side.mr
-                .region
+                .region()
                 .write_at(slot * CHUNK, &pattern(trial_no, slot))
                 .unwrap();
             let remote = Remote {

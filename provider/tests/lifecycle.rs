@@ -55,7 +55,7 @@ fn a_stalled_peer_fills_buffers_without_hanging() {
     let me = Side::new(None);
     me.qp.connect(addr, &MpaParams::default()).unwrap();
     let data = vec![0x5au8; 1 << 20];
-    me.mr.region.write_at(0, &data).unwrap();
+    me.mr.region().write_at(0, &data).unwrap();
     // Post 1 MiB Writes until the send queue refuses: the socket buffers
     // fill, posting never blocks, and the queue is the bound.
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -111,9 +111,9 @@ fn child_responder() {
     let me = Side::new(None);
     let listener = provider::device::Listener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
-    me.mr.region.write_at(0, &[7u8; 4096]).unwrap();
+    me.mr.region().write_at(0, &[7u8; 4096]).unwrap();
     // Tell the parent where to connect and which memory to read.
-    let info = format!("{} {} {}", addr, me.mr.region.addr(0), me.mr.stag);
+    let info = format!("{} {} {}", addr, me.mr.region().addr(0), me.mr.stag());
     std::fs::write(&port_file, info).unwrap();
     let req = listener.accept().unwrap();
     req.accept(&me.qp, &MpaParams::default()).unwrap();
@@ -164,7 +164,7 @@ fn a_killed_peer_process_flushes_outstanding_work() {
     // One Read proves the peer serves; then kill it with work outstanding.
     me.post(0, SendOp::Read { remote }, vec![me.mr.sge(0, 64)]);
     assert_eq!(me.wait(1)[0].status, WcStatus::Success);
-    assert_eq!(me.mr.region.to_vec(0, 64).unwrap(), vec![7u8; 64]);
+    assert_eq!(me.mr.region().to_vec(0, 64).unwrap(), vec![7u8; 64]);
     me.recv(100, 0, 64);
     child.kill().unwrap();
     child.wait().unwrap();

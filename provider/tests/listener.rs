@@ -101,7 +101,7 @@ fn handshakes_have_deadlines_and_may_arrive_in_pieces() {
 fn accepted_requests_become_connections() {
     let (a, b) = pair();
     b.recv(1, 0, 64);
-    a.mr.region.write_at(0, b"through the listener").unwrap();
+    a.mr.region().write_at(0, b"through the listener").unwrap();
     a.post(
         2,
         provider::wr::SendOp::Send {
@@ -112,7 +112,10 @@ fn accepted_requests_become_connections() {
     );
     assert_eq!(a.wait(1)[0].wr_id, 2);
     assert_eq!(b.wait(1)[0].byte_len, 20);
-    assert_eq!(b.mr.region.to_vec(0, 20).unwrap(), b"through the listener");
+    assert_eq!(
+        b.mr.region().to_vec(0, 20).unwrap(),
+        b"through the listener"
+    );
 }
 
 /// Shutting the listener down ends a blocked accept with an error and

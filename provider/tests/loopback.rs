@@ -20,9 +20,9 @@ fn send_recv_small_and_segmented() {
     let (a, b) = pair();
     b.recv(1, 0, 64);
     b.recv(2, 4096, 300_000);
-    a.mr.region.write_at(0, b"hello").unwrap();
+    a.mr.region().write_at(0, b"hello").unwrap();
     let big: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
-    a.mr.region.write_at(8192, &big).unwrap();
+    a.mr.region().write_at(8192, &big).unwrap();
     a.post(
         10,
         SendOp::Send {
@@ -55,8 +55,8 @@ fn send_recv_small_and_segmented() {
         (r[1].wr_id, r[1].byte_len, r[1].solicited),
         (2, 300_000, true)
     );
-    assert_eq!(b.mr.region.to_vec(0, 5).unwrap(), b"hello");
-    assert_eq!(b.mr.region.to_vec(4096, 300_000).unwrap(), big);
+    assert_eq!(b.mr.region().to_vec(0, 5).unwrap(), b"hello");
+    assert_eq!(b.mr.region().to_vec(4096, 300_000).unwrap(), big);
 }
 
 #[test]
@@ -67,8 +67,8 @@ fn send_gathers_and_scatters_over_several_sges() {
         sg_list: vec![b.mr.sge(100, 3), b.mr.sge(200, 10)],
     })
     .unwrap();
-    a.mr.region.write_at(0, b"abc").unwrap();
-    a.mr.region.write_at(50, b"defgh").unwrap();
+    a.mr.region().write_at(0, b"abc").unwrap();
+    a.mr.region().write_at(50, b"defgh").unwrap();
     a.post(
         1,
         SendOp::Send {
@@ -80,15 +80,15 @@ fn send_gathers_and_scatters_over_several_sges() {
     a.wait(1);
     let r = b.wait(1);
     assert_eq!(r[0].byte_len, 8);
-    assert_eq!(b.mr.region.to_vec(100, 3).unwrap(), b"abc");
-    assert_eq!(b.mr.region.to_vec(200, 5).unwrap(), b"defgh");
+    assert_eq!(b.mr.region().to_vec(100, 3).unwrap(), b"abc");
+    assert_eq!(b.mr.region().to_vec(200, 5).unwrap(), b"defgh");
 }
 
 #[test]
 fn write_then_read_back() {
     let (a, b) = pair();
     let data: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8).collect();
-    a.mr.region.write_at(0, &data).unwrap();
+    a.mr.region().write_at(0, &data).unwrap();
     a.post(
         1,
         SendOp::Write {
@@ -112,14 +112,14 @@ fn write_then_read_back() {
         (c[1].wr_id, c[1].opcode, c[1].status),
         (2, WcOpcode::RdmaRead, WcStatus::Success)
     );
-    assert_eq!(b.mr.region.to_vec(1000, 200_000).unwrap(), data);
-    assert_eq!(a.mr.region.to_vec(400_000, 200_000).unwrap(), data);
+    assert_eq!(b.mr.region().to_vec(1000, 200_000).unwrap(), data);
+    assert_eq!(a.mr.region().to_vec(400_000, 200_000).unwrap(), data);
 }
 
 #[test]
 fn completions_keep_posting_order_across_reads() {
     let (a, b) = pair();
-    b.mr.region.write_at(0, &[9u8; 64]).unwrap();
+    b.mr.region().write_at(0, &[9u8; 64]).unwrap();
     for i in 0..20u64 {
         if i % 3 == 0 {
             a.post(
@@ -159,7 +159,7 @@ fn ord_limits_outstanding_reads() {
     };
     connect_with(&a, &b, cp, sp);
     assert_eq!(a.qp.negotiated().unwrap().ord, 2);
-    b.mr.region.write_at(0, b"0123456789abcdef").unwrap();
+    b.mr.region().write_at(0, b"0123456789abcdef").unwrap();
     for i in 0..16u64 {
         a.post(
             i,
@@ -173,7 +173,7 @@ fn ord_limits_outstanding_reads() {
     // terminated the stream and these would be flushed.
     let c = a.wait(16);
     assert!(c.iter().all(|w| w.status == WcStatus::Success), "{c:?}");
-    assert_eq!(a.mr.region.to_vec(0, 16).unwrap(), b"0123456789abcdef");
+    assert_eq!(a.mr.region().to_vec(0, 16).unwrap(), b"0123456789abcdef");
 }
 
 #[test]
@@ -181,7 +181,7 @@ fn write_with_immediate_and_immediate_data() {
     let (a, b) = pair();
     b.recv(1, 0, 0);
     b.recv(2, 0, 0);
-    a.mr.region.write_at(0, b"payload!").unwrap();
+    a.mr.region().write_at(0, b"payload!").unwrap();
     a.post(
         7,
         SendOp::WriteImm {
@@ -208,13 +208,13 @@ fn write_with_immediate_and_immediate_data() {
     );
     assert_eq!((r[1].imm, r[1].solicited), (Some(u64::MAX - 1), true));
     // The Write was placed before its Immediate Data completed.
-    assert_eq!(b.mr.region.to_vec(512, 8).unwrap(), b"payload!");
+    assert_eq!(b.mr.region().to_vec(512, 8).unwrap(), b"payload!");
 }
 
 #[test]
 fn atomics_plain_and_masked() {
     let (a, b) = pair();
-    b.mr.region.store_u64(0, 100).unwrap();
+    b.mr.region().store_u64(0, 100).unwrap();
     a.post(
         1,
         SendOp::FetchAdd {
@@ -225,11 +225,11 @@ fn atomics_plain_and_masked() {
         vec![a.mr.sge(0, 8)],
     );
     a.wait(1);
-    assert_eq!(a.mr.region.load_u64(0).unwrap(), 100);
-    assert_eq!(b.mr.region.load_u64(0).unwrap(), 105);
+    assert_eq!(a.mr.region().load_u64(0).unwrap(), 100);
+    assert_eq!(b.mr.region().load_u64(0).unwrap(), 105);
 
     // Masked FetchAdd: two 32-bit lanes, the carry out of the low lane stops.
-    b.mr.region.store_u64(8, 0x0000_0001_ffff_ffff).unwrap();
+    b.mr.region().store_u64(8, 0x0000_0001_ffff_ffff).unwrap();
     a.post(
         2,
         SendOp::FetchAdd {
@@ -240,7 +240,7 @@ fn atomics_plain_and_masked() {
         vec![a.mr.sge(8, 8)],
     );
     a.wait(1);
-    assert_eq!(b.mr.region.load_u64(8).unwrap(), 0x0000_0002_0000_0000);
+    assert_eq!(b.mr.region().load_u64(8).unwrap(), 0x0000_0002_0000_0000);
 
     // CmpSwap, both outcomes.
     let cas = |compare| SendOp::CmpSwap {
@@ -258,15 +258,15 @@ fn atomics_plain_and_masked() {
         (WcOpcode::CmpSwap, WcOpcode::CmpSwap)
     );
     assert_eq!(
-        a.mr.region.load_u64(16).unwrap(),
+        a.mr.region().load_u64(16).unwrap(),
         105,
         "failed compare returns the original"
     );
-    assert_eq!(a.mr.region.load_u64(24).unwrap(), 105);
-    assert_eq!(b.mr.region.load_u64(0).unwrap(), 7);
+    assert_eq!(a.mr.region().load_u64(24).unwrap(), 105);
+    assert_eq!(b.mr.region().load_u64(0).unwrap(), 7);
 
     // Masked CmpSwap: compare the low byte only, swap the high byte only.
-    b.mr.region.store_u64(32, 0x1100_0000_0000_0022).unwrap();
+    b.mr.region().store_u64(32, 0x1100_0000_0000_0022).unwrap();
     a.post(
         5,
         SendOp::CmpSwap {
@@ -289,8 +289,8 @@ fn atomics_plain_and_masked() {
     );
     let c = a.wait(2);
     assert_eq!(c[1].opcode, WcOpcode::Swap);
-    assert_eq!(b.mr.region.load_u64(32).unwrap(), 0xab00_0000_0000_0022);
-    assert_eq!(b.mr.region.load_u64(40).unwrap(), 0xdead_beef);
+    assert_eq!(b.mr.region().load_u64(32).unwrap(), 0xab00_0000_0000_0022);
+    assert_eq!(b.mr.region().load_u64(40).unwrap(), 0xdead_beef);
 }
 
 #[test]
@@ -301,8 +301,8 @@ fn commit_on_a_durable_region_reaches_the_file() {
     let dir = std::env::temp_dir().join(format!("stag-commit-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("log.bin");
-    let durable = Mr::from_region(&b.pd, Region::file_backed(&path, 1 << 16).unwrap(), ALL);
-    a.mr.region.write_at(0, b"committed bytes").unwrap();
+    let durable = common::register(&b.pd, Region::file_backed(&path, 1 << 16).unwrap(), ALL);
+    a.mr.region().write_at(0, b"committed bytes").unwrap();
     a.post(
         1,
         SendOp::Write {
@@ -328,7 +328,7 @@ fn commit_on_a_durable_region_reaches_the_file() {
 
     // A commit to a region without flush rights fails with a status and
     // leaves the stream up.
-    let plain = Mr::new(&b.pd, 4096, Access::REMOTE_WRITE);
+    let plain = common::new_mr(&b.pd, 4096, Access::REMOTE_WRITE);
     a.post(
         3,
         SendOp::Commit {
@@ -373,7 +373,7 @@ fn srq_serves_several_qps() {
         .unwrap();
     }
     for (i, c) in clients.iter().enumerate() {
-        c.mr.region.write_at(0, &[i as u8; 16]).unwrap();
+        c.mr.region().write_at(0, &[i as u8; 16]).unwrap();
         c.post(
             i as u64,
             SendOp::Send {
@@ -423,7 +423,7 @@ fn p2p(rtr_client: RtrModes, rtr_server: RtrModes, expect: Rtr) {
     assert_eq!(b.qp.negotiated().unwrap().rtr, Some(expect));
     // The responder may only send once the RTR arrived.
     b.wait_event(|e| *e == Event::Established);
-    b.mr.region.write_at(0, b"from responder").unwrap();
+    b.mr.region().write_at(0, b"from responder").unwrap();
     b.post(
         1,
         SendOp::Write {
@@ -455,7 +455,7 @@ fn p2p(rtr_client: RtrModes, rtr_server: RtrModes, expect: Rtr) {
         vec![a.mr.sge(64, 14)],
     );
     assert_eq!(a.wait(1)[0].status, WcStatus::Success);
-    assert_eq!(a.mr.region.to_vec(0, 14).unwrap(), b"from responder");
+    assert_eq!(a.mr.region().to_vec(0, 14).unwrap(), b"from responder");
 }
 
 #[test]
@@ -486,7 +486,7 @@ fn transfer_with(cp: MpaParams, sp: MpaParams) -> (Side, Side) {
     let b = Side::new(None);
     connect_with(&a, &b, cp, sp);
     let data: Vec<u8> = (0..70_001u32).map(|i| (i % 241) as u8).collect();
-    a.mr.region.write_at(0, &data).unwrap();
+    a.mr.region().write_at(0, &data).unwrap();
     b.recv(1, 0, 70_001);
     a.post(
         1,
@@ -513,8 +513,8 @@ fn transfer_with(cp: MpaParams, sp: MpaParams) -> (Side, Side) {
     let c = a.wait(3);
     assert!(c.iter().all(|w| w.status == WcStatus::Success), "{c:?}");
     assert_eq!(b.wait(1)[0].byte_len, 70_001);
-    assert_eq!(b.mr.region.to_vec(0, 70_001).unwrap(), data);
-    assert_eq!(a.mr.region.to_vec(200_000, 70_001).unwrap(), data);
+    assert_eq!(b.mr.region().to_vec(0, 70_001).unwrap(), data);
+    assert_eq!(a.mr.region().to_vec(200_000, 70_001).unwrap(), data);
     (a, b)
 }
 
@@ -607,20 +607,20 @@ fn private_data_both_ways_and_reject() {
 #[test]
 fn send_with_invalidate_kills_the_stag() {
     let (a, b) = pair();
-    let target = Mr::new(&b.pd, 4096, ALL);
+    let target = common::new_mr(&b.pd, 4096, ALL);
     b.recv(1, 0, 16);
     a.post(
         1,
         SendOp::Send {
             solicited: false,
-            invalidate: Some(target.stag),
+            invalidate: Some(target.stag()),
         },
         vec![a.mr.sge(0, 4)],
     );
     a.wait(1);
     let r = b.wait(1);
-    assert_eq!(r[0].invalidated_rkey, Some(target.stag));
-    assert!(!b.dev.mem().is_valid(target.stag));
+    assert_eq!(r[0].invalidated_rkey, Some(target.stag()));
+    assert!(!b.dev.mem().is_valid(target.stag()));
 }
 
 // ---- error paths ----
@@ -646,8 +646,8 @@ fn write_to_bad_stag_is_terminated_and_flushes() {
     b.recv(1, 0, 8);
     b.recv(2, 0, 8);
     let bad = provider::wr::Remote {
-        addr: b.mr.region.addr(0),
-        rkey: b.mr.stag ^ 0xff,
+        addr: b.mr.region().addr(0),
+        rkey: b.mr.stag() ^ 0xff,
     };
     a.post(1, SendOp::Write { remote: bad }, vec![a.mr.sge(0, 8)]);
     assert_terminated(&b, &a, ErrorType::DdpTagged, 0x00);
@@ -672,7 +672,7 @@ fn write_to_bad_stag_is_terminated_and_flushes() {
 #[test]
 fn write_out_of_bounds_is_terminated() {
     let (a, b) = pair();
-    let small = Mr::new(&b.pd, 4096, ALL);
+    let small = common::new_mr(&b.pd, 4096, ALL);
     a.post(
         1,
         SendOp::Write {
@@ -686,7 +686,7 @@ fn write_out_of_bounds_is_terminated() {
 #[test]
 fn write_without_rights_is_terminated() {
     let (a, b) = pair();
-    let ro = Mr::new(&b.pd, 4096, Access::REMOTE_READ);
+    let ro = common::new_mr(&b.pd, 4096, Access::REMOTE_READ);
     a.post(
         1,
         SendOp::Write {
@@ -706,7 +706,7 @@ fn write_without_rights_is_terminated() {
 fn write_to_another_pd_is_terminated() {
     let (a, b) = pair();
     let other_pd = b.dev.alloc_pd();
-    let foreign = Mr::new(&other_pd, 4096, ALL);
+    let foreign = common::new_mr(&other_pd, 4096, ALL);
     a.post(
         1,
         SendOp::Write {
@@ -721,7 +721,7 @@ fn write_to_another_pd_is_terminated() {
 fn read_of_bad_stag_fails_the_read() {
     let (a, b) = pair();
     let bad = provider::wr::Remote {
-        addr: b.mr.region.addr(0),
+        addr: b.mr.region().addr(0),
         rkey: 0x0000_0100,
     };
     a.post(1, SendOp::Read { remote: bad }, vec![a.mr.sge(0, 8)]);
@@ -772,7 +772,7 @@ fn send_too_long_for_the_buffer_is_terminated() {
 #[test]
 fn misaligned_atomic_is_terminated_and_memory_untouched() {
     let (a, b) = pair();
-    b.mr.region.write_at(0, &[0u8; 16]).unwrap();
+    b.mr.region().write_at(0, &[0u8; 16]).unwrap();
     a.post(
         1,
         SendOp::FetchAdd {
@@ -792,13 +792,13 @@ fn misaligned_atomic_is_terminated_and_memory_untouched() {
         cause,
         provider::wire::Error::AtomicMisaligned.terminate_cause()
     );
-    assert_eq!(b.mr.region.to_vec(0, 16).unwrap(), [0u8; 16]);
+    assert_eq!(b.mr.region().to_vec(0, 16).unwrap(), [0u8; 16]);
 }
 
 #[test]
 fn atomic_without_rights_is_refused() {
     let (a, b) = pair();
-    let ro = Mr::new(&b.pd, 4096, Access::REMOTE_READ | Access::REMOTE_WRITE);
+    let ro = common::new_mr(&b.pd, 4096, Access::REMOTE_READ | Access::REMOTE_WRITE);
     a.post(
         1,
         SendOp::CmpSwap {
@@ -811,7 +811,7 @@ fn atomic_without_rights_is_refused() {
         vec![a.mr.sge(0, 8)],
     );
     assert_eq!(a.wait(1)[0].status, WcStatus::RemAccessErr);
-    assert_eq!(ro.region.load_u64(0).unwrap(), 0);
+    assert_eq!(ro.region().load_u64(0).unwrap(), 0);
 }
 
 #[test]

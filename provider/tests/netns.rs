@@ -197,13 +197,13 @@ fn rdma_across_network_namespaces() {
 
 fn responder(addr: &str) {
     let side = Side::new(None);
-    side.mr.region.write_at(LEN, &pattern(LEN, 2)).unwrap();
-    side.mr.region.store_u64(3 * LEN, 100).unwrap();
+    side.mr.region().write_at(LEN, &pattern(LEN, 2)).unwrap();
+    side.mr.region().store_u64(3 * LEN, 100).unwrap();
     let listener = Listener::bind(addr).unwrap();
     println!("STAG_READY");
     let req = listener.accept().unwrap();
-    let mut private = side.mr.stag.to_be_bytes().to_vec();
-    private.extend(side.mr.region.addr(0).to_be_bytes());
+    let mut private = side.mr.stag().to_be_bytes().to_vec();
+    private.extend(side.mr.region().addr(0).to_be_bytes());
     side.recv(1, 4 * LEN, 64);
     req.accept(
         &side.qp,
@@ -216,16 +216,16 @@ fn responder(addr: &str) {
     // The initiator's last message says it is done.
     let r = side.wait(1);
     assert_eq!((r[0].status, r[0].byte_len), (WcStatus::Success, 4));
-    assert_eq!(side.mr.region.to_vec(4 * LEN, 4).unwrap(), b"done");
-    assert_eq!(side.mr.region.to_vec(0, LEN).unwrap(), pattern(LEN, 1));
-    assert_eq!(side.mr.region.load_u64(3 * LEN).unwrap(), 105);
+    assert_eq!(side.mr.region().to_vec(4 * LEN, 4).unwrap(), b"done");
+    assert_eq!(side.mr.region().to_vec(0, LEN).unwrap(), pattern(LEN, 1));
+    assert_eq!(side.mr.region().load_u64(3 * LEN).unwrap(), 105);
     println!("responder ok");
 }
 
 fn initiator(addr: &str) {
     let side = Side::new(None);
-    side.mr.region.write_at(0, &pattern(LEN, 1)).unwrap();
-    side.mr.region.write_at(4 * LEN, b"done").unwrap();
+    side.mr.region().write_at(0, &pattern(LEN, 1)).unwrap();
+    side.mr.region().write_at(4 * LEN, b"done").unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     let private = loop {
         match side.qp.connect(addr, &MpaParams::default()) {
@@ -282,8 +282,8 @@ fn initiator(addr: &str) {
             (4, WcStatus::Success, WcOpcode::Send),
         ]
     );
-    assert_eq!(side.mr.region.to_vec(LEN, LEN).unwrap(), pattern(LEN, 2));
-    assert_eq!(side.mr.region.load_u64(2 * LEN).unwrap(), 100);
+    assert_eq!(side.mr.region().to_vec(LEN, LEN).unwrap(), pattern(LEN, 2));
+    assert_eq!(side.mr.region().load_u64(2 * LEN).unwrap(), 100);
     // Keep the stream up until the responder has checked everything: it
     // exits, closing the connection.
     side.wait_event(|e| matches!(e, provider::qp::Event::Closed));

@@ -128,7 +128,7 @@ fn wait_notified_drives_the_sockets_of_armed_cqs() {
             b.recv(100 + i, 4096, 64);
         }
         for i in 0..100u64 {
-            b.mr.region.store_u64(64, i).unwrap();
+            b.mr.region().store_u64(64, i).unwrap();
             let (armed_tx, armed_rx) = std::sync::mpsc::channel();
             std::thread::scope(|s| {
                 let b = &b;
@@ -168,7 +168,7 @@ fn wait_notified_drives_the_sockets_of_armed_cqs() {
                 c.iter().all(|c| c.status == WcStatus::Success),
                 "{mode}: {c:?}"
             );
-            assert_eq!(a.mr.region.load_u64(0).unwrap(), i, "{mode}");
+            assert_eq!(a.mr.region().load_u64(0).unwrap(), i, "{mode}");
         }
     }
 }

@@ -43,7 +43,7 @@ fn the_engine_answers_while_the_application_sleeps_in_every_mode() {
     for mode in MODES {
         let (a, b) = pair_in(Progress::Blocking, mode);
         for i in 0..200u64 {
-            b.mr.region.store_u64(64, i * 3).unwrap();
+            b.mr.region().store_u64(64, i * 3).unwrap();
             a.post(
                 1,
                 SendOp::Read {
@@ -65,14 +65,14 @@ fn the_engine_answers_while_the_application_sleeps_in_every_mode() {
                 c.iter().all(|c| c.status == WcStatus::Success),
                 "{mode}: {c:?}"
             );
-            assert_eq!(a.mr.region.load_u64(0).unwrap(), i * 3, "{mode}");
-            assert_eq!(a.mr.region.load_u64(8).unwrap(), i, "{mode}");
+            assert_eq!(a.mr.region().load_u64(0).unwrap(), i * 3, "{mode}");
+            assert_eq!(a.mr.region().load_u64(8).unwrap(), i, "{mode}");
             // Now and then let the engine's poll window run out.
             if i % 50 == 49 {
                 std::thread::sleep(Duration::from_millis(2));
             }
         }
-        assert_eq!(b.mr.region.load_u64(128).unwrap(), 200, "{mode}");
+        assert_eq!(b.mr.region().load_u64(128).unwrap(), 200, "{mode}");
     }
 }
 
@@ -108,7 +108,7 @@ fn a_waiting_thread_gets_its_completions_in_every_mode() {
                 }
             });
             for i in 0..rounds {
-                a.mr.region.store_u64(0, i).unwrap();
+                a.mr.region().store_u64(0, i).unwrap();
                 a.post(
                     400 + i,
                     SendOp::Send {
@@ -124,7 +124,7 @@ fn a_waiting_thread_gets_its_completions_in_every_mode() {
                     (300 + i, 8, 400 + i),
                     "{mode}"
                 );
-                assert_eq!(a.mr.region.load_u64(4096).unwrap(), i, "{mode}");
+                assert_eq!(a.mr.region().load_u64(4096).unwrap(), i, "{mode}");
             }
         });
     }

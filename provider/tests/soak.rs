@@ -90,8 +90,8 @@ fn run_pair(p: usize, until: Instant) -> Counts {
                 sg_list: vec![b.mr.sge(RECV_DST, MSG as u32)],
             })
             .unwrap();
-            a.mr.region.write_at(SEND_SRC, &message(seq, q)).unwrap();
-            a.mr.region
+            a.mr.region().write_at(SEND_SRC, &message(seq, q)).unwrap();
+            a.mr.region()
                 .write_at(WRITE_SRC, &fill(seq, q, BLOCK))
                 .unwrap();
             a.post(
@@ -147,7 +147,7 @@ fn run_pair(p: usize, until: Instant) -> Counts {
                 (seq, WcStatus::Success, MSG as u32),
                 "pair {p} qp {q}: receive"
             );
-            let got = b.mr.region.to_vec(RECV_DST, MSG).unwrap();
+            let got = b.mr.region().to_vec(RECV_DST, MSG).unwrap();
             assert_eq!(
                 fnv(&got[..MSG - 8]).to_le_bytes(),
                 got[MSG - 8..],
@@ -155,12 +155,12 @@ fn run_pair(p: usize, until: Instant) -> Counts {
             );
             assert_eq!(got, message(seq, q), "pair {p} qp {q}: wrong Send");
             assert_eq!(
-                a.mr.region.to_vec(READ_DST, BLOCK).unwrap(),
+                a.mr.region().to_vec(READ_DST, BLOCK).unwrap(),
                 fill(seq, q, BLOCK),
                 "pair {p} qp {q}: Write read back differs"
             );
             assert_eq!(
-                a.mr.region.load_u64(FA_DST).unwrap(),
+                a.mr.region().load_u64(FA_DST).unwrap(),
                 seq,
                 "pair {p} qp {q}: FetchAdd original"
             );
@@ -173,7 +173,7 @@ fn run_pair(p: usize, until: Instant) -> Counts {
     }
     for (q, (_, b)) in qps.iter().enumerate() {
         assert_eq!(
-            b.mr.region.load_u64(COUNTER).unwrap(),
+            b.mr.region().load_u64(COUNTER).unwrap(),
             seq,
             "pair {p} qp {q}: counter"
         );

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Wire interop between stag's userspace iWARP provider and kernel soft-iWARP:
-# runs every case of provider/examples/siw_interop.rs inside the test VM.
+# runs every case of verbs/tests/siw_interop.rs (ignored tests, VM-only)
+# inside the test VM.
 #
 #   scripts/vm.sh -- scripts/vm/interop.sh [CASE...]
 #
@@ -12,8 +13,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 [[ ${STAG_IN_VM:-0} == 1 ]] || { echo "interop.sh: run me inside scripts/vm.sh" >&2; exit 2; }
-bin=${CARGO_TARGET_DIR:-target}/debug/examples/siw_interop
-[[ -x $bin ]] || { echo "interop.sh: $bin not built (cargo build -p stag-provider --example siw_interop)" >&2; exit 2; }
+# The test binary: $STAG_INTEROP_BIN, else the newest
+# target/debug/deps/siw_interop-* that `cargo test -p stag-verbs --test
+# siw_interop --no-run` (or the gate's `cargo test --workspace`) built.
+bin=${STAG_INTEROP_BIN:-}
+if [[ -z $bin ]]; then
+    for f in $(ls -t "${CARGO_TARGET_DIR:-target}"/debug/deps/siw_interop-* 2>/dev/null); do
+        [[ -x $f && $f != *.d ]] && { bin=$f; break; }
+    done
+fi
+[[ -n $bin && -x $bin ]] || { echo "interop.sh: the siw_interop test is not built (cargo test -p stag-verbs --test siw_interop --no-run)" >&2; exit 2; }
 
 echo "siw module parameters:"
 if [[ -d /sys/module/siw/parameters ]]; then
@@ -23,7 +32,8 @@ else
 fi
 
 # (no process substitution: the guest has no /dev/fd)
-if (($#)); then cases=("$@"); else read -r -d '' -a cases <<<"$("$bin" list)"; fi
+# Case names are the test names (`stag_client_crc: test` in the list).
+if (($#)); then cases=("$@"); else read -r -d '' -a cases <<<"$("$bin" --list --ignored | sed -n 's/: test$//p')"; fi
 ((${#cases[@]})) || { echo "interop.sh: no cases" >&2; exit 1; }
 passed=0 failed=0
 for c in "${cases[@]}"; do
@@ -33,7 +43,7 @@ for c in "${cases[@]}"; do
         dump=$!
         sleep 0.5
     fi
-    out=$(timeout 120 "$bin" "$c" 2>&1)
+    out=$(timeout 120 "$bin" --ignored --exact --nocapture --test-threads=1 "$c" 2>&1)
     rc=$?
     [[ -n $dump ]] && { sleep 1; kill -INT "$dump"; wait "$dump" 2>/dev/null; }
     printf '%s\n' "$out" | grep -v '^interop:'

@@ -333,6 +333,46 @@ pub struct Capabilities {
     pub post_path: PostPath,
     /// One entry per operation, in [`OpKind::ALL`] order.
     pub ops: Vec<(OpKind, Support)>,
+    /// What QPs and CQs may ask for.
+    pub limits: Limits,
+}
+
+/// A device's limits, as `ibv_query_device` reports them: what a QP's and
+/// a CQ's sizes may be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Limits {
+    /// `max_qp`.
+    pub max_qp: u32,
+    /// `max_qp_wr`: WRs per send or receive queue.
+    pub max_qp_wr: u32,
+    /// `max_sge`: SGEs per WR.
+    pub max_sge: u32,
+    /// `max_cqe`: entries per CQ.
+    pub max_cqe: u32,
+    /// `max_mr`.
+    pub max_mr: u32,
+    /// `max_qp_rd_atom`: inbound Reads and atomics in flight (IRD).
+    pub max_qp_rd_atom: u32,
+    /// `max_qp_init_rd_atom`: outbound ones (ORD).
+    pub max_qp_init_rd_atom: u32,
+}
+
+impl Limits {
+    /// The userspace provider's: its one table,
+    /// [`provider::identity::LIMITS`], which the rdma-core plugin's
+    /// `query_device` reports too.
+    pub fn userspace() -> Limits {
+        let l = provider::identity::LIMITS;
+        Limits {
+            max_qp: l.max_qp,
+            max_qp_wr: l.max_qp_wr,
+            max_sge: l.max_sge,
+            max_cqe: l.max_cqe,
+            max_mr: l.max_mr,
+            max_qp_rd_atom: l.max_rd_atom,
+            max_qp_init_rd_atom: l.max_rd_atom,
+        }
+    }
 }
 
 /// Commit through `ibv_wr_flush`, and what that does not reach. stag's
@@ -379,6 +419,7 @@ impl Capabilities {
             transport: "iWARP (stag userspace provider over TCP)".to_owned(),
             post_path: PostPath::Userspace,
             ops: OpKind::ALL.iter().map(|&k| (k, Support::Native)).collect(),
+            limits: Limits::userspace(),
         }
     }
 
@@ -402,6 +443,7 @@ impl Capabilities {
             transport: "iWARP (stag userspace provider over TCP, RFC 5040 only)".to_owned(),
             post_path: PostPath::Userspace,
             ops,
+            limits: Limits::userspace(),
         }
     }
 
@@ -644,6 +686,12 @@ impl fmt::Display for Capabilities {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "{} — {}", self.device, self.transport)?;
         writeln!(f, "  posts with        {}", self.post_path)?;
+        let l = &self.limits;
+        writeln!(
+            f,
+            "  limits            {} WRs/queue, {} SGEs/WR, {} CQEs/CQ, IRD {} ORD {}",
+            l.max_qp_wr, l.max_sge, l.max_cqe, l.max_qp_rd_atom, l.max_qp_init_rd_atom
+        )?;
         for (k, s) in &self.ops {
             writeln!(f, "  {:<17} {}", k.name(), s)?;
         }
@@ -786,5 +834,24 @@ mod tests {
         assert!(!conn.needs_agent());
         let full = Capabilities::userspace("stag0");
         assert_eq!(full.for_connection(&[], None), full);
+    }
+
+    #[test]
+    fn userspace_limits_are_the_providers_table() {
+        let l = provider::identity::LIMITS;
+        for caps in [
+            Capabilities::userspace("stag0"),
+            Capabilities::userspace_rfc5040("stag0"),
+        ] {
+            let c = caps.limits;
+            assert_eq!(
+                (c.max_qp, c.max_qp_wr, c.max_sge, c.max_cqe, c.max_mr),
+                (l.max_qp, l.max_qp_wr, l.max_sge, l.max_cqe, l.max_mr)
+            );
+            assert_eq!(
+                (c.max_qp_rd_atom, c.max_qp_init_rd_atom),
+                (l.max_rd_atom, l.max_rd_atom)
+            );
+        }
     }
 }

@@ -52,7 +52,7 @@ mod wr;
 #[allow(unsafe_code)]
 pub mod ibv;
 
-pub use caps::{Capabilities, Emulation, OpKind, OpSet, PostPath, Support};
+pub use caps::{Capabilities, Emulation, Limits, OpKind, OpSet, PostPath, Support};
 pub use cm::{connect, connect_with, ConnectOptions, Incoming, Listener};
 pub use cq::{Completion, CompletionKind, CompletionQueue, WcStatus};
 pub use device::{

@@ -4,15 +4,15 @@ use std::ffi::c_int;
 
 use provider::wr::Sge;
 
-use crate::context::limits;
 use crate::ffi::{ibv_recv_wr, ibv_send_wr, ibv_sge};
+use provider::identity::LIMITS;
 
 /// Copy a C SGE array (`n` entries, at most the device's `max_sge`).
 ///
 /// # Safety
 /// `list` must point to `n` readable `ibv_sge`s when `n > 0`.
 pub(crate) unsafe fn sge_list(list: *const ibv_sge, n: c_int) -> Result<Vec<Sge>, c_int> {
-    if !(0..=limits::MAX_SGE).contains(&n) || (n > 0 && list.is_null()) {
+    if !(0..=(LIMITS.max_sge as i32)).contains(&n) || (n > 0 && list.is_null()) {
         return Err(libc::EINVAL);
     }
     if n == 0 {

@@ -11,7 +11,7 @@ use std::ptr;
 use std::sync::{Arc, OnceLock};
 
 use provider::device::Device;
-use provider::identity;
+use provider::identity::{self, LIMITS};
 
 use crate::async_events::AsyncEvents;
 use crate::errno::{self, guard};
@@ -186,23 +186,6 @@ unsafe extern "C" fn free_context(ctx: *mut ibv_context) {
     })
 }
 
-/// The limits stag0 advertises.
-pub(crate) mod limits {
-    pub const MAX_QP: i32 = 16384;
-    pub const MAX_QP_WR: i32 = 4096;
-    pub const MAX_SGE: i32 = 8;
-    pub const MAX_CQ: i32 = 16384;
-    pub const MAX_CQE: i32 = 1 << 20;
-    pub const MAX_MR: i32 = 1 << 20;
-    pub const MAX_PD: i32 = 1 << 16;
-    /// IRD/ORD: inbound and outbound Reads, atomics and Commits.
-    pub const MAX_RD_ATOM: i32 = 128;
-    pub const MAX_SRQ: i32 = 4096;
-    pub const MAX_SRQ_WR: i32 = 4096;
-    pub const MAX_INLINE: u32 = 256;
-    pub const MAX_MSG: u32 = u32::MAX;
-}
-
 /// Device capability bits (kernel uapi values, as `device_cap_flags_ex`
 /// carries them) for FLUSH and Atomic Write.
 const DEVICE_FLUSH_GLOBAL: u64 = 1 << 38;
@@ -221,27 +204,27 @@ fn fill_device_attr(a: &mut ibv_device_attr) {
     a.vendor_id = identity::VENDOR_ID;
     a.vendor_part_id = identity::VENDOR_PART_ID;
     a.hw_ver = 1;
-    a.max_qp = limits::MAX_QP;
-    a.max_qp_wr = limits::MAX_QP_WR;
+    a.max_qp = LIMITS.max_qp as i32;
+    a.max_qp_wr = LIMITS.max_qp_wr as i32;
     a.device_cap_flags =
         IBV_DEVICE_MEM_MGT_EXTENSIONS | IBV_DEVICE_RC_RNR_NAK_GEN | IBV_DEVICE_CHANGE_PHY_PORT;
-    a.max_sge = limits::MAX_SGE;
-    a.max_sge_rd = limits::MAX_SGE;
-    a.max_cq = limits::MAX_CQ;
-    a.max_cqe = limits::MAX_CQE;
-    a.max_mr = limits::MAX_MR;
-    a.max_pd = limits::MAX_PD;
-    a.max_qp_rd_atom = limits::MAX_RD_ATOM;
+    a.max_sge = LIMITS.max_sge as i32;
+    a.max_sge_rd = LIMITS.max_sge as i32;
+    a.max_cq = LIMITS.max_cq as i32;
+    a.max_cqe = LIMITS.max_cqe as i32;
+    a.max_mr = LIMITS.max_mr as i32;
+    a.max_pd = LIMITS.max_pd as i32;
+    a.max_qp_rd_atom = LIMITS.max_rd_atom as i32;
     a.max_ee_rd_atom = 0;
-    a.max_res_rd_atom = limits::MAX_RD_ATOM * limits::MAX_QP;
-    a.max_qp_init_rd_atom = limits::MAX_RD_ATOM;
+    a.max_res_rd_atom = (LIMITS.max_rd_atom as i32) * (LIMITS.max_qp as i32);
+    a.max_qp_init_rd_atom = LIMITS.max_rd_atom as i32;
     a.max_ee_init_rd_atom = 0;
     // RFC 7306 atomics execute on the responder's RNIC (its engine), so
     // they are atomic with respect to every other stag0 atomic: HCA scope.
     a.atomic_cap = IBV_ATOMIC_HCA;
-    a.max_srq = limits::MAX_SRQ;
-    a.max_srq_wr = limits::MAX_SRQ_WR;
-    a.max_srq_sge = limits::MAX_SGE;
+    a.max_srq = LIMITS.max_srq as i32;
+    a.max_srq_wr = LIMITS.max_srq_wr as i32;
+    a.max_srq_sge = LIMITS.max_sge as i32;
     a.max_pkeys = 1;
     a.local_ca_ack_delay = 0;
     a.phys_port_cnt = 1;
@@ -296,7 +279,7 @@ unsafe extern "C" fn query_port(
             active_mtu: IBV_MTU_4096,
             gid_tbl_len: 1,
             port_cap_flags: 0,
-            max_msg_sz: limits::MAX_MSG,
+            max_msg_sz: LIMITS.max_msg,
             bad_pkey_cntr: 0,
             qkey_viol_cntr: 0,
             pkey_tbl_len: 1,

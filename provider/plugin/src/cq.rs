@@ -18,10 +18,10 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use provider::cq::{CompletionQueue, NotifySink};
 use provider::wr::{WcOpcode, WcStatus, WorkCompletion};
 
-use crate::context::limits;
 use crate::errno::{self, guard};
 use crate::ffi::*;
 use crate::sweep::{self, PollMark};
+use provider::identity::LIMITS;
 
 /// `ibv_cq` first, then the RNIC's CQ.
 #[repr(C)]
@@ -231,7 +231,7 @@ pub(crate) unsafe extern "C" fn create_cq(
     _comp_vector: c_int,
 ) -> *mut ibv_cq {
     guard("create_cq", ptr::null_mut(), || {
-        if !crate::context::is_stag_context(ctx) || !(1..=limits::MAX_CQE).contains(&cqe) {
+        if !crate::context::is_stag_context(ctx) || !(1..=(LIMITS.max_cqe as i32)).contains(&cqe) {
             errno::set(libc::EINVAL);
             return ptr::null_mut();
         }
@@ -361,7 +361,7 @@ pub(crate) unsafe extern "C" fn destroy_cq(cq: *mut ibv_cq) -> c_int {
 pub(crate) unsafe extern "C" fn resize_cq(cq: *mut ibv_cq, cqe: c_int) -> c_int {
     guard("resize_cq", libc::EIO, || {
         // SAFETY: libibverbs passes a cq of this context.
-        if unsafe { self::cq(cq) }.is_none() || !(1..=limits::MAX_CQE).contains(&cqe) {
+        if unsafe { self::cq(cq) }.is_none() || !(1..=(LIMITS.max_cqe as i32)).contains(&cqe) {
             return libc::EINVAL;
         }
         tracing::warn!("stag0: ibv_resize_cq is not supported");

@@ -11,16 +11,16 @@ use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use provider::device::{ProtectionDomain, QueuePair};
+use provider::device::{PostGuard, ProtectionDomain, QueuePair};
 use provider::mem::Access;
 use provider::qp::{QpCaps, QpState};
 use provider::wr::{RecvWr, Remote, SendOp, SendWr, Sge};
 
 use crate::async_events::AsyncSource;
 use crate::c_list::{post_chain, sge_list};
-use crate::context::limits;
 use crate::errno::{self, guard};
 use crate::ffi::*;
+use provider::identity::LIMITS;
 
 /// `verbs_qp` as libibverbs lays it out (`ibv_qp_ex` first, then
 /// `comp_mask`), then ours.
@@ -144,7 +144,7 @@ impl QpShared {
                 InlineRing::new(
                     &self.pd,
                     self.caps.max_send_wr as usize + 1,
-                    limits::MAX_INLINE as usize,
+                    LIMITS.max_inline as usize,
                 )
                 .map_err(|e| tracing::warn!("stag0: no inline buffers for QP: errno {e}"))
                 .ok()
@@ -249,11 +249,11 @@ struct Batch {
 }
 
 fn caps_of(cap: &ibv_qp_cap) -> Result<(QpCaps, u32), c_int> {
-    if cap.max_send_wr > limits::MAX_QP_WR as u32
-        || cap.max_recv_wr > limits::MAX_QP_WR as u32
-        || cap.max_send_sge > limits::MAX_SGE as u32
-        || cap.max_recv_sge > limits::MAX_SGE as u32
-        || cap.max_inline_data > limits::MAX_INLINE
+    if cap.max_send_wr > LIMITS.max_qp_wr
+        || cap.max_recv_wr > LIMITS.max_qp_wr
+        || cap.max_send_sge > LIMITS.max_sge
+        || cap.max_recv_sge > LIMITS.max_sge
+        || cap.max_inline_data > LIMITS.max_inline
     {
         return Err(libc::EINVAL);
     }
@@ -615,7 +615,7 @@ pub(crate) unsafe extern "C" fn query_qp(
             .prov
             .negotiated()
             .map(|n| (n.ird, n.ord))
-            .unwrap_or((limits::MAX_RD_ATOM as u16, limits::MAX_RD_ATOM as u16));
+            .unwrap_or((LIMITS.max_rd_atom as u16, LIMITS.max_rd_atom as u16));
         let state = sh.state();
         // SAFETY: the caller's structs; qp is live.
         unsafe {
@@ -693,10 +693,10 @@ fn inline_advance(sh: &QpShared, used: usize) {
     }
 }
 
-/// Post one request to the RNIC, taking care of inline data. Unless
-/// `ring`, it is framed but written at the caller's
-/// `ring_doorbell` (one write for a chain or an `ibv_wr_*` batch).
-fn post_one(sh: &QpShared, p: PendingWr, ring: bool) -> Result<(), c_int> {
+/// Push one request onto `post`, taking care of inline data: it is
+/// framed now and written when the caller posts the list (one write for a
+/// chain or an `ibv_wr_*` batch).
+fn post_one(sh: &QpShared, post: &mut PostGuard<'_>, p: PendingWr) -> Result<(), c_int> {
     let signaled = sh.sq_sig_all || p.flags & IBV_SEND_SIGNALED != 0;
     let fence = p.flags & IBV_SEND_FENCE != 0;
     let (sg_list, slot) = match (&p.inline, p.flags & IBV_SEND_INLINE != 0) {
@@ -727,12 +727,7 @@ fn post_one(sh: &QpShared, p: PendingWr, ring: bool) -> Result<(), c_int> {
         signaled,
         fence,
     };
-    let posted = if ring {
-        sh.prov.post_send(wr)
-    } else {
-        sh.prov.post_send_unrung(wr)
-    };
-    match posted {
+    match post.push(wr) {
         Ok(()) => {
             if let Some(n) = slot {
                 inline_advance(sh, n);
@@ -864,21 +859,17 @@ pub(crate) unsafe extern "C" fn post_send(
             return libc::EINVAL;
         };
         sh.assist.posted();
-        // A lone WR leaves as it is posted; a chain's (those before a
-        // failing one) leave together at the end.
-        // SAFETY: a non-null `wr` is the caller's valid chain head.
-        let lone = wr.is_null() || unsafe { (*wr).next.is_null() };
+        // The chain's WRs (those before a failing one) leave together.
+        let mut post = sh.prov.start_post();
         // SAFETY: the caller's chain and out pointer.
         let rc = unsafe {
             post_chain(wr, bad, |w| {
                 posting_allowed(sh)
                     .and_then(|()| translate(w))
-                    .and_then(|p| post_one(sh, p, lone))
+                    .and_then(|p| post_one(sh, &mut post, p))
             })
         };
-        if !lone {
-            sh.prov.ring_doorbell();
-        }
+        post.post();
         rc
     })
 }
@@ -978,15 +969,12 @@ impl QpShared {
         if let Err(e) = posting_allowed(self) {
             return e;
         }
-        let mut rc = 0;
-        for w in wrs {
-            if let Err(e) = post_one(self, w, false) {
-                rc = e;
-                break;
-            }
-        }
-        self.prov.ring_doorbell();
-        rc
+        let mut post = self.prov.start_post();
+        let rc = wrs
+            .into_iter()
+            .try_for_each(|w| post_one(self, &mut post, w));
+        post.post();
+        rc.err().unwrap_or(0)
     }
 
     /// `wr_abort`: drop the batch.
@@ -1002,8 +990,10 @@ impl QpShared {
         if let Err(e) = posting_allowed(self) {
             return e;
         }
-        match post_one(
+        let mut post = self.prov.start_post();
+        let rc = post_one(
             self,
+            &mut post,
             PendingWr {
                 wr_id,
                 flags,
@@ -1011,11 +1001,9 @@ impl QpShared {
                 sges,
                 inline: None,
             },
-            true,
-        ) {
-            Ok(()) => 0,
-            Err(e) => e,
-        }
+        );
+        post.post();
+        rc.err().unwrap_or(0)
     }
 }
 

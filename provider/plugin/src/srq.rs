@@ -9,10 +9,10 @@ use provider::wr::RecvWr;
 
 use crate::async_events::AsyncSource;
 use crate::c_list::{post_chain, sge_list};
-use crate::context::limits;
 use crate::errno::{self, guard};
 use crate::ffi::*;
 use crate::users::{Use, Users};
+use provider::identity::LIMITS;
 
 /// `verbs_srq` first, then the RNIC's queue.
 #[repr(C)]
@@ -68,8 +68,8 @@ pub(crate) unsafe extern "C" fn create_srq(
         // SAFETY: the caller's attr.
         let a = unsafe { &mut *attr };
         if a.attr.max_wr == 0
-            || a.attr.max_wr > limits::MAX_SRQ_WR as u32
-            || a.attr.max_sge > limits::MAX_SGE as u32
+            || a.attr.max_wr > LIMITS.max_srq_wr
+            || a.attr.max_sge > LIMITS.max_sge
         {
             errno::set(libc::EINVAL);
             return ptr::null_mut();

@@ -9,13 +9,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use provider::cq::CompletionQueue;
-use provider::device::{Device, Listener, ProtectionDomain, QueuePair};
+use provider::device::{Device, Listener, MemoryRegion, ProtectionDomain, QueuePair};
 use provider::mem::Access;
 use provider::qp::{Event, QpCaps};
 use provider::region::Region;
 use provider::setup::MpaParams;
 use provider::srq::Srq;
-use provider::wr::{RecvWr, Remote, SendOp, SendWr, Sge, WorkCompletion};
+use provider::wr::{RecvWr, SendOp, SendWr, Sge, WorkCompletion};
 
 /// Every right, for tests that are not about rights.
 pub const ALL: Access = Access::LOCAL_WRITE
@@ -25,49 +25,18 @@ pub const ALL: Access = Access::LOCAL_WRITE
     .union(Access::FLUSH_PERSISTENT)
     .union(Access::REMOTE_INVALIDATE);
 
-pub struct Mr {
-    pub region: Region,
-    pub stag: u32,
-    pd: ProtectionDomain,
+/// A registration that owns its memory and deregisters on drop.
+pub type Mr = MemoryRegion;
+
+/// Register `len` bytes of fresh anonymous memory.
+pub fn new_mr(pd: &ProtectionDomain, len: usize, access: Access) -> Mr {
+    register(pd, Region::anonymous(len).unwrap(), access)
 }
 
-impl Mr {
-    pub fn new(pd: &ProtectionDomain, len: usize, access: Access) -> Mr {
-        Self::from_region(pd, Region::anonymous(len).unwrap(), access)
-    }
-
-    pub fn from_region(pd: &ProtectionDomain, region: Region, access: Access) -> Mr {
-        // SAFETY: the region outlives the registration: Drop deregisters
-        // before the region is unmapped (fields drop after `drop`).
-        let stag = unsafe { pd.reg_mr(region.as_ptr(), region.len(), access, region.is_durable()) }
-            .unwrap();
-        Mr {
-            region,
-            stag,
-            pd: pd.clone(),
-        }
-    }
-
-    pub fn sge(&self, offset: usize, len: u32) -> Sge {
-        Sge {
-            addr: self.region.addr(offset),
-            length: len,
-            lkey: self.stag,
-        }
-    }
-
-    pub fn remote(&self, offset: usize) -> Remote {
-        Remote {
-            addr: self.region.addr(offset),
-            rkey: self.stag,
-        }
-    }
-}
-
-impl Drop for Mr {
-    fn drop(&mut self) {
-        let _ = self.pd.dereg_mr(self.stag);
-    }
+/// Register `region` at its own addresses.
+pub fn register(pd: &ProtectionDomain, region: Region, access: Access) -> Mr {
+    let iova = region.addr(0);
+    pd.register(region, iova, access).unwrap()
 }
 
 pub struct Side {
@@ -93,7 +62,7 @@ impl Side {
         let pd = pd.clone();
         let cq = CompletionQueue::new(4096).unwrap();
         let qp = pd.create_qp(QpCaps::default(), &cq, &cq, srq);
-        let mr = Mr::new(&pd, 1 << 20, ALL);
+        let mr = new_mr(&pd, 1 << 20, ALL);
         Side {
             dev,
             pd,

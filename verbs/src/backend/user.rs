@@ -1,8 +1,5 @@
-//! The userspace iWARP provider as a backend.
-//!
-//! `unsafe` here: registering memory with the provider's MR table, whose
-//! contract ([`provider::device::ProtectionDomain::reg_mr`]) the
-//! registration keeps by owning the region and deregistering it first.
+//! The userspace iWARP provider as a backend. No `unsafe`: registrations
+//! are the provider's owning [`provider::device::MemoryRegion`]s.
 
 use std::any::Any;
 use std::net::SocketAddr;
@@ -150,19 +147,8 @@ impl PdOps for UserPd {
     }
 
     fn register(&self, region: Region, access: Access) -> Result<Box<dyn MrOps>> {
-        // SAFETY: the region is owned by the UserMr built below, which
-        // deregisters the STag before the region is dropped or handed
-        // back; every access to it from safe code is a raw copy or an
-        // atomic.
-        let stag = unsafe {
-            self.pd
-                .reg_mr(region.as_ptr(), region.len(), access, region.is_durable())
-        }?;
-        Ok(Box::new(UserMr {
-            pd: self.pd.clone(),
-            stag,
-            region: Some(region),
-        }))
+        let iova = region.addr(0);
+        Ok(Box::new(self.pd.register(region, iova, access)?))
     }
 
     fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<Arc<dyn SrqOps>> {
@@ -182,45 +168,19 @@ impl PdOps for UserPd {
     }
 }
 
-/// A registration on the provider's MR table; owns its region.
-#[derive(Debug)]
-struct UserMr {
-    pd: provider::device::ProtectionDomain,
-    stag: u32,
-    /// `None` once handed back.
-    region: Option<Region>,
-}
-
-impl Drop for UserMr {
-    fn drop(&mut self) {
-        if self.region.is_some() {
-            // Deregistered before the region (a later field) is unmapped.
-            let _ = self.pd.dereg_mr(self.stag);
-        }
-    }
-}
-
-impl MrOps for UserMr {
+/// A registration on the provider's MR table, owning its region.
+impl MrOps for provider::device::MemoryRegion {
     fn lkey(&self) -> u32 {
-        self.stag
+        self.stag()
     }
     fn rkey(&self) -> u32 {
-        self.stag
+        self.stag()
     }
     fn region(&self) -> &Region {
-        self.region
-            .as_ref()
-            .expect("a registration has its region until into_region")
+        provider::device::MemoryRegion::region(self)
     }
-    fn into_region(mut self: Box<Self>) -> Result<Region> {
-        match self.pd.dereg_mr(self.stag) {
-            Ok(()) => Ok(self.region.take().expect("taken once")),
-            Err(e) => {
-                // Still in the table: keep the memory mapped for good.
-                std::mem::forget(self.region.take());
-                Err(e.into())
-            }
-        }
+    fn into_region(self: Box<Self>) -> Result<Region> {
+        Ok((*self).into_region()?)
     }
 }
 
@@ -295,27 +255,14 @@ impl QpOps for UserQp {
     }
 
     fn post_send(&self, wrs: &[SendPost<'_>]) -> std::result::Result<(), (Error, usize)> {
-        if let [one] = wrs {
-            return self
-                .0
-                .post_send_ref(send_wr(one), true)
-                .map_err(|e| (post_error(e), 0));
+        // Framed as they come, written in one go when the guard posts (or
+        // drops, after a refused WR: the ones before it still leave).
+        let mut post = self.0.start_post();
+        for (posted, p) in wrs.iter().enumerate() {
+            post.push(send_wr(p)).map_err(|e| (post_error(e), posted))?;
         }
-        // A list: framed as it comes, written in one go at the doorbell.
-        let mut posted = 0;
-        let mut failed = None;
-        for p in wrs {
-            if let Err(e) = self.0.post_send_ref(send_wr(p), false) {
-                failed = Some(post_error(e));
-                break;
-            }
-            posted += 1;
-        }
-        self.0.ring_doorbell();
-        match failed {
-            None => Ok(()),
-            Some(e) => Err((e, posted)),
-        }
+        post.post();
+        Ok(())
     }
 
     fn post_recv(&self, wr: &RecvPost<'_>) -> Result<()> {

@@ -1,6 +1,8 @@
 //! The capability matrix of a libibverbs device, from what it reports.
 
-use crate::caps::{native_flush_commit, Capabilities, Emulation, OpKind, PostPath, Support};
+use crate::caps::{
+    native_flush_commit, Capabilities, Emulation, Limits, OpKind, PostPath, Support,
+};
 use crate::ibv::{AtomicCap, DeviceAttr, WrApi};
 
 /// A libibverbs device, from what it reports (`attr`) and what its provider
@@ -85,6 +87,15 @@ pub(crate) fn capabilities(device: &str, attr: &DeviceAttr, wr: &WrApi) -> Capab
             PostPath::Legacy
         },
         ops,
+        limits: Limits {
+            max_qp: attr.max_qp,
+            max_qp_wr: attr.max_qp_wr,
+            max_sge: attr.max_sge,
+            max_cqe: attr.max_cqe,
+            max_mr: attr.max_mr,
+            max_qp_rd_atom: attr.max_qp_rd_atom,
+            max_qp_init_rd_atom: attr.max_qp_init_rd_atom,
+        },
     }
 }
 

@@ -1,4 +1,6 @@
-//! Wire interop between the userspace provider and kernel soft-iWARP (siw).
+//! Wire interop between the userspace provider and kernel soft-iWARP (siw):
+//! VM-only, every case `#[ignore]`d, so `cargo test` outside the VM skips
+//! them all.
 //!
 //! Runs inside the test VM (`scripts/vm.sh -- scripts/vm/interop.sh`), where
 //! `siw0` sits on `$STAG_SIW_ADDR` (10.12.0.1). Each case connects our
@@ -6,23 +8,24 @@
 //! no stag header and no agent connection) in one process, then runs Send,
 //! RDMA Write and RDMA Read in both directions at several sizes, checks the
 //! data on both sides, and checks that no Terminate was sent or received.
+//! interop.sh runs each case as its own process:
 //!
 //! ```text
-//! siw_interop list                 the case names
-//! siw_interop CASE...              run these cases ("all" = every case)
+//! siw_interop --ignored --exact --nocapture --test-threads=1 stag_client_crc
 //! ```
 //!
-//! Cases: `stag-client-crc`, `stag-client-nocrc` (we initiate, siw0
-//! listens), `siw-client-crc`, `siw-client-nocrc` (siw0 initiates, we
-//! listen; siw's own module default is CRC off, our Reply's C bit turns it
-//! on), `stag-client-p2p-write`, `stag-client-p2p-read` (we initiate in
-//! peer-to-peer mode and send the RTR frame siw chose; siw cannot initiate
-//! in that mode: its `peer_to_peer` is a compile-time constant, off),
-//! `terminate-from-siw` (we Read with a bad STag: siw's Terminate must
-//! decode as RDMAP / remote protection / invalid STag) and
-//! `terminate-to-siw` (siw Writes with a bad STag: we send DDP / tagged
-//! buffer / invalid STag). Prints one line per check and
-//! `interop: N passed, M failed`; exits 1 if anything failed.
+//! Cases (test names; the output spells them with `-`): `stag_client_crc`,
+//! `stag_client_nocrc` (we initiate, siw0 listens), `siw_client_crc`,
+//! `siw_client_nocrc` (siw0 initiates, we listen; siw's own module default
+//! is CRC off, our Reply's C bit turns it on), `stag_client_p2p_write`,
+//! `stag_client_p2p_read` (we initiate in peer-to-peer mode and send the
+//! RTR frame siw chose; siw cannot initiate in that mode: its
+//! `peer_to_peer` is a compile-time constant, off), `terminate_from_siw`
+//! (we Read with a bad STag: siw's Terminate must decode as RDMAP / remote
+//! protection / invalid STag) and `terminate_to_siw` (siw Writes with a
+//! bad STag: we send DDP / tagged buffer / invalid STag). Each prints one
+//! line per check and `interop: N passed, M failed`, and fails if any
+//! check did.
 //!
 //! `scripts/vm/fpdu-dump.py CAPTURE.pcap` decodes the captures that
 //! `STAG_INTEROP_PCAP` makes interop.sh write.
@@ -32,7 +35,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use provider::cq::CompletionQueue as StagCq;
-use provider::device::{Device, Listener, QueuePair as StagQp};
+use provider::device::{Device, Listener, MemoryRegion as StagMr, QueuePair as StagQp};
 use provider::mem::Access;
 use provider::qp::{Event, QpCaps as StagCaps};
 use provider::region::Region;
@@ -290,9 +293,7 @@ struct StagSide {
     _dev: Device,
     cq: Arc<StagCq>,
     qp: StagQp,
-    stag: u32,
-    buf: Region,
-    pd: provider::device::ProtectionDomain,
+    mr: StagMr,
     /// Every connection event so far (take_events drains the QP's).
     events: std::sync::Mutex<Vec<Event>>,
 }
@@ -305,26 +306,21 @@ impl StagSide {
         let qp = pd.create_qp(StagCaps::default(), &cq, &cq, None);
         let buf = Region::anonymous(BUF).map_err(|e| e.to_string())?;
         let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
-        // SAFETY: `buf` outlives the registration: Drop deregisters first.
-        let stag = unsafe { pd.reg_mr(buf.as_ptr(), BUF, access, false) }
+        let iova = buf.addr(0);
+        let mr = pd
+            .register(buf, iova, access)
             .map_err(|e| format!("reg_mr: {e}"))?;
         Ok(StagSide {
             _dev: dev,
             cq,
             qp,
-            stag,
-            buf,
-            pd,
+            mr,
             events: Default::default(),
         })
     }
 
     fn sge(&self, off: usize, len: usize) -> StagSge {
-        StagSge {
-            addr: self.buf.addr(off),
-            length: len as u32,
-            lkey: self.stag,
-        }
+        self.mr.sge(off, len as u32)
     }
 
     fn events(&self) -> Vec<Event> {
@@ -334,8 +330,8 @@ impl StagSide {
     }
 
     fn token(&self) -> Vec<u8> {
-        let mut v = self.buf.addr(0).to_le_bytes().to_vec();
-        v.extend_from_slice(&self.stag.to_le_bytes());
+        let mut v = self.mr.iova().to_le_bytes().to_vec();
+        v.extend_from_slice(&self.mr.stag().to_le_bytes());
         v
     }
 
@@ -390,12 +386,6 @@ impl StagSide {
             }
             std::thread::sleep(Duration::from_micros(200));
         }
-    }
-}
-
-impl Drop for StagSide {
-    fn drop(&mut self) {
-        let _ = self.pd.dereg_mr(self.stag);
     }
 }
 
@@ -606,7 +596,11 @@ fn check_eq(what: &str, got: Vec<u8>, want: &[u8]) -> Res<()> {
 
 fn send_to_siw(p: &Pair, i: usize, len: usize) -> Res<()> {
     let data = pattern(len, 1 + i as u8);
-    p.stag.buf.write_at(SRC, &data).map_err(|e| e.to_string())?;
+    p.stag
+        .mr
+        .region()
+        .write_at(SRC, &data)
+        .map_err(|e| e.to_string())?;
     p.stag.post(
         1,
         SendOp::Send {
@@ -639,7 +633,11 @@ fn send_to_stag(p: &Pair, i: usize, len: usize) -> Res<()> {
     }
     check_eq(
         "stag receive buffer",
-        p.stag.buf.to_vec(RECV_BASE + i * SLOT, len).unwrap(),
+        p.stag
+            .mr
+            .region()
+            .to_vec(RECV_BASE + i * SLOT, len)
+            .unwrap(),
         &data,
     )
 }
@@ -649,7 +647,11 @@ const DST: usize = 3 * SLOT;
 
 fn write_to_siw(p: &Pair, i: usize, len: usize) -> Res<()> {
     let data = pattern(len, 21 + i as u8);
-    p.stag.buf.write_at(SRC, &data).map_err(|e| e.to_string())?;
+    p.stag
+        .mr
+        .region()
+        .write_at(SRC, &data)
+        .map_err(|e| e.to_string())?;
     let remote = Remote {
         addr: p.siw_remote.addr + DST as u64,
         rkey: p.siw_remote.rkey,
@@ -666,7 +668,7 @@ fn write_to_siw(p: &Pair, i: usize, len: usize) -> Res<()> {
     )?;
     check_eq(
         "stag Read back",
-        p.stag.buf.to_vec(SRC + SLOT, len).unwrap(),
+        p.stag.mr.region().to_vec(SRC + SLOT, len).unwrap(),
         &data,
     )
 }
@@ -682,7 +684,7 @@ fn read_from_siw(p: &Pair, i: usize, len: usize) -> Res<()> {
     p.stag.wait(5)?;
     check_eq(
         "stag Read result",
-        p.stag.buf.to_vec(SRC, len).unwrap(),
+        p.stag.mr.region().to_vec(SRC, len).unwrap(),
         &data,
     )
 }
@@ -705,7 +707,7 @@ fn write_to_stag(p: &Pair, i: usize, len: usize) -> Res<()> {
     p.siw.wait(7)?;
     check_eq(
         "stag memory after Write",
-        p.stag.buf.to_vec(DST, len).unwrap(),
+        p.stag.mr.region().to_vec(DST, len).unwrap(),
         &data,
     )?;
     check_eq(
@@ -717,7 +719,11 @@ fn write_to_stag(p: &Pair, i: usize, len: usize) -> Res<()> {
 
 fn read_from_stag(p: &Pair, i: usize, len: usize) -> Res<()> {
     let data = pattern(len, 51 + i as u8);
-    p.stag.buf.write_at(DST, &data).map_err(|e| e.to_string())?;
+    p.stag
+        .mr
+        .region()
+        .write_at(DST, &data)
+        .map_err(|e| e.to_string())?;
     let (addr, rkey) = p.stag_remote;
     let op = ibv::SendOp::RdmaRead {
         rkey,
@@ -879,36 +885,55 @@ fn expect_terminate(p: &Pair, sent: bool) -> Res<()> {
     }
 }
 
-fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.is_empty() || args[0] == "-h" || args[0] == "--help" {
-        eprintln!("usage: siw_interop list | all | CASE...");
-        std::process::exit(2);
-    }
-    if args[0] == "list" {
-        for c in CASES {
-            println!("{}", c.name);
-        }
-        return;
-    }
-    let mut cases = Vec::new();
-    for a in &args {
-        if a == "all" {
-            cases.extend(CASES.iter());
-        } else if let Some(c) = CASES.iter().find(|c| c.name == a) {
-            cases.push(c);
-        } else {
-            eprintln!("unknown case {a} (see `siw_interop list`)");
-            std::process::exit(2);
-        }
-    }
+/// Run the case named `name` (as in [`CASES`]) and fail if a check did.
+fn run_named(name: &str) {
+    let case = CASES
+        .iter()
+        .find(|c| c.name == name)
+        .expect("a case of CASES");
     let mut t = Tally {
         passed: 0,
         failed: 0,
     };
-    for c in cases {
-        run_case(c, &mut t);
-    }
+    run_case(case, &mut t);
     println!("interop: {} passed, {} failed", t.passed, t.failed);
-    std::process::exit(if t.failed == 0 { 0 } else { 1 });
+    assert!(
+        t.failed == 0 && t.passed > 0,
+        "{name}: {} checks failed, {} passed",
+        t.failed,
+        t.passed
+    );
+}
+
+macro_rules! siw_cases {
+    ($($test:ident => $name:literal,)*) => {
+        $(
+            #[test]
+            #[ignore = "needs kernel siw0: runs in the VM (scripts/vm/interop.sh)"]
+            fn $test() {
+                run_named($name);
+            }
+        )*
+        /// The cases that have a test.
+        const TESTED: &[&str] = &[$($name),*];
+    };
+}
+
+siw_cases! {
+    stag_client_crc => "stag-client-crc",
+    stag_client_nocrc => "stag-client-nocrc",
+    siw_client_crc => "siw-client-crc",
+    siw_client_nocrc => "siw-client-nocrc",
+    stag_client_p2p_write => "stag-client-p2p-write",
+    stag_client_p2p_read => "stag-client-p2p-read",
+    terminate_from_siw => "terminate-from-siw",
+    terminate_to_siw => "terminate-to-siw",
+}
+
+/// Runs everywhere: a case added to [`CASES`] without a test would never
+/// run in the VM.
+#[test]
+fn every_case_has_a_test() {
+    let cases: Vec<&str> = CASES.iter().map(|c| c.name).collect();
+    assert_eq!(cases, TESTED);
 }
