@@ -262,6 +262,18 @@ impl QueuePair {
             .unwrap_or(QpState::Rtr)
     }
 
+    /// Whether the stream ended (the peer closed it, or it was shut),
+    /// even while messages read before the end still wait for Receives
+    /// (the QP stays in RTS until they are taken).
+    pub fn stream_ended(&self) -> bool {
+        let io = self.shared.lock();
+        io.closed
+            || io
+                .conn
+                .as_ref()
+                .is_some_and(|c| c.state() == QpState::Error)
+    }
+
     /// What the MPA exchange settled, once connected.
     pub fn negotiated(&self) -> Option<Negotiated> {
         let io = self.shared.lock();
@@ -375,7 +387,18 @@ impl QueuePair {
         let mut io = self.shared.lock();
         let errored_early = io.errored_early;
         match io.conn.as_mut() {
-            Some(conn) => conn.post_recv(wr)?,
+            Some(conn) => {
+                conn.post_recv(wr)?;
+                if conn.rx_held() {
+                    // A message waited for this Receive: take it and the
+                    // input behind it, hand out what completed and read
+                    // the socket again.
+                    conn.resume_held(&self.shared.env());
+                    // The next message held waits its own HOLD_LIMIT.
+                    io.held_since = None;
+                    self.shared.drive_with(&mut io, false);
+                }
+            }
             None if errored_early => self.shared.recv_cq.push(WorkCompletion {
                 wr_id: wr.wr_id,
                 status: WcStatus::WrFlushErr,
@@ -511,6 +534,13 @@ impl Drop for QueuePair {
     fn drop(&mut self) {
         let mut io = self.shared.lock();
         self.shared.shut(&mut io);
+        drop(io);
+        // The peer learns of the end even if it reads no more (see
+        // `linger`): a bounded wait, outside the lock, then a reset when
+        // the socket closes with the last reference.
+        if let Some(sock) = self.shared.sock() {
+            crate::linger::drain_or_reset(sock);
+        }
     }
 }
 

@@ -15,6 +15,7 @@ pub mod device;
 mod driver;
 pub mod engine;
 pub mod fatal;
+mod linger;
 pub mod listener;
 pub mod mem;
 mod nosignal;
