@@ -53,6 +53,8 @@ pub(crate) struct QpIo {
     /// Since when a message has waited for a Receive ([`HOLD_LIMIT`]);
     /// cleared by a `post_recv` that let it move on.
     pub(crate) held_since: Option<Instant>,
+    /// The engine's deadline for this QP's hold, while one is pending.
+    hold_timer: Option<Instant>,
     pub(crate) closed: bool,
     pub(crate) events: VecDeque<Event>,
     /// Socket reads that returned bytes (how a caller tells whether a
@@ -223,6 +225,7 @@ impl QpShared {
             writable_wanted,
             input,
             held_since,
+            hold_timer,
             closed,
             events,
             rx_reads,
@@ -310,21 +313,31 @@ impl QpShared {
             }
         }
         let engine = self.engine.upgrade();
-        if !conn.rx_held() {
-            *held_since = None;
-        } else if let Some(since) = *held_since {
-            if since.elapsed() >= HOLD_LIMIT {
-                conn.expire_held();
-                *held_since = None;
-            }
-        } else {
+        if conn.rx_held() || hold_timer.is_some() {
             let now = Instant::now();
-            *held_since = Some(now);
-            // Nobody may drive the QP when the limit comes (the
-            // application waits for the close the held input keeps from
-            // it): the engine does.
-            if let Some(engine) = &engine {
-                engine.drive_at(now + HOLD_LIMIT, self.me.clone() as Weak<dyn EngineQp>);
+            if hold_timer.is_some_and(|at| at <= now) {
+                // Fired (or about to): the engine forgets it.
+                *hold_timer = None;
+            }
+            if !conn.rx_held() {
+                *held_since = None;
+            } else {
+                let since = *held_since.get_or_insert(now);
+                if now.duration_since(since) >= HOLD_LIMIT {
+                    conn.expire_held();
+                    *held_since = None;
+                } else if hold_timer.is_none() {
+                    // Nobody may drive the QP when the limit comes (the
+                    // application waits for the close the held input
+                    // keeps from it): the engine does. One deadline per
+                    // QP at a time: a hold that a post_recv ended and a
+                    // new one began looks again when it comes.
+                    let at = since + HOLD_LIMIT;
+                    *hold_timer = Some(at);
+                    if let Some(engine) = &engine {
+                        engine.drive_at(at, self.me.clone() as Weak<dyn EngineQp>);
+                    }
+                }
             }
         }
         let pending = Self::flush(conn, &mut sock, &env);

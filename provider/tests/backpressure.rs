@@ -77,25 +77,31 @@ fn a_burst_waits_for_receives_and_arrives_whole() {
 
 /// A receiver that posts no more Receives: the message that waits for
 /// one becomes the no-buffer Terminate once `HOLD_LIMIT` passed, from the
-/// engine (nobody drives the receiver), so that both sides end.
+/// engine (nobody drives the receiver), so that both sides end. The limit
+/// counts from the last `post_recv` that let held input move on: a
+/// Receive posted 1 s into a hold gives the next message its own 2 s.
 #[test]
 fn a_message_no_receive_takes_becomes_the_terminate_at_the_limit() {
     let (a, b) = pair();
     b.recv(1, 0, 64);
-    a.post(1, SEND, vec![a.mr.sge(0, 64)]);
-    a.post(2, SEND, vec![a.mr.sge(0, 64)]);
-    let wcs = a.wait(2);
+    for i in 1..=3 {
+        a.post(i, SEND, vec![a.mr.sge(0, 64)]);
+    }
+    let wcs = a.wait(3);
     assert!(
         wcs.iter().all(|wc| wc.status == WcStatus::Success),
         "{wcs:?}"
     );
     assert_eq!(b.wait(1)[0].status, WcStatus::Success);
+    std::thread::sleep(HOLD_LIMIT / 2);
+    b.recv(2, 0, 64);
+    assert_eq!(b.wait(1)[0].status, WcStatus::Success);
     let t0 = Instant::now();
     let ev = a.wait_event(|e| matches!(e, Event::TerminateReceived(_)));
     let waited = t0.elapsed();
     assert!(
-        waited + Duration::from_millis(500) >= HOLD_LIMIT,
-        "terminated after {waited:?}: {ev:?}"
+        waited + Duration::from_millis(300) >= HOLD_LIMIT,
+        "terminated {waited:?} after the second Receive: {ev:?}"
     );
     assert_eq!(b.qp.state(), QpState::Error);
     assert!(b
