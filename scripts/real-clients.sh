@@ -48,7 +48,27 @@ since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.2f", b - a }'; }
 # qperf: one server (it forks a child per test); each test a client run of
 # one second. The result line must be there: qperf prints it only when the
 # test ran to its end, and the ver_ tests check every atomic's result.
+# The server's child must be gone 5 s after the client: it waits for
+# DISCONNECTED, which must reach it even when the client's close sits
+# behind Sends that wait for Receives it no longer posts (the 2 s hold
+# limit and the 1 s reset on destroy bound that).
 qperf_port=22500
+# child_of PID COMM: PID's child named COMM.
+child_of() {
+    local c
+    for c in $(pgrep -P "$1"); do
+        [[ $(cat "/proc/$c/comm" 2>/dev/null) == "$2" ]] && echo "$c" && return
+    done
+}
+# reaped PID: wait up to 5 s for PID to have no child left.
+reaped() {
+    local i
+    for ((i = 0; i < 100; i++)); do
+        [[ -z $(pgrep -P "$1") ]] && return 0
+        sleep 0.05
+    done
+    return 1
+}
 qperf_suite() {
     timeout 600 "$STAG" run -- qperf -lp "$qperf_port" >"$out/qperf-server.log" 2>&1 &
     local spid=$!
@@ -57,6 +77,10 @@ qperf_suite() {
         kill "$spid" 2>/dev/null
         return
     fi
+    # timeout -> stag run -> qperf
+    local qpid
+    qpid=$(child_of "$(child_of "$spid" stag)" qperf)
+    [[ -n $qpid ]] || { case_run qperf-server 0 1; kill "$spid" 2>/dev/null; return; }
     local cp t name t0 rc
     for cp in 0 1; do
         # rc_bw, rc_bi_bw and rc_rdma_write_bw (Write with Immediate takes
@@ -78,6 +102,12 @@ qperf_suite() {
             timeout 60 "$STAG" run -- qperf -lp "$qperf_port" -cm1 -cp "$cp" -t 1 127.0.0.1 "$t" \
                 >"$out/$name.client.log" 2>&1 || rc=$?
             ((rc == 0)) && ! grep -Eq '(latency|bw|msg_rate) += +[0-9.]+' "$out/$name.client.log" && rc=1
+            if ! reaped "$qpid"; then
+                echo "the server's child still waits for DISCONNECTED" >>"$out/$name.client.log"
+                rc=1
+                # Not to be counted against the next test.
+                pkill -KILL -P "$qpid"
+            fi
             case_run "$name" "$(since "$t0")" "$rc"
         done
     done
