@@ -10,6 +10,8 @@
 #   qperf -cm1 rc_rdma_write_poll_lat                 ≤ 1.2 × ib_write_lat -R
 #   qperf rc_bw / rc_rdma_write_bw / rc_rdma_read_bw  ≥ 0.8 × stag bw send/write/read (64 KiB)
 #   fio rdma write / read (64 KiB, iodepth 16)        ≥ 0.8 × stag bw write/read (64 KiB)
+#   qperf rc_bi_bw, fio rdma send (64 KiB, iodepth 16) against stag bw send (no target: their
+#     senders outrun the Receives, which wait for them on stag0)
 #   qperf rc_fetch_add_mr / rc_compare_swap_mr        ≥ 0.8 × stag bw fetch-add/cmp-swap msg rate
 #
 # at the same queue depth: qperf -cm1 asks for one outstanding Read or
@@ -21,7 +23,9 @@
 # counts as missing and its cell says so; nothing is retried.
 #
 #   scripts/bench-apps.sh [--json] [ROUNDS]     (default 3 rounds; STAG_BIN=path/to/stag
-#                                               measures that build instead)
+#                                               measures that build instead; ONLY=REGEX
+#                                               measures only the keys it matches, e.g.
+#                                               ONLY='stag\.(send|write|read1?)|qperf\.rc_.*bw|fio\..*')
 #
 # Writes target/bench-apps.{md,json}; prints the table (or the JSON).
 set -uo pipefail
@@ -58,6 +62,7 @@ declare -A V
 measure() {
     local key=$1
     shift
+    [[ -n ${ONLY:-} && ! $key =~ ^($ONLY)$ ]] && return
     port=$((port + 1))
     local x
     x=$("$@" "$port" 2>/dev/null) || true
@@ -168,6 +173,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
     # one Read or atomic outstanding, so its floors run at depth 1 too.
     measure stag.send stag_bw send 65536 128 bw_avg_mb_s
     measure qperf.rc_bw qperf_bw rc_bw
+    measure qperf.rc_bi_bw qperf_bw rc_bi_bw
     measure stag.write stag_bw write 65536 128 bw_avg_mb_s
     measure qperf.rc_rdma_write_bw qperf_bw rc_rdma_write_bw
     measure stag.read1 stag_bw read 65536 1 bw_avg_mb_s
@@ -175,6 +181,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
     measure qperf.rc_rdma_read_bw qperf_bw rc_rdma_read_bw
     measure fio.write fio_rdma write
     measure fio.read fio_rdma read
+    measure fio.send fio_rdma send
     measure stag.fetch-add stag_bw fetch-add 8 1 msg_rate_mpps
     measure qperf.rc_fetch_add_mr qperf_lat rc_fetch_add_mr
     measure stag.cmp-swap stag_bw cmp-swap 8 1 msg_rate_mpps
@@ -197,7 +204,8 @@ for a in sys.argv[6:]:
 med = {k: statistics.median(x) if x else math.nan for k, x in v.items()}
 # stag bw's message rate is in millions per second; qperf's in messages.
 for op in ("fetch-add", "cmp-swap"):
-    med[f"stag.{op}"] *= 1e6
+    if f"stag.{op}" in med:
+        med[f"stag.{op}"] *= 1e6
 
 # (name, measured key, floor key, floor name, unit, kind, target): kind
 # "le" is a cost (the ratio must stay at or below the target), "ge" a rate.
@@ -211,6 +219,8 @@ rows = [
     ("qperf rc_rdma_read_bw 64K (event)", "qperf.rc_rdma_read_bw", "stag.read1", "stag bw read 64K -t 1", "MB/s", "ge", 0.8),
     ("fio rdma write 64K qd16", "fio.write", "stag.write", "stag bw write 64K", "MB/s", "ge", 0.8),
     ("fio rdma read 64K qd16", "fio.read", "stag.read", "stag bw read 64K -t 16", "MB/s", "ge", 0.8),
+    ("qperf rc_bi_bw 64K (event)", "qperf.rc_bi_bw", "stag.send", "stag bw send 64K", "MB/s", "ge", None),
+    ("fio rdma send 64K qd16", "fio.send", "stag.send", "stag bw send 64K", "MB/s", "ge", None),
     ("qperf rc_fetch_add_mr (event)", "qperf.rc_fetch_add_mr", "stag.fetch-add", "stag bw fetch-add -s 8 -t 1", "msg/s", "ge", 0.8),
     ("qperf rc_compare_swap_mr (event)", "qperf.rc_compare_swap_mr", "stag.cmp-swap", "stag bw cmp-swap -s 8 -t 1", "msg/s", "ge", 0.8),
     ("rping -C per iteration (event)", "rping.iter", "floor.rtt", "TCP blocking round trip", "µs", "le", 6.0),
@@ -231,6 +241,8 @@ md = ["| program | median | floor | floor median | unit | ratio | target | met |
       "|---|---:|---|---:|---|---:|---:|---|"]
 out = []
 for name, key, fkey, fname, unit, kind, target in rows:
+    if key not in v and fkey not in v:
+        continue  # not measured (ONLY)
     m, f = med.get(key, math.nan), med.get(fkey, math.nan)
     ratio = m / f if f and not math.isnan(f) else math.nan
     if target is None or math.isnan(ratio):

@@ -336,6 +336,18 @@ impl QueuePair {
         self.shared.state()
     }
 
+    /// Whether the stream ended (the peer closed it, or it was shut),
+    /// even while messages read before the end still wait for Receives
+    /// (the QP stays in RTS until they are taken).
+    pub fn stream_ended(&self) -> bool {
+        let io = self.shared.lock();
+        io.closed
+            || io
+                .conn
+                .as_ref()
+                .is_some_and(|c| c.state() == QpState::Error)
+    }
+
     /// What the MPA exchange settled, once connected.
     pub fn negotiated(&self) -> Option<Negotiated> {
         self.shared.negotiated()
@@ -527,6 +539,13 @@ impl Drop for QueuePair {
     fn drop(&mut self) {
         let mut io = self.shared.lock();
         self.shared.shut(&mut io);
+        drop(io);
+        // The peer learns of the end even if it reads no more (see
+        // `linger`): a bounded wait, outside the lock, then a reset when
+        // the socket closes with the last reference.
+        if let Some(sock) = self.shared.sock() {
+            crate::linger::drain_or_reset(sock);
+        }
     }
 }
 

@@ -13,15 +13,16 @@ use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::Instant;
 
 use tracing::debug;
 
 use crate::cq::{CompletionQueue, CqQp};
-use crate::engine::{Engine, EngineQp, Ownership, Progress};
+use crate::engine::{Engine, EngineQp, Input, Ownership, Progress};
 use crate::error::DeviceError;
 use crate::mem::{MrTable, PdId};
 use crate::nosignal::send_vectored;
-use crate::qp::{Connection, CqSide, Env, Event, PostError, QpCaps, QpState};
+use crate::qp::{Connection, CqSide, Env, Event, PostError, QpCaps, QpState, HOLD_LIMIT};
 use crate::setup::Negotiated;
 use crate::srq::Srq;
 use crate::wr::{RecvWr, SendWrRef, WcOpcode, WcStatus, WorkCompletion};
@@ -56,6 +57,14 @@ pub(crate) struct QpIo {
     /// connection may start on it.
     pub(crate) errored_early: bool,
     writable_wanted: bool,
+    /// What the socket is armed for on the input side (not readability
+    /// while input waits for a Receive: [`Connection::rx_blocked`]).
+    input: Input,
+    /// Since when a message has waited for a Receive ([`HOLD_LIMIT`]);
+    /// cleared by a `post_recv` that let it move on.
+    pub(crate) held_since: Option<Instant>,
+    /// The engine's deadline for this QP's hold, while one is pending.
+    hold_timer: Option<Instant>,
     pub(crate) closed: bool,
     pub(crate) events: VecDeque<Event>,
     /// Socket reads that returned bytes (how a caller tells whether a
@@ -69,6 +78,8 @@ pub(crate) struct QpShared {
     pub(crate) qpn: u32,
     pub(crate) pd: PdId,
     pub(crate) caps: QpCaps,
+    /// This QP, for the engine's deadline ([`Engine::drive_at`]).
+    me: Weak<QpShared>,
     mem: Arc<MrTable>,
     engine: Weak<Engine>,
     progress: Progress,
@@ -82,6 +93,9 @@ pub(crate) struct QpShared {
     own: Ownership,
     /// Framed output waits for the socket to become writable.
     tx_blocked: AtomicBool,
+    /// Input waits for a Receive and the socket is not read: a thread
+    /// that sleeps on readability would spin ([`CqQp::wait_fd`]).
+    rx_paused: AtomicBool,
     /// The stream is closed: nothing more to read.
     closed: AtomicBool,
     /// Called (under the QP's lock) when connection events were queued.
@@ -113,10 +127,11 @@ impl QpShared {
         recv_cq: &Arc<CompletionQueue>,
         srq: Option<&Arc<Srq>>,
     ) -> Arc<QpShared> {
-        let shared = Arc::new(QpShared {
+        let shared = Arc::new_cyclic(|me| QpShared {
             qpn,
             pd,
             caps,
+            me: me.clone(),
             mem,
             engine: Arc::downgrade(engine),
             progress: engine.progress(),
@@ -127,6 +142,7 @@ impl QpShared {
             sock: OnceLock::new(),
             own: Ownership::default(),
             tx_blocked: AtomicBool::new(false),
+            rx_paused: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             event_hook: OnceLock::new(),
             async_hook: OnceLock::new(),
@@ -182,6 +198,11 @@ impl QpShared {
         self.async_hook.set(hook).is_ok()
     }
 
+    /// The stream, once connected.
+    pub(crate) fn sock(&self) -> Option<&TcpStream> {
+        self.sock.get()
+    }
+
     /// Close the stream and stop watching it (the QP handle is dropped).
     pub(crate) fn shut(&self, io: &mut QpIo) {
         if let Some(sock) = self.sock.get() {
@@ -225,6 +246,9 @@ impl QpShared {
         let QpIo {
             conn,
             writable_wanted,
+            input,
+            held_since,
+            hold_timer,
             closed,
             events,
             rx_reads,
@@ -240,7 +264,10 @@ impl QpShared {
         }
         // Bounded so that one busy QP cannot starve the others.
         for _ in 0..if read { 64 } else { 0 } {
-            if *closed {
+            // Input that waits for a Receive, with all the input it may
+            // hold behind it, stops the reading, unless the peer closed:
+            // then the rest is read (it is finite) to learn of the close.
+            if *closed || (conn.rx_blocked() && !peer_closed(sock)) {
                 break;
             }
             if let Some(req) = conn.placement() {
@@ -305,17 +332,55 @@ impl QpShared {
                 }
             }
         }
-        let pending = Self::flush(conn, &mut sock, &env);
         let engine = self.engine.upgrade();
-        if pending != *writable_wanted {
+        if conn.rx_held() || hold_timer.is_some() {
+            let now = Instant::now();
+            if hold_timer.is_some_and(|at| at <= now) {
+                // Fired (or about to): the engine forgets it.
+                *hold_timer = None;
+            }
+            if !conn.rx_held() {
+                *held_since = None;
+            } else {
+                let since = *held_since.get_or_insert(now);
+                if now.duration_since(since) >= HOLD_LIMIT {
+                    conn.expire_held();
+                    *held_since = None;
+                } else if hold_timer.is_none() {
+                    // Nobody may drive the QP when the limit comes (the
+                    // application waits for the close the held input
+                    // keeps from it): the engine does. One deadline per
+                    // QP at a time: a hold that a post_recv ended and a
+                    // new one began looks again when it comes.
+                    let at = since + HOLD_LIMIT;
+                    *hold_timer = Some(at);
+                    if let Some(engine) = &engine {
+                        engine.drive_at(at, self.me.clone() as Weak<dyn EngineQp>);
+                    }
+                }
+            }
+        }
+        let pending = Self::flush(conn, &mut sock, &env);
+        // A stream that ended may stay registered while what it carried
+        // waits for Receives: nothing more to read from it.
+        let want = if *closed {
+            Input::Nothing
+        } else if conn.rx_blocked() {
+            Input::CloseOnly
+        } else {
+            Input::Read
+        };
+        if pending != *writable_wanted || want != *input {
             *writable_wanted = pending;
+            *input = want;
             self.tx_blocked.store(pending, Ordering::Release);
+            self.rx_paused.store(want != Input::Read, Ordering::Release);
             // A parked socket is re-armed with the right flags when the
             // engine takes it back; application waiters poll for output
             // through `tx_blocked`.
             if let Some(engine) = &engine {
                 if self.own.armed.load(Ordering::Relaxed) {
-                    engine.arm(self.qpn as u64, sock.as_fd(), pending);
+                    engine.arm(self.qpn as u64, sock.as_fd(), want, pending);
                 }
             }
         }
@@ -397,7 +462,7 @@ impl EngineQp for QpShared {
             return;
         };
         self.own.armed.store(true, Ordering::Relaxed);
-        engine.arm(self.qpn as u64, sock.as_fd(), io.writable_wanted);
+        engine.arm(self.qpn as u64, sock.as_fd(), io.input, io.writable_wanted);
     }
 }
 
@@ -426,8 +491,11 @@ impl CqQp for QpShared {
     }
 
     fn wait_fd(&self, always: bool) -> Option<(BorrowedFd<'_>, bool)> {
-        if !(always || self.progress.waiters_take_sockets()) || self.closed.load(Ordering::Acquire)
+        if !(always || self.progress.waiters_take_sockets())
+            || self.closed.load(Ordering::Acquire)
+            || self.rx_paused.load(Ordering::Acquire)
         {
+            // The engine watches it (for the peer's close, while paused).
             return None;
         }
         let sock = self.sock.get()?;
@@ -454,7 +522,7 @@ impl CqQp for QpShared {
             // input that arrives while the application does something
             // else is answered at once.
             self.own.armed.store(true, Ordering::Relaxed);
-            engine.arm(self.qpn as u64, sock.as_fd(), io.writable_wanted);
+            engine.arm(self.qpn as u64, sock.as_fd(), io.input, io.writable_wanted);
         }
     }
 
@@ -526,7 +594,18 @@ impl QpShared {
         let mut io = self.lock();
         let errored_early = io.errored_early;
         match io.conn.as_mut() {
-            Some(conn) => conn.post_recv(wr)?,
+            Some(conn) => {
+                conn.post_recv(wr)?;
+                if conn.rx_held() {
+                    // A message waited for this Receive: take it and the
+                    // input behind it, hand out what completed and read
+                    // the socket again.
+                    conn.resume_held(&self.env());
+                    // The next message held waits its own HOLD_LIMIT.
+                    io.held_since = None;
+                    self.drive_with(&mut io, false);
+                }
+            }
             None if errored_early => self.recv_cq.push(WorkCompletion {
                 wr_id: wr.wr_id,
                 status: WcStatus::WrFlushErr,
@@ -598,5 +677,17 @@ impl QpShared {
         io.conn = Some(conn);
         self.attach_socket(&mut io, sock)?;
         Ok(())
+    }
+}
+
+/// Whether the peer shut its side of `sock` down (or the socket failed).
+fn peer_closed(sock: &TcpStream) -> bool {
+    let mut fds = [nix::poll::PollFd::new(
+        sock.as_fd(),
+        nix::poll::PollFlags::from_bits_retain(libc::POLLRDHUP),
+    )];
+    match nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO) {
+        Ok(n) => n > 0,
+        Err(_) => true,
     }
 }

@@ -292,12 +292,16 @@ pub(crate) trait EngineQp: Send + Sync {
 /// The registered QPs, by epoll token.
 type QpMap = Mutex<HashMap<u64, Weak<dyn EngineQp>>>;
 
+/// QPs to drive at a time of their choosing ([`Engine::drive_at`]).
+type Timers = Mutex<Vec<(Instant, Weak<dyn EngineQp>)>>;
+
 /// The per-device progress engine.
 pub(crate) struct Engine {
     progress: Progress,
     epoll: Arc<Epoll>,
     wake: Arc<EventFd>,
     qps: Arc<QpMap>,
+    timers: Arc<Timers>,
     /// QPs registered (armed or parked).
     registered: Arc<AtomicUsize>,
     /// Arrivals the engine left to an application thread (parks).
@@ -328,6 +332,7 @@ impl Engine {
             EpollEvent::new(EpollFlags::EPOLLIN, WAKE_TOKEN),
         )?;
         let qps: Arc<QpMap> = Arc::default();
+        let timers: Arc<Timers> = Arc::default();
         let registered = Arc::new(AtomicUsize::new(0));
         let parks = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
@@ -336,6 +341,7 @@ impl Engine {
                 epoll: epoll.clone(),
                 wake: wake.clone(),
                 qps: qps.clone(),
+                timers: timers.clone(),
                 registered: registered.clone(),
                 parks: parks.clone(),
                 stop: stop.clone(),
@@ -356,6 +362,7 @@ impl Engine {
             epoll,
             wake,
             qps,
+            timers,
             registered,
             parks,
             stop,
@@ -403,10 +410,20 @@ impl Engine {
         flags
     }
 
-    /// (Re-)arm a QP's socket, with writability if `write`. Called with the
-    /// QP's io lock held, so the flags match its state.
-    pub(crate) fn arm(&self, token: u64, sock: BorrowedFd<'_>, write: bool) {
-        let mut ev = EpollEvent::new(Self::flags(write), token);
+    /// (Re-)arm a QP's socket for `input`, with writability if `write`.
+    /// Called with the QP's io lock held, so the flags match its state.
+    pub(crate) fn arm(&self, token: u64, sock: BorrowedFd<'_>, input: Input, write: bool) {
+        let mut flags = match input {
+            Input::Read => Self::flags(false),
+            // The peer's close still wakes: the driver then reads to the
+            // end of the stream.
+            Input::CloseOnly => EpollFlags::EPOLLRDHUP,
+            Input::Nothing => EpollFlags::empty(),
+        };
+        if write {
+            flags |= EpollFlags::EPOLLOUT;
+        }
+        let mut ev = EpollEvent::new(flags, token);
         if let Err(e) = self.epoll.modify(sock, &mut ev) {
             debug!(token, error = %e, "epoll modify failed");
         }
@@ -416,6 +433,18 @@ impl Engine {
     /// sleeps on it). Called with the QP's io lock held.
     pub(crate) fn disarm(&self, token: u64, sock: BorrowedFd<'_>) {
         disarm(&self.epoll, token, sock);
+    }
+
+    /// Drive `qp` from the engine thread once `at` has come (a deadline of
+    /// the QP's own: a held message's [`HOLD_LIMIT`](crate::qp::HOLD_LIMIT)),
+    /// whoever else drives it meanwhile.
+    pub(crate) fn drive_at(&self, at: Instant, qp: Weak<dyn EngineQp>) {
+        self.timers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((at, qp));
+        // A sleeping engine must shorten its sleep.
+        self.kick();
     }
 
     /// Make the engine look at its parked QPs now.
@@ -633,6 +662,7 @@ struct Run {
     epoll: Arc<Epoll>,
     wake: Arc<EventFd>,
     qps: Arc<QpMap>,
+    timers: Arc<Timers>,
     registered: Arc<AtomicUsize>,
     parks: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
@@ -655,6 +685,19 @@ impl Run {
                 EpollTimeout::NONE
             } else {
                 EpollTimeout::try_from(PARK_RECHECK).unwrap_or(EpollTimeout::ZERO)
+            };
+            let timeout = match self.next_timer() {
+                Some(at) => {
+                    // Rounded up: a wake-up a little late, not a spin.
+                    let left = at.saturating_duration_since(now) + Duration::from_micros(999);
+                    let left = EpollTimeout::try_from(left).unwrap_or(EpollTimeout::MAX);
+                    if timeout == EpollTimeout::NONE {
+                        left
+                    } else {
+                        timeout.min(left)
+                    }
+                }
+                None => timeout,
             };
             let n = match self.epoll.wait(&mut events, timeout) {
                 Ok(n) => n,
@@ -703,7 +746,8 @@ impl Run {
                     traffic = true;
                 }
             }
-            let now = if n > 0 { Instant::now() } else { now };
+            let now = Instant::now();
+            self.fire_timers(now);
             if traffic {
                 self.spinner.traffic(now);
             }
@@ -725,6 +769,47 @@ impl Run {
             }
         }
     }
+}
+
+impl Run {
+    /// The earliest deadline of [`Engine::drive_at`].
+    fn next_timer(&self) -> Option<Instant> {
+        let timers = self.timers.lock().unwrap_or_else(|p| p.into_inner());
+        timers.iter().map(|(at, _)| *at).min()
+    }
+
+    /// Drive the QPs whose deadline has come.
+    fn fire_timers(&self, now: Instant) {
+        let due: Vec<_> = {
+            let mut timers = self.timers.lock().unwrap_or_else(|p| p.into_inner());
+            if timers.iter().all(|(at, _)| *at > now) {
+                return;
+            }
+            let (due, later) = std::mem::take(&mut *timers)
+                .into_iter()
+                .partition(|(at, _)| *at <= now);
+            *timers = later;
+            due
+        };
+        for (_, qp) in due {
+            if let Some(qp) = qp.upgrade() {
+                qp.engine_drive(false);
+            }
+        }
+    }
+}
+
+/// What a QP's socket is armed for on the input side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum Input {
+    /// Readability (and the peer's close): the usual.
+    #[default]
+    Read,
+    /// Only the peer's close: input waits for a Receive, and a
+    /// level-triggered readable socket would only spin the engine.
+    CloseOnly,
+    /// Nothing: the stream ended, what was read waits for Receives.
+    Nothing,
 }
 
 /// Stop watching a QP's socket. One-shot with no events: an error or

@@ -16,6 +16,7 @@ mod driver;
 pub mod engine;
 pub mod error;
 pub mod fatal;
+mod linger;
 pub mod listener;
 pub mod mem;
 mod nosignal;

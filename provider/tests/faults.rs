@@ -532,28 +532,65 @@ fn oversized_send_is_message_too_long() {
     assert_eq!(r[0].status, WcStatus::WrFlushErr);
 }
 
+/// A Send or Immediate Data that finds no Receive waits for one (iWARP
+/// has no RNR retries; the driver stops reading meanwhile), then lands in
+/// the next Receive posted: no Terminate, nothing lost.
 #[test]
-fn send_without_receive_is_no_buffer() {
+fn send_without_receive_waits_for_one() {
     let mut p = Pair::new();
     let ba = p.a.reg(4096, ALL);
+    let bb = p.b.reg(4096, ALL);
+    p.a.write(&ba, 0, b"0123456789");
     p.a.post(10, send(), vec![ba.sge(0, 10)]);
-    p.drive();
-    assert_terminate(&p, false, ErrorType::DdpUntagged, 0x02);
-}
-
-#[test]
-fn immediate_data_without_receive_is_no_buffer() {
-    let mut p = Pair::new();
     p.a.post(
-        10,
+        11,
         SendOp::Imm {
-            imm: 1,
+            imm: 7,
             solicited: false,
         },
         vec![],
     );
     p.drive();
-    assert_terminate(&p, false, ErrorType::DdpUntagged, 0x02);
+    assert!(p.b.sent_terminate().is_none(), "events {:?}", p.b.events);
+    assert!(p.b.conn.rx_held());
+    assert_eq!(p.b.state(), QpState::Rts);
+    p.b.recv(1, vec![bb.sge(0, 16)]);
+    p.b.recv(2, vec![bb.sge(16, 16)]);
+    p.drive();
+    let r = exactly_once(&p.b, CqSide::Recv, &[1, 2]);
+    assert!(r.iter().all(|wc| wc.status == WcStatus::Success), "{r:?}");
+    assert_eq!(r[0].byte_len, 10);
+    assert_eq!(r[1].imm, Some(7));
+    assert_eq!(p.b.read(&bb, 0, 10), b"0123456789");
+    assert!(!p.b.conn.rx_held());
+    assert_eq!(p.a.state(), QpState::Rts);
+}
+
+/// On an SRQ the QP cannot wait (posts go to the SRQ, not to it): a Send
+/// or Immediate Data with no Receive draws the no-buffer Terminate.
+#[test]
+fn send_without_receive_on_an_srq_is_no_buffer() {
+    for imm in [false, true] {
+        let mut p = Pair::with(Config {
+            srq_b: true,
+            ..Config::default()
+        });
+        let ba = p.a.reg(4096, ALL);
+        if imm {
+            p.a.post(
+                10,
+                SendOp::Imm {
+                    imm: 1,
+                    solicited: false,
+                },
+                vec![],
+            );
+        } else {
+            p.a.post(10, send(), vec![ba.sge(0, 10)]);
+        }
+        p.drive();
+        assert_terminate(&p, false, ErrorType::DdpUntagged, 0x02);
+    }
 }
 
 /// A peer that ignores the negotiated ORD: raw Read and atomic Requests

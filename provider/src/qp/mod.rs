@@ -43,6 +43,7 @@ use crate::wire::TerminateCause;
 use crate::wr::{RecvWr, SendOp, SendWr, SendWrRef, Sge, WcOpcode, WcStatus, WorkCompletion};
 
 pub use place::{PlaceRequest, HEADER_PEEK};
+pub use receive::{HELD_INPUT_MAX, HOLD_LIMIT};
 pub use transmit::CommitJob;
 
 /// Queue pair states (`enum ibv_qp_state`).
@@ -303,6 +304,9 @@ pub struct Connection {
     receiving: Option<RecvWr>,
     /// The tagged segment whose payload is being placed directly.
     placing: Option<place::Placing>,
+    /// Input held back while a message on QN 0 waits for a Receive
+    /// ([`Connection::rx_held`]).
+    held: Option<receive::Held>,
     /// Large tagged segments are arriving (the last one was placed
     /// directly): the driver reads header by header ([`Connection::read_hint`]).
     streaming: bool,
@@ -393,6 +397,7 @@ impl Connection {
             rx_send: UntaggedReassembly::new(),
             receiving: None,
             placing: None,
+            held: None,
             streaming: false,
             inbound: VecDeque::new(),
             durability: VecDeque::new(),

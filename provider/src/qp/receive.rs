@@ -35,11 +35,62 @@ impl From<Error> for RxFail {
 
 type RxResult = Result<(), RxFail>;
 
+/// How long a message may wait for a Receive before it becomes the
+/// Terminate that iWARP gives it at once ([`Held`]). Counted from its
+/// arrival, or from the last `post_recv` that let held input move on; a
+/// receiver that posts no more (qperf's server when its timer ended) must
+/// not keep the sender's close from it for longer. InfiniBand's RNR
+/// retries wait up to about 3.4 s with a finite retry count (7 × 491 ms).
+pub const HOLD_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Octets a QP reads past a message that waits for a Receive before it
+/// stops reading its socket ([`Held`]).
+pub const HELD_INPUT_MAX: usize = 16 << 20;
+
+/// Input held back because a message on QN 0 (a Send, or Immediate Data)
+/// found no Receive posted: that message, whole and checked, and the
+/// stream octets that followed it, not yet deframed.
+///
+/// InfiniBand answers such a message with an RNR NAK and the sender
+/// retries; iWARP has no RNR (RFC 5041 §7.2 makes it a Terminate), so
+/// programs written for InfiniBand (qperf's bandwidth tests, fio's send
+/// verb) that let a sender run ahead of the Receives its peer re-posts
+/// failed on stag0 with "WR flush failure". Instead, the message waits
+/// for the next `post_recv` here while the driver stops reading the
+/// socket: TCP's window holds the sender back, as RNR retries would.
+/// Nothing of this shows on the wire. A QP on an SRQ is not held (its
+/// posts do not reach the QP): it terminates as before.
+///
+/// The driver keeps reading into `input` up to [`HELD_INPUT_MAX`] first:
+/// a peer that closes after a burst (qperf's client at the end of a
+/// bandwidth test) has its FIN queued behind the burst, and a receiver
+/// that stopped reading at once would never learn of the close (nor
+/// report DISCONNECTED). The socket buffers of both ends together stay
+/// below that on Linux (`tcp_rmem`/`tcp_wmem` maxima: 6 and 4 MiB).
+#[derive(Debug)]
+pub(super) struct Held {
+    /// What the message drew: the Terminate it becomes if no Receive
+    /// comes in time ([`Connection::expire_held`]).
+    error: Error,
+    ulpdu: Vec<u8>,
+    /// The input behind it is `input[start..]`: a resume that holds again
+    /// keeps the buffer rather than copying what is left of it (a held
+    /// burst is taken one Receive at a time).
+    input: Vec<u8>,
+    start: usize,
+    /// The stream ended after `input` (the close was reported).
+    eof: bool,
+}
+
 impl Connection {
     /// The byte stream broke (a reset or a socket error, not an orderly
     /// close): as [`handle_closed`](Self::handle_closed), and a fault for
     /// a QP that was running ([`Event::StreamFailed`]).
     pub fn handle_stream_failed(&mut self) {
+        // Unlike an orderly close, a reset does not wait for held messages
+        // to find Receives: the peer gave up on the stream (the driver's
+        // bounded disconnect ends in one), so flush now.
+        self.held = None;
         if !self.phase.is_error() {
             self.events.push_back(Event::StreamFailed);
         }
@@ -48,19 +99,111 @@ impl Connection {
 
     /// The byte stream closed or broke.
     pub fn handle_closed(&mut self) {
+        if let Some(held) = self.held.as_mut() {
+            if !held.eof && !self.phase.is_error() {
+                // The messages that arrived whole before the close are
+                // still delivered as Receives are posted (as the sender's
+                // completions said they were sent); the close is reported
+                // now, the flush follows the last of them.
+                held.eof = true;
+                self.events.push_back(Event::Closed);
+                return;
+            }
+        }
+        self.close_stream(true);
+    }
+
+    /// The stream is over: flush, and report it unless `report` is false
+    /// (already reported while held input was still delivered).
+    fn close_stream(&mut self, report: bool) {
+        self.held = None;
         if !self.phase.is_error() {
             debug!(qp = self.qp_num, "stream closed by peer");
             self.flush();
         }
         self.phase = super::Phase::Closed;
         self.tx.clear();
-        if !self.events.contains(&Event::Closed) {
+        if report && !self.events.contains(&Event::Closed) {
             self.events.push_back(Event::Closed);
         }
     }
 
-    /// Feed bytes received from the stream. Every byte is consumed.
+    /// Whether input waits for a Receive ([`Held`]).
+    pub fn rx_held(&self) -> bool {
+        self.held.is_some()
+    }
+
+    /// Whether the driver should read no more: input waits for a Receive
+    /// and [`HELD_INPUT_MAX`] octets are already held behind it. Reading
+    /// resumes once [`resume_held`](Self::resume_held) took them.
+    pub fn rx_blocked(&self) -> bool {
+        self.held
+            .as_ref()
+            .is_some_and(|h| h.input.len() - h.start >= HELD_INPUT_MAX)
+    }
+
+    /// After a Receive was posted: process the held message and the input
+    /// behind it (which may be held again at the next message without a
+    /// Receive).
+    pub fn resume_held(&mut self, env: &Env) {
+        if self.rq.is_empty() || self.phase.is_error() {
+            return;
+        }
+        let Some(mut held) = self.held.take() else {
+            return;
+        };
+        match self.process_ulpdu(&held.ulpdu, env) {
+            Ok(()) => {
+                self.deliver_completions();
+                let buf = std::mem::take(&mut held.input);
+                let left = self.deframe(&buf[held.start..], env).len();
+                if let Some(again) = self.held.as_mut() {
+                    again.start = buf.len() - left;
+                    again.input = buf;
+                }
+            }
+            Err(fail) => self.fail_ulpdu(fail, &held.ulpdu),
+        }
+        if held.eof {
+            match self.held.as_mut() {
+                // Held again: the end still follows it.
+                Some(again) => again.eof = true,
+                None => self.close_stream(false),
+            }
+        }
+    }
+
+    /// The held message waited too long for a Receive (the driver's bound,
+    /// [`HOLD_LIMIT`]): it draws the Terminate it would have drawn on
+    /// arrival, and the input behind it is dropped with the connection.
+    pub fn expire_held(&mut self) {
+        let Some(held) = self.held.take() else {
+            return;
+        };
+        debug!(qp = self.qp_num, "no Receive came for a held message");
+        // A close read behind it was reported already, and the driver
+        // shuts the errored stream.
+        self.fail_ulpdu(RxFail::Local(held.error), &held.ulpdu);
+    }
+
+    /// Feed bytes received from the stream. Every byte is consumed (kept
+    /// in [`Held`] while a message waits for a Receive).
     pub fn handle_bytes(&mut self, mut input: &[u8], env: &Env) {
+        if self.held.is_none() {
+            input = self.deframe(input, env);
+        }
+        if let Some(held) = self.held.as_mut() {
+            if held.start > 0 && held.start >= held.input.len() / 2 {
+                held.input.drain(..held.start);
+                held.start = 0;
+            }
+            held.input.extend_from_slice(input);
+        }
+    }
+
+    /// Process `input`; returns what is left of it when a message came to
+    /// wait for a Receive (empty otherwise).
+    fn deframe<'a>(&mut self, mut input: &'a [u8], env: &Env) -> &'a [u8] {
         // The ULPDU may borrow the deframer's buffer: lend the deframer out
         // of `self` for the loop (a fresh one allocates nothing) so that the
         // handlers can take `&mut self`.
@@ -68,6 +211,11 @@ impl Connection {
         let mut deframer = std::mem::replace(&mut self.deframer, Deframer::new(config));
         self.receive(&mut deframer, &mut input, env);
         self.deframer = deframer;
+        if self.held.is_some() {
+            input
+        } else {
+            &[]
+        }
     }
 
     fn receive(&mut self, deframer: &mut Deframer, input: &mut &[u8], env: &Env) {
@@ -103,17 +251,37 @@ impl Connection {
                 continue;
             }
             if let Err(fail) = self.process_ulpdu(&ulpdu, env) {
-                match fail {
-                    RxFail::Local(e) => {
-                        // A Terminate copies the offending headers.
-                        let header = ulpdu.get(..ulpdu.len().min(64)).unwrap_or(&[]);
-                        self.terminate(e, header);
-                    }
-                    RxFail::Remote(cause) => self.peer_terminated(cause),
+                if let (RxFail::Local(error @ Error::NoBuffer(_)), None) = (&fail, env.srq) {
+                    // Wait for a Receive (see `Held`): the message was
+                    // checked and changed nothing, so it is processed
+                    // again as it is.
+                    trace!(qp = self.qp_num, "a message waits for a Receive");
+                    self.held = Some(Held {
+                        error: *error,
+                        ulpdu: ulpdu.to_vec(),
+                        // The rest of `input` goes here (the caller's).
+                        input: Vec::new(),
+                        start: 0,
+                        eof: false,
+                    });
+                    break;
                 }
+                self.fail_ulpdu(fail, &ulpdu);
                 break;
             }
             self.deliver_completions();
+        }
+    }
+
+    /// `ulpdu` failed: Terminate for our error, or the peer's Terminate.
+    fn fail_ulpdu(&mut self, fail: RxFail, ulpdu: &[u8]) {
+        match fail {
+            RxFail::Local(e) => {
+                // A Terminate copies the offending headers.
+                let header = ulpdu.get(..ulpdu.len().min(64)).unwrap_or(&[]);
+                self.terminate(e, header);
+            }
+            RxFail::Remote(cause) => self.peer_terminated(cause),
         }
     }
 

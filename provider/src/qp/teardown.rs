@@ -83,6 +83,8 @@ impl Connection {
         let written = self.tx.written_total();
         // A segment half-placed is never finished: nothing completes it.
         self.placing = None;
+        // Nor is a message that waited for a Receive.
+        self.held = None;
         for f in self.in_flight.iter_mut() {
             // A Send or Write whose octets did not all reach the socket did
             // not happen as far as anyone can tell: flushed too.

@@ -529,3 +529,132 @@ fn an_atomic_waits_for_a_gathered_read_response_over_its_target() {
         "read before the add"
     );
 }
+
+/// A Send that finds no Receive posted waits for one instead of drawing a
+/// Terminate (iWARP's stand-in for InfiniBand's RNR retries): it and the
+/// input behind it are delivered as Receives are posted, in order, and a
+/// close that arrives meanwhile is reported at once but flushes only
+/// after them.
+#[test]
+fn a_send_with_no_receive_waits_for_one() {
+    let mem = MrTable::new();
+    let (src, src_va) = region(&mem, 3, Access::LOCAL_WRITE);
+    let (dst, dst_va) = region(&mem, 3, Access::LOCAL_WRITE);
+    let (mut a, mut b) = pair(None);
+    let env = Env {
+        mem: &mem,
+        srq: None,
+    };
+    let recv = |wr_id| RecvWr {
+        wr_id,
+        sg_list: vec![Sge {
+            addr: dst_va,
+            length: 3,
+            lkey: dst,
+        }],
+    };
+    b.post_recv(recv(10)).expect("post recv");
+    for wr_id in 1..=3 {
+        a.post_send(
+            SendWr {
+                wr_id,
+                op: SendOp::Send {
+                    solicited: false,
+                    invalidate: None,
+                },
+                sg_list: vec![Sge {
+                    addr: src_va,
+                    length: 3,
+                    lkey: src,
+                }],
+                signaled: true,
+                fence: false,
+            },
+            &env,
+        )
+        .expect("post send");
+    }
+    let bytes = transmit(&mut a, &mem);
+    deliver(&bytes, &mut b, &mem);
+    let ids = |c: &mut Connection| {
+        completions(c)
+            .iter()
+            .map(|(_, wc)| (wc.wr_id, wc.status))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(ids(&mut b), [(10, WcStatus::Success)]);
+    assert!(b.rx_held(), "the second Send waits");
+    let evs = events(&mut b);
+    assert!(
+        !evs.iter().any(|e| matches!(e, Event::TerminateSent(_))),
+        "no Terminate: {evs:?}"
+    );
+    assert_eq!(b.state(), QpState::Rts);
+    assert!(transmit(&mut b, &mem).is_empty(), "nothing on the wire");
+    // Input that arrives meanwhile is kept behind it.
+    deliver(&[], &mut b, &mem);
+    b.post_recv(recv(11)).expect("post recv");
+    b.resume_held(&env);
+    assert_eq!(ids(&mut b), [(11, WcStatus::Success)]);
+    assert!(b.rx_held(), "the third Send waits");
+    // The peer closes: reported now, the last Send still delivered.
+    b.handle_closed();
+    assert_eq!(events(&mut b), [Event::Closed]);
+    assert_eq!(b.state(), QpState::Rts);
+    b.post_recv(recv(12)).expect("post recv");
+    b.resume_held(&env);
+    assert_eq!(ids(&mut b), [(12, WcStatus::Success)]);
+    assert!(!b.rx_held());
+    assert_eq!(b.state(), QpState::Error, "closed after the last one");
+    assert!(events(&mut b).is_empty(), "the close was reported once");
+}
+
+/// A message that waited for a Receive past the driver's bound draws the
+/// Terminate it would have drawn on arrival (DDP untagged, no buffer),
+/// and the input held behind it goes with the connection.
+#[test]
+fn a_held_send_that_expires_is_the_no_buffer_terminate() {
+    let mem = MrTable::new();
+    let (src, src_va) = region(&mem, 3, Access::LOCAL_WRITE);
+    let (mut a, mut b) = pair(None);
+    let env = Env {
+        mem: &mem,
+        srq: None,
+    };
+    for wr_id in 1..=2 {
+        a.post_send(
+            SendWr {
+                wr_id,
+                op: SendOp::Send {
+                    solicited: false,
+                    invalidate: None,
+                },
+                sg_list: vec![Sge {
+                    addr: src_va,
+                    length: 3,
+                    lkey: src,
+                }],
+                signaled: true,
+                fence: false,
+            },
+            &env,
+        )
+        .expect("post send");
+    }
+    let bytes = transmit(&mut a, &mem);
+    deliver(&bytes, &mut b, &mem);
+    assert!(b.rx_held());
+    assert_eq!(b.state(), QpState::Rts);
+    b.expire_held();
+    assert!(!b.rx_held());
+    assert_eq!(b.state(), QpState::Error);
+    let evs = events(&mut b);
+    assert!(
+        evs.iter().any(|e| matches!(e, Event::TerminateSent(_))),
+        "a Terminate: {evs:?}"
+    );
+    let term = transmit(&mut b, &mem);
+    assert!(!term.is_empty(), "the Terminate goes out");
+    deliver(&term, &mut a, &mem);
+    assert_eq!(a.state(), QpState::Error);
+}

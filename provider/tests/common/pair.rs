@@ -174,7 +174,16 @@ impl Host {
         let wr = RecvWr { wr_id, sg_list };
         match &self.srq {
             Some(srq) => srq.post_recv(wr).unwrap(),
-            None => self.conn.post_recv(wr).unwrap(),
+            None => {
+                self.conn.post_recv(wr).unwrap();
+                // As the device does: a message that waited for a
+                // Receive takes this one.
+                let env = Env {
+                    mem: &self.mem,
+                    srq: None,
+                };
+                self.conn.resume_held(&env);
+            }
         }
         self.drain();
     }

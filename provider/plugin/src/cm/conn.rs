@@ -10,7 +10,6 @@ use std::sync::{Arc, Condvar, Mutex, Once, Weak};
 use std::time::Duration;
 
 use provider::device::{DeviceError, QueuePair};
-use provider::qp::QpState;
 use provider::setup::MpaParams;
 use tracing::{debug, error, warn};
 
@@ -542,7 +541,9 @@ fn watcher() {
             }
             let closed = match live_qp(&st) {
                 None => true,
-                Some(qp) => qp.state() == QpState::Error,
+                // Messages read before the end may still wait for
+                // Receives: the stream's end is what disconnects.
+                Some(qp) => qp.stream_ended(),
             } || st.phase == Phase::Disconnecting;
             if closed {
                 debug!("rdma_cm: stream closed; DISCONNECTED");
@@ -573,7 +574,7 @@ mod tests {
         use provider::cq::CompletionQueue;
         use provider::device::Device;
         use provider::listener::Listener;
-        use provider::qp::QpCaps;
+        use provider::qp::{QpCaps, QpState};
         use provider::setup::MpaParams;
 
         static FIRED: AtomicUsize = AtomicUsize::new(0);
