@@ -30,7 +30,7 @@ fn a_burst_waits_for_receives_and_arrives_whole() {
                 // 64 slots of the 1 MiB MR, refilled only after the Send
                 // that used it completed.
                 let off = (i as usize % 64) * LEN;
-                a.mr.region.write_at(off, &[i as u8; LEN]).unwrap();
+                a.mr.region().write_at(off, &[i as u8; LEN]).unwrap();
                 a.post(i, SEND, vec![a.mr.sge(off, LEN as u32)]);
                 if i % 64 == 63 {
                     let wcs = a.wait(64);
@@ -54,7 +54,7 @@ fn a_burst_waits_for_receives_and_arrives_whole() {
                 assert_eq!(wc.wr_id, next + k as u64, "in order");
                 assert_eq!(wc.byte_len as usize, LEN);
                 let slot = ((next + k as u64) % 8) as usize * LEN;
-                let got = b.mr.region.to_vec(slot, LEN).unwrap();
+                let got = b.mr.region().to_vec(slot, LEN).unwrap();
                 assert!(
                     got.iter().all(|&x| x == (next + k as u64) as u8),
                     "message {} intact",
