@@ -55,11 +55,10 @@
 //! operations fail at once with [`OpError::QpFailed`] instead of being
 //! posted (kernel siw never completes work posted to a QP in Error).
 //!
-//! A QP with nothing in flight learns of a lost peer only where the
-//! device reports it to an idle QP: stag0 and siw (their TCP connection
-//! closes) do; on RoCE (rxe, RNICs) the connection manager's disconnect
-//! event is not acted on yet, so there the first Send or Read after the
-//! peer's going fails (retries exhausted) and flushes the rest.
+//! A QP with nothing in flight learns of a lost peer too: stag0 and siw
+//! see their TCP connection close, and on IB/RoCE (rxe, RNICs) the
+//! libibverbs backend acts on rdma_cm's DISCONNECTED (and the other
+//! events that end a connection) by moving the QP to Error.
 
 mod cq;
 mod qp;

@@ -266,7 +266,11 @@ pub(super) fn validate_send(wr: &SendWr<'_>) -> Result<()> {
     Ok(())
 }
 
-pub(super) fn raw_send_wr(wr: &SendWr<'_>, sg_list: *mut ffi::ibv_sge, n: usize) -> ffi::ibv_send_wr {
+pub(super) fn raw_send_wr(
+    wr: &SendWr<'_>,
+    sg_list: *mut ffi::ibv_sge,
+    n: usize,
+) -> ffi::ibv_send_wr {
     let mut r = ffi::ibv_send_wr {
         wr_id: wr.wr_id,
         sg_list,
