@@ -1,0 +1,127 @@
+//! gRPC over RDMA: a tonic echo service served over `RdmaStream`s on the
+//! default device (`$STAG_DEVICE`, else the first RDMA device, else
+//! stag's userspace provider), called with unary, server-streaming and
+//! bidirectional-streaming RPCs; then unary latency over RDMA against the
+//! same service over TCP, in alternating rounds (medians). Both ends run
+//! in this process. On a libibverbs device set `STAG_ADDR` to its IP.
+//!
+//!     cargo run --release --features grpc --example grpc_echo [-- ROUNDS CALLS]
+
+#[path = "common/echo.rs"]
+mod echo;
+
+use std::error::Error;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use echo::{EchoClient, EchoRequest, EchoServer};
+use stag::verbs::r#async::grpc::{RdmaConnector, RdmaIncoming};
+use stag::verbs::r#async::{AsyncListener, StreamOptions};
+use stag::verbs::{self, Context};
+use tonic::codegen::tokio_stream::{self, StreamExt};
+use tonic::transport::{Endpoint, Server};
+
+type Res<T> = Result<T, Box<dyn Error>>;
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> Res<()> {
+    let mut args = std::env::args().skip(1);
+    let rounds: usize = args.next().map_or(Ok(3), |a| a.parse())?;
+    let calls: usize = args.next().map_or(Ok(200), |a| a.parse())?;
+    let device = verbs::default_device();
+    let ip = std::env::var("STAG_ADDR").unwrap_or_else(|_| "127.0.0.1".into());
+    println!("device {device}");
+
+    // The server: tonic over the listener's RdmaStreams.
+    let ctx = Context::open(&device)?;
+    let pd = ctx.alloc_pd()?;
+    let opts = StreamOptions::default();
+    let listener = AsyncListener::bind(&ctx, format!("{ip}:0").parse()?)?;
+    let addr = listener.local_addr()?;
+    let incoming = RdmaIncoming::new(listener, pd.clone(), opts);
+    // One service, no router: it answers every path itself.
+    tokio::spawn(Server::builder().serve_with_incoming(EchoServer, incoming));
+
+    // The client: tonic's channel, connected by RdmaConnector to the
+    // host:port of its URI.
+    let channel = Endpoint::from_shared(format!("http://{addr}"))?
+        .connect_with_connector(RdmaConnector::new(pd.clone(), opts))
+        .await?;
+    let mut client = EchoClient::new(channel);
+
+    let reply = client.unary(request("hello over RDMA", 0)).await?;
+    println!("unary    {:?} (server QP {})", reply.message, reply.qp_num);
+    if reply.message != "hello over RDMA" || reply.qp_num == 0 {
+        return Err("the unary reply is wrong".into());
+    }
+
+    let mut replies = client.repeat(request("again", 5)).await?;
+    let mut n = 0;
+    while let Some(r) = replies.message().await? {
+        if r.index != n || r.message != "again" {
+            return Err(format!("reply {n} of the stream is {r:?}").into());
+        }
+        n += 1;
+    }
+    println!("repeat   {n} replies streamed back");
+
+    const WORDS: [&str; 3] = ["one", "two", "three"];
+    let reqs = tokio_stream::iter(WORDS.iter().map(|w| request(w, 0)));
+    let echoed: Vec<String> = client
+        .chat(reqs)
+        .await?
+        .map(|r| r.map(|r| r.message))
+        .collect::<Result<_, _>>()
+        .await?;
+    println!("chat     {echoed:?}");
+    if echoed != WORDS {
+        return Err("the chat echoed the wrong words".into());
+    }
+
+    // Unary latency: the same service over TCP, side by side.
+    let tcp = tokio::net::TcpListener::bind(format!("{ip}:0")).await?;
+    let tcp_addr: SocketAddr = tcp.local_addr()?;
+    tokio::spawn(Server::builder().serve_with_incoming(
+        EchoServer,
+        tokio_stream::wrappers::TcpListenerStream::new(tcp),
+    ));
+    let mut tcp_client = EchoClient::new(
+        Endpoint::from_shared(format!("http://{tcp_addr}"))?
+            .connect()
+            .await?,
+    );
+    let (mut rdma_us, mut tcp_us) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        rdma_us.push(unary_latency(&mut client, calls).await?);
+        tcp_us.push(unary_latency(&mut tcp_client, calls).await?);
+    }
+    let (r, t) = (median(&mut rdma_us), median(&mut tcp_us));
+    println!(
+        "grpc_echo: ok; unary RPC median of {rounds} rounds x {calls} calls: \
+         RDMA {r:.1} us, TCP {t:.1} us, ratio {:.2}",
+        r / t
+    );
+    Ok(())
+}
+
+fn request(message: &str, repeat: u32) -> EchoRequest {
+    EchoRequest {
+        message: message.into(),
+        repeat,
+    }
+}
+
+/// Mean microseconds per unary call over `calls` calls, one at a time.
+async fn unary_latency(client: &mut EchoClient, calls: usize) -> Res<f64> {
+    let start = Instant::now();
+    for _ in 0..calls {
+        client.unary(request("ping", 0)).await?;
+    }
+    let per_call: Duration = start.elapsed() / calls.max(1) as u32;
+    Ok(per_call.as_secs_f64() * 1e6)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
