@@ -9,7 +9,8 @@
 //!     async_bench server tcp PORT           (tokio TcpStream sink)
 //!     async_bench client tcp HOST:PORT MIB
 //!
-//! Latency runs on a current-thread runtime; send and write-imm are
+//! Latency runs on a current-thread runtime (with `ASYNC_BENCH_SPIN_US`
+//! set, its CQ spins that long before sleeping); send and write-imm are
 //! ping-pongs reporting half the round trip (as `stag lat` does): the
 //! ping is posted, and the task awaits the peer's answer on the CQ's fd
 //! (`AsyncCompletionQueue::poll_drain`, whose drain also takes the ping's
@@ -47,9 +48,19 @@ struct Side {
     cq: AsyncCompletionQueue,
 }
 
+/// `ASYNC_BENCH_SPIN_US`: the CQ's spin before sleeping
+/// (`AsyncCompletionQueue::with_spin`); unset or 0, sleep at once.
+fn spin() -> Res<std::time::Duration> {
+    let us: u64 = match std::env::var("ASYNC_BENCH_SPIN_US") {
+        Ok(v) => v.parse()?,
+        Err(_) => 0,
+    };
+    Ok(std::time::Duration::from_micros(us))
+}
+
 async fn open(ctx: &Context) -> Res<(verbs::ProtectionDomain, AsyncCompletionQueue, MemoryRegion)> {
     let pd = ctx.alloc_pd()?;
-    let cq = AsyncCompletionQueue::new(ctx.create_cq(256)?)?;
+    let cq = AsyncCompletionQueue::with_spin(ctx.create_cq(256)?, spin()?)?;
     let mr = pd.alloc_mr(1 << 16, RIGHTS)?;
     Ok((pd, cq, mr))
 }

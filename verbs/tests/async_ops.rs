@@ -30,7 +30,9 @@ struct End {
     qp: AsyncQueuePair,
 }
 
-async fn end_parts() -> (
+async fn end_parts(
+    spin: Duration,
+) -> (
     Context,
     ProtectionDomain,
     MemoryRegion,
@@ -39,15 +41,20 @@ async fn end_parts() -> (
     let ctx = Context::open(&device()).unwrap();
     let pd = ctx.alloc_pd().unwrap();
     let mr = pd.alloc_mr(1 << 20, ALL).unwrap();
-    let cq = AsyncCompletionQueue::new(ctx.create_cq(1024).unwrap()).unwrap();
+    let cq = AsyncCompletionQueue::with_spin(ctx.create_cq(1024).unwrap(), spin).unwrap();
     (ctx, pd, mr, cq)
 }
 
 /// A connected (client, server) pair, made with the async connect and
 /// accept.
 async fn pair() -> (End, End) {
-    let (sctx, spd, smr, scq) = end_parts().await;
-    let (cctx, cpd, cmr, ccq) = end_parts().await;
+    pair_spinning(Duration::ZERO).await
+}
+
+/// [`pair`] with CQs that spin `spin` before sleeping.
+async fn pair_spinning(spin: Duration) -> (End, End) {
+    let (sctx, spd, smr, scq) = end_parts(spin).await;
+    let (cctx, cpd, cmr, ccq) = end_parts(spin).await;
     let listener = AsyncListener::bind(&sctx, listen_addr()).unwrap();
     let addr = listener.local_addr().unwrap();
     let opts = ConnectOptions::default();
@@ -321,6 +328,33 @@ fn a_dropped_future_leaves_its_memory_with_the_qp_until_completion() {
         }
         let last = done(c.qp.fetch_add(&res, s.mr.remote(8192), 0)).await;
         assert_eq!(last.kind, CompletionKind::FetchAdd { original: 50 });
+    });
+}
+
+/// A spinning CQ completes work found while it spins, and work that
+/// comes only after its spin ran out (it then arms and sleeps: the
+/// completion must still wake it).
+#[test]
+fn a_spinning_cq_finds_completions_during_and_after_its_spin() {
+    current_thread().block_on(async {
+        let (c, s) = pair_spinning(Duration::from_millis(2)).await;
+        for i in 0..100u64 {
+            let got = done(c.qp.fetch_add(&c.mr.slice(0, 8).unwrap(), s.mr.remote(64), 1)).await;
+            assert_eq!(got.kind, CompletionKind::FetchAdd { original: i });
+        }
+        // A receive whose message comes well after the spin.
+        let incoming = s.qp.recv(&[s.mr.slice(4096, 64).unwrap()]);
+        let sender = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            c.mr.write_at(128, b"late").unwrap();
+            done(c.qp.send(&[c.mr.slice(128, 4).unwrap()])).await
+        };
+        let (got, _) = tokio::join!(done(incoming), sender);
+        assert!(
+            matches!(got.kind, CompletionKind::Recv { len: 4, .. }),
+            "{got:?}"
+        );
+        assert_eq!(s.mr.to_vec(4096, 4).unwrap(), b"late");
     });
 }
 
