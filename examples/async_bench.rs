@@ -58,6 +58,19 @@ fn spin() -> Res<std::time::Duration> {
     Ok(std::time::Duration::from_micros(us))
 }
 
+/// `ASYNC_BENCH_SLOT_KIB` / `ASYNC_BENCH_SLOTS`: the RdmaStream's shape
+/// (both sides must agree); unset, `StreamOptions::default()`.
+fn stream_options() -> Res<StreamOptions> {
+    let mut o = StreamOptions::default();
+    if let Ok(v) = std::env::var("ASYNC_BENCH_SLOT_KIB") {
+        o.slot_size = v.parse::<usize>()? * 1024;
+    }
+    if let Ok(v) = std::env::var("ASYNC_BENCH_SLOTS") {
+        o.slots = v.parse()?;
+    }
+    Ok(o)
+}
+
 async fn open(ctx: &Context) -> Res<(verbs::ProtectionDomain, AsyncCompletionQueue, MemoryRegion)> {
     let pd = ctx.alloc_pd()?;
     let cq = AsyncCompletionQueue::with_spin(ctx.create_cq(256)?, spin()?)?;
@@ -278,12 +291,12 @@ async fn run(args: &[String]) -> Res<()> {
             let pd = ctx.alloc_pd()?;
             let port: u16 = arg(3)?.parse()?;
             let l = AsyncListener::bind(&ctx, SocketAddr::from(([0, 0, 0, 0], port)))?;
-            sink(RdmaStream::accept(&l, &pd, StreamOptions::default()).await?).await
+            sink(RdmaStream::accept(&l, &pd, stream_options()?).await?).await
         }
         ("client", "stream") => {
             let ctx = Context::open(&verbs::default_device())?;
             let pd = ctx.alloc_pd()?;
-            let s = RdmaStream::connect(&pd, arg(3)?.parse()?, StreamOptions::default()).await?;
+            let s = RdmaStream::connect(&pd, arg(3)?.parse()?, stream_options()?).await?;
             source(s, "rdma-stream", arg(4)?.parse()?).await
         }
         ("server", "tcp") => {
