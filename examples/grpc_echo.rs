@@ -6,6 +6,12 @@
 //! in this process. On a libibverbs device set `STAG_ADDR` to its IP.
 //!
 //!     cargo run --release --features grpc --example grpc_echo [-- ROUNDS CALLS]
+//!
+//! One side per process, for `scripts/bench-async.sh` (the client prints
+//! one JSON line: the median of CALLS unary calls, timed one by one):
+//!
+//!     grpc_echo server rdma|tcp PORT        (serves until killed)
+//!     grpc_echo client rdma|tcp HOST:PORT CALLS
 
 #[path = "common/echo.rs"]
 mod echo;
@@ -23,9 +29,28 @@ use tonic::transport::{Endpoint, Server};
 
 type Res<T> = Result<T, Box<dyn Error>>;
 
+/// The streams' shape; `GRPC_SPIN_US` sets their CQs' spin
+/// (`StreamOptions::spin`), unset none.
+fn stream_options() -> Res<StreamOptions> {
+    let us: u64 = match std::env::var("GRPC_SPIN_US") {
+        Ok(v) => v.parse()?,
+        Err(_) => 0,
+    };
+    Ok(StreamOptions {
+        spin: Duration::from_micros(us),
+        ..StreamOptions::default()
+    })
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Res<()> {
-    let mut args = std::env::args().skip(1);
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    match argv.first().map(String::as_str) {
+        Some("server") => return serve_alone(&argv).await,
+        Some("client") => return call_alone(&argv).await,
+        _ => {}
+    }
+    let mut args = argv.into_iter();
     let rounds: usize = args.next().map_or(Ok(3), |a| a.parse())?;
     let calls: usize = args.next().map_or(Ok(200), |a| a.parse())?;
     let device = verbs::default_device();
@@ -35,7 +60,7 @@ async fn main() -> Res<()> {
     // The server: tonic over the listener's RdmaStreams.
     let ctx = Context::open(&device)?;
     let pd = ctx.alloc_pd()?;
-    let opts = StreamOptions::default();
+    let opts = stream_options()?;
     let listener = AsyncListener::bind(&ctx, format!("{ip}:0").parse()?)?;
     let addr = listener.local_addr()?;
     let incoming = RdmaIncoming::new(listener, pd.clone(), opts);
@@ -100,6 +125,71 @@ async fn main() -> Res<()> {
         "grpc_echo: ok; unary RPC median of {rounds} rounds x {calls} calls: \
          RDMA {r:.1} us, TCP {t:.1} us, ratio {:.2}",
         r / t
+    );
+    Ok(())
+}
+
+/// `server rdma|tcp PORT`: serve until killed.
+async fn serve_alone(argv: &[String]) -> Res<()> {
+    let usage = "usage: grpc_echo server rdma|tcp PORT";
+    let port: u16 = argv.get(2).ok_or(usage)?.parse()?;
+    let addr = SocketAddr::from(([0, 0, 0, 0], port));
+    match argv.get(1).map(String::as_str) {
+        Some("rdma") => {
+            let ctx = Context::open(&verbs::default_device())?;
+            let pd = ctx.alloc_pd()?;
+            let listener = AsyncListener::bind(&ctx, addr)?;
+            let incoming = RdmaIncoming::new(listener, pd, stream_options()?);
+            Server::builder()
+                .serve_with_incoming(EchoServer, incoming)
+                .await?;
+        }
+        Some("tcp") => {
+            let tcp = tokio::net::TcpListener::bind(addr).await?;
+            Server::builder()
+                .serve_with_incoming(
+                    EchoServer,
+                    tokio_stream::wrappers::TcpListenerStream::new(tcp),
+                )
+                .await?;
+        }
+        _ => return Err(usage.into()),
+    }
+    Ok(())
+}
+
+/// `client rdma|tcp HOST:PORT CALLS`: the median of CALLS unary calls
+/// (after CALLS/10 to warm up), as one JSON line.
+async fn call_alone(argv: &[String]) -> Res<()> {
+    let usage = "usage: grpc_echo client rdma|tcp HOST:PORT CALLS";
+    let transport = argv.get(1).ok_or(usage)?.as_str();
+    let addr: SocketAddr = argv.get(2).ok_or(usage)?.parse()?;
+    let calls: usize = argv.get(3).ok_or(usage)?.parse()?;
+    let endpoint = Endpoint::from_shared(format!("http://{addr}"))?;
+    let channel = match transport {
+        "rdma" => {
+            let ctx = Context::open(&verbs::default_device())?;
+            let pd = ctx.alloc_pd()?;
+            endpoint
+                .connect_with_connector(RdmaConnector::new(pd, stream_options()?))
+                .await?
+        }
+        "tcp" => endpoint.connect().await?,
+        _ => return Err(usage.into()),
+    };
+    let mut client = EchoClient::new(channel);
+    let mut samples = Vec::with_capacity(calls);
+    for i in 0..calls + calls / 10 {
+        let t = Instant::now();
+        client.unary(request("ping", 0)).await?;
+        if i >= calls / 10 {
+            samples.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    println!(
+        "{{\"test\":\"grpc-unary\",\"transport\":\"{transport}\",\"iterations\":{},\"t_typical_us\":{:.3}}}",
+        samples.len(),
+        median(&mut samples)
     );
     Ok(())
 }

@@ -467,6 +467,7 @@ fn a_stream_writer_waits_for_a_reader_that_stopped() {
         let opts = StreamOptions {
             slots: 4,
             slot_size: 4096,
+            ..StreamOptions::default()
         };
         let (mut c, mut s, _cc, _sc) = stream_pair(opts).await;
         // The window: 4 slots of 4080 payload bytes. A write beyond it

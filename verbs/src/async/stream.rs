@@ -93,6 +93,10 @@ pub struct StreamOptions {
     pub slots: usize,
     /// Bytes per slot, header included.
     pub slot_size: usize,
+    /// The stream's CQ spins this long before sleeping
+    /// ([`AsyncCompletionQueue::with_spin`]); zero by default. Local:
+    /// the peer's may differ.
+    pub spin: std::time::Duration,
 }
 
 impl Default for StreamOptions {
@@ -100,6 +104,7 @@ impl Default for StreamOptions {
         StreamOptions {
             slots: 16,
             slot_size: 64 * 1024,
+            spin: std::time::Duration::ZERO,
         }
     }
 }
@@ -239,7 +244,7 @@ impl RdmaStream {
         opts.check()?;
         let mr = pd.alloc_mr(opts.region_len(), Access::LOCAL_WRITE)?;
         let depth = 2 * (opts.slots + CONTROL_SLOTS) as u32 + 2;
-        let cq = AsyncCompletionQueue::new(pd.context().create_cq(depth)?)?;
+        let cq = AsyncCompletionQueue::with_spin(pd.context().create_cq(depth)?, opts.spin)?;
         Ok((mr, cq))
     }
 
