@@ -40,18 +40,22 @@
 //! lack Write with Immediate it is emulated (two work requests). Sends
 //! run natively everywhere and keep the ring management on the receiver.
 //!
-//! **Where the time goes** (session 7, stag0, `perf record -g` of the
-//! writing side of `async_bench client stream`, 1 GiB in 1 MiB writes):
-//! 84% of the samples are in the kernel, mostly the TCP send's copy
-//! (`_copy_from_iter` 32%) and its locking; the stream's own copy into a
-//! send slot (`memmove`) is 8% and CRC32c 2%. So the stream adds one
-//! user-space copy per side to what `stag bw write` does and is bounded
-//! by stag0's TCP path, not by credits or completions. Slot size did not
-//! matter measurably: 64 KiB, 128 KiB, 256 KiB (16 slots) and 256 KiB
-//! (8 slots) alternated six times each with a tokio TcpStream gave
-//! medians within the run-to-run noise of a loaded 2-core machine
-//! (tokio TCP itself ranged 701-1382 MB/s in that run), so the default
-//! stays 16 x 64 KiB (about 2 MiB registered per side).
+//! **Where the time goes** (session 7, stag0, `perf record -g` of both
+//! sides of `async_bench ... stream`, 1 MiB writes). Under load (load
+//! average 13) the writer spent 84% in the kernel, mostly the TCP send's
+//! copy; the stream's own copy into a send slot (`memmove`) was 8% and
+//! CRC32c 2%. On a quieter machine (load 3) the stream ran at 0.37-0.55x
+//! of a tokio TcpStream while `stag bw write` ran above TCP, so there the
+//! stream's own costs matter: on the reader's side the device's engine
+//! thread does the socket reads (41% of the samples: `_copy_to_iter`) and
+//! hands each message's completion to the reading task, which wakes
+//! (`finish_task_switch` in both threads) and copies the bytes out again
+//! (`memmove` 6%). Next steps, not done: let the reader drive the QP
+//! itself (a spinning CQ, `StreamOptions::spin`, gained little: 1420 vs
+//! 1272 MB/s medians of 4), fewer and larger messages (256 KiB slots
+//! beat 64 KiB in one quiet run, 1799 vs 1272 MB/s, all samples apart,
+//! but not clearly in a second, so the default stays 16 x 64 KiB, about
+//! 2 MiB registered per side), and Writes with Immediate read in place.
 
 use std::collections::VecDeque;
 use std::io;
