@@ -9,7 +9,8 @@
 //!     async_bench server tcp PORT           (tokio TcpStream sink)
 //!     async_bench client tcp HOST:PORT MIB
 //!
-//! Latency runs on a current-thread runtime; send and write-imm are
+//! Latency runs on a current-thread runtime (with `ASYNC_BENCH_SPIN_US`
+//! set, its CQ spins that long before sleeping); send and write-imm are
 //! ping-pongs reporting half the round trip (as `stag lat` does): the
 //! ping is posted, and the task awaits the peer's answer on the CQ's fd
 //! (`AsyncCompletionQueue::poll_drain`, whose drain also takes the ping's
@@ -47,9 +48,36 @@ struct Side {
     cq: AsyncCompletionQueue,
 }
 
+/// `ASYNC_BENCH_SPIN_US`: the CQ's spin before sleeping
+/// (`AsyncCompletionQueue::with_spin`); unset or 0, sleep at once.
+fn spin() -> Res<std::time::Duration> {
+    let us: u64 = match std::env::var("ASYNC_BENCH_SPIN_US") {
+        Ok(v) => v.parse()?,
+        Err(_) => 0,
+    };
+    Ok(std::time::Duration::from_micros(us))
+}
+
+/// `ASYNC_BENCH_SLOT_KIB` / `ASYNC_BENCH_SLOTS`: the RdmaStream's shape
+/// (both sides must agree); unset, `StreamOptions::default()`. Its CQ
+/// spins `ASYNC_BENCH_SPIN_US`.
+fn stream_options() -> Res<StreamOptions> {
+    let mut o = StreamOptions {
+        spin: spin()?,
+        ..StreamOptions::default()
+    };
+    if let Ok(v) = std::env::var("ASYNC_BENCH_SLOT_KIB") {
+        o.slot_size = v.parse::<usize>()? * 1024;
+    }
+    if let Ok(v) = std::env::var("ASYNC_BENCH_SLOTS") {
+        o.slots = v.parse()?;
+    }
+    Ok(o)
+}
+
 async fn open(ctx: &Context) -> Res<(verbs::ProtectionDomain, AsyncCompletionQueue, MemoryRegion)> {
     let pd = ctx.alloc_pd()?;
-    let cq = AsyncCompletionQueue::new(ctx.create_cq(256)?)?;
+    let cq = AsyncCompletionQueue::with_spin(ctx.create_cq(256)?, spin()?)?;
     let mr = pd.alloc_mr(1 << 16, RIGHTS)?;
     Ok((pd, cq, mr))
 }
@@ -267,12 +295,12 @@ async fn run(args: &[String]) -> Res<()> {
             let pd = ctx.alloc_pd()?;
             let port: u16 = arg(3)?.parse()?;
             let l = AsyncListener::bind(&ctx, SocketAddr::from(([0, 0, 0, 0], port)))?;
-            sink(RdmaStream::accept(&l, &pd, StreamOptions::default()).await?).await
+            sink(RdmaStream::accept(&l, &pd, stream_options()?).await?).await
         }
         ("client", "stream") => {
             let ctx = Context::open(&verbs::default_device())?;
             let pd = ctx.alloc_pd()?;
-            let s = RdmaStream::connect(&pd, arg(3)?.parse()?, StreamOptions::default()).await?;
+            let s = RdmaStream::connect(&pd, arg(3)?.parse()?, stream_options()?).await?;
             source(s, "rdma-stream", arg(4)?.parse()?).await
         }
         ("server", "tcp") => {

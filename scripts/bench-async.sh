@@ -7,25 +7,33 @@
 #   - async ping-pong (examples/async_bench.rs, current-thread runtime):
 #     8-byte send and write-imm (half round trip), fetch-add (full round
 #     trip of one Op future), against `stag lat` for the same op, busy
-#     polling and --blocking (event-driven, as the runtime is);
+#     polling and --blocking (event-driven, as the runtime is); and the
+#     same with the CQ spinning SPIN_US before it sleeps, against busy;
 #   - RdmaStream, 1 MiB writes, against `stag bw write -s 1048576` and a
-#     tokio TcpStream.
+#     tokio TcpStream;
+#   - tonic unary RPC latency (examples/grpc_echo.rs, GRPC_CALLS calls)
+#     over RdmaStream against tonic over TCP.
 #
-#   scripts/bench-async.sh            (ROUNDS=3 ITERS=5000 MIB=512 OUT=target/bench-async)
+#   scripts/bench-async.sh   (ROUNDS=3 ITERS=5000 MIB=512 SPIN_US=1000 OUT=target/bench-async)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ROUNDS=${ROUNDS:-3}
 ITERS=${ITERS:-5000}
 MIB=${MIB:-512}
+# The spin of the async CQ in the "spin" rows (AsyncCompletionQueue::with_spin;
+# its docs say why 1 ms on stag0).
+SPIN_US=${SPIN_US:-1000}
+GRPC_CALLS=${GRPC_CALLS:-2000}
 BW_ITERS=${BW_ITERS:-$MIB}
 OUT=${OUT:-target/bench-async}
 mkdir -p "$OUT"
 rm -f "$OUT"/*.json
 
-cargo build --release --quiet -p stag --bins --examples
+cargo build --release --quiet -p stag --features grpc --bins --examples
 STAG=target/release/stag
 BENCH=target/release/examples/async_bench
+GRPC=target/release/examples/grpc_echo
 port=$((20000 + RANDOM % 20000))
 
 # pair NAME SERVER_CMD... -- CLIENT_CMD...: one measurement, the client's
@@ -52,6 +60,31 @@ pair() {
     port=$((port + 7))
 }
 
+# serve NAME SERVER_CMD... -- CLIENT_CMD...: as pair, for a server that
+# runs until killed (the gRPC servers).
+serve() {
+    local name=$1
+    shift
+    local server=() client=()
+    while [[ $1 != -- ]]; do server+=("$1"); shift; done
+    shift
+    client=("$@")
+    "${server[@]}" >"$OUT/server.log" 2>&1 &
+    local spid=$!
+    sleep 0.5
+    local rc=0
+    timeout 300 "${client[@]}" >"$OUT/client.out" 2>"$OUT/client.log" || rc=$?
+    kill "$spid" 2>/dev/null || true
+    wait "$spid" 2>/dev/null || true
+    if ((rc != 0)); then
+        echo "bench-async: $name failed:" >&2
+        cat "$OUT/client.log" "$OUT/server.log" >&2
+        exit 1
+    fi
+    cat "$OUT/client.out" >>"$OUT/$name.json"
+    port=$((port + 7))
+}
+
 for round in $(seq "$ROUNDS"); do
     echo "== round $round/$ROUNDS" >&2
     for op in send write-imm fetch-add; do
@@ -63,11 +96,18 @@ for round in $(seq "$ROUNDS"); do
             $STAG lat "$op" "${size[@]}" -n "$ITERS" -p $port --json --blocking 127.0.0.1
         pair "async-lat-$op" $BENCH server lat "$op" $port -- \
             $BENCH client lat "$op" 127.0.0.1:$port "$ITERS"
+        pair "async-lat-$op-spin" env ASYNC_BENCH_SPIN_US=$SPIN_US $BENCH server lat "$op" $port -- \
+            env ASYNC_BENCH_SPIN_US=$SPIN_US $BENCH client lat "$op" 127.0.0.1:$port "$ITERS"
     done
     pair stag-bw-write $STAG bw write -s 1048576 -n "$BW_ITERS" -p $port --json -- \
         $STAG bw write -s 1048576 -n "$BW_ITERS" -p $port --json 127.0.0.1
     pair rdma-stream $BENCH server stream $port -- $BENCH client stream 127.0.0.1:$port "$MIB"
     pair tcp-stream $BENCH server tcp $port -- $BENCH client tcp 127.0.0.1:$port "$MIB"
+    for t in rdma tcp; do
+        serve "grpc-unary-$t" $GRPC server $t $port -- $GRPC client $t 127.0.0.1:$port "$GRPC_CALLS"
+    done
+    serve grpc-unary-rdma-spin env GRPC_SPIN_US=$SPIN_US $GRPC server rdma $port -- \
+        env GRPC_SPIN_US=$SPIN_US $GRPC client rdma 127.0.0.1:$port "$GRPC_CALLS"
 done
 
 python3 - "$OUT" <<'PY'
@@ -95,10 +135,20 @@ for op in ["send", "write-imm", "fetch-add"]:
         s = lat(f"stag-lat-{op}-{mode}")
         rows.append(f"| {op} 8 B latency (µs, median) | {a:.2f} | stag lat {mode} {s:.2f} | {a/s:.2f}× | ≤ 1.2× |")
         report[f"lat-{op}-{mode}"] = {"async_us": a, "stag_us": s, "ratio": a / s}
+    a = lat(f"async-lat-{op}-spin")
+    s = lat(f"stag-lat-{op}-busy")
+    rows.append(f"| {op} 8 B latency, CQ spin (µs, median) | {a:.2f} | stag lat busy {s:.2f} | {a/s:.2f}× | ≤ 1.2× |")
+    report[f"lat-{op}-spin"] = {"async_us": a, "stag_us": s, "ratio": a / s}
 st, sb, tc = bw("rdma-stream"), bw("stag-bw-write"), bw("tcp-stream")
 rows.append(f"| RdmaStream 1 MiB (MB/s) | {st:.0f} | stag bw write {sb:.0f} | {st/sb:.2f}× | ≥ 0.8× |")
 rows.append(f"| RdmaStream 1 MiB (MB/s) | {st:.0f} | tokio TcpStream {tc:.0f} | {st/tc:.2f}× | ≥ 0.8× |")
 report["stream"] = {"rdma_stream_mb_s": st, "stag_bw_write_mb_s": sb, "tcp_mb_s": tc}
+gr, gt = lat("grpc-unary-rdma"), lat("grpc-unary-tcp")
+rows.append(f"| tonic unary RPC latency (µs, median) | {gr:.1f} | tonic over TCP {gt:.1f} | {gr/gt:.2f}× | (compare) |")
+report["grpc-unary"] = {"rdma_us": gr, "tcp_us": gt, "ratio": gr / gt}
+gs = lat("grpc-unary-rdma-spin")
+rows.append(f"| tonic unary RPC latency, stream CQ spin (µs, median) | {gs:.1f} | tonic over TCP {gt:.1f} | {gs/gt:.2f}× | (compare) |")
+report["grpc-unary-spin"] = {"rdma_us": gs, "tcp_us": gt, "ratio": gs / gt}
 (out / "report.md").write_text("\n".join(rows) + "\n")
 (out / "report.json").write_text(json.dumps(report, indent=2))
 print("\n".join(rows))

@@ -7,6 +7,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context as TaskContext, Poll, Waker};
+use std::time::{Duration, Instant};
 
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
@@ -42,6 +43,21 @@ impl AsRawFd for CqFd {
 /// waker); when that task's future finishes or is dropped, it wakes
 /// another waiting future to take over, so no future is left without
 /// someone watching the CQ.
+///
+/// # Spinning (opt-in)
+///
+/// Sleeping costs a wake-up per completion: the device (on stag0, its
+/// engine thread) must notice the arrival, signal the fd, and tokio's
+/// reactor must wake the task, some microseconds each time, where a busy
+/// poller finds the completion at once (and, on stag0, makes the QP's
+/// progress on its own thread, with no engine hand-off at all).
+/// [`AsyncCompletionQueue::with_spin`] trades CPU for that latency: a
+/// task that finds the CQ empty yields to the runtime and looks again,
+/// without arming, until the CQ has been empty for the spin time; only
+/// then does it arm and sleep. The runtime stays cooperative (other
+/// tasks run between looks), but its thread never idles while a spin
+/// lasts: use it where a core is given to the runtime, as with busy
+/// polling.
 #[derive(Clone)]
 pub struct AsyncCompletionQueue {
     pub(super) shared: Arc<Shared>,
@@ -59,6 +75,11 @@ pub(super) struct Shared {
     fd: AsyncFd<CqFd>,
     next_id: AtomicU64,
     state: Mutex<State>,
+    /// How long the CQ may be found empty before a waiter sleeps (zero:
+    /// sleep at once).
+    spin: Duration,
+    /// Since when every look found the CQ empty (while spinning).
+    idle_since: Mutex<Option<Instant>>,
 }
 
 #[derive(Default)]
@@ -84,6 +105,9 @@ enum Slot {
     Abandoned,
 }
 
+/// How long a spin looks without giving the core to other threads.
+const YIELD_AFTER: Duration = Duration::from_micros(20);
+
 /// Completions taken from the CQ per round.
 const DRAIN: usize = 64;
 
@@ -93,9 +117,28 @@ impl AsyncCompletionQueue {
     /// on: a completion with no future waiting is dropped.
     /// Fails outside a runtime; the runtime needs its IO driver
     /// (`enable_io`/`enable_all`, as `#[tokio::main]` has).
-    // The one `unsafe` here hands the CQ's fd to tokio's reactor.
-    #[allow(unsafe_code)]
     pub fn new(cq: CompletionQueue) -> Result<AsyncCompletionQueue> {
+        Self::with_spin(cq, Duration::ZERO)
+    }
+
+    /// As [`new`](Self::new), with waiters that keep looking at the CQ
+    /// (yielding to the runtime between looks) until it has been empty
+    /// for `spin`, and only then sleep: see "Spinning" above.
+    ///
+    /// On stag0, measured with `scripts/bench-async.sh` (8-byte send
+    /// ping-pong, two processes, a 2-core machine at load 12-16), a run
+    /// settles in one of two modes: the spinning task drives the QP itself
+    /// (5-7 µs a half round trip, as `stag lat` busy polling), or the
+    /// engine thread keeps delivering (about 31 µs, as without spinning,
+    /// 28 µs). Which one a run takes varies from run to run; why the
+    /// spinning poller does not take the QP back from the engine in the
+    /// second is not found yet. A spin of 1 ms works best there (shorter
+    /// ones fell into the second mode more often). After
+    /// 20 µs of spinning each look also yields the thread, so
+    /// that an engine preempted by the spin gets the core: without that,
+    /// the second mode cost the whole spin per message.
+    #[allow(unsafe_code)]
+    pub fn with_spin(cq: CompletionQueue, spin: Duration) -> Result<AsyncCompletionQueue> {
         tokio::runtime::Handle::try_current().map_err(std::io::Error::other)?;
         // SAFETY: the fd is the CQ's epoll fd, owned by the `CqInner` that
         // `CqFd` keeps alive through its `CompletionQueue` (an `Arc`): it
@@ -108,6 +151,8 @@ impl AsyncCompletionQueue {
                 fd,
                 next_id: AtomicU64::new(1),
                 state: Mutex::new(State::default()),
+                spin,
+                idle_since: Mutex::new(None),
             }),
         })
     }
@@ -169,11 +214,50 @@ impl Shared {
         loop {
             let n = self.cq().poll(out, max)?;
             if n > 0 {
+                self.found();
                 return Poll::Ready(Ok(n));
+            }
+            if self.keep_spinning(cx) {
+                return Poll::Pending;
             }
             if self.arm_and_sleep(cx)?.is_pending() {
                 return Poll::Pending;
             }
+        }
+    }
+
+    /// After a look that found nothing: whether to look again soon instead
+    /// of sleeping (the spin time is not over); then the task is already
+    /// woken, to be polled again after the runtime's other ready tasks.
+    fn keep_spinning(&self, cx: &mut TaskContext<'_>) -> bool {
+        if self.spin.is_zero() {
+            return false;
+        }
+        let now = Instant::now();
+        let since = *self
+            .idle_since
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert(now);
+        let idle = now.duration_since(since);
+        if idle >= self.spin {
+            return false;
+        }
+        if idle >= YIELD_AFTER {
+            // Let this core's other runnable threads in: the device's
+            // engine may hold the QP (after an arm) and have been
+            // preempted by this spin, so the completion would come only
+            // once the spin ran out.
+            std::thread::yield_now();
+        }
+        cx.waker().wake_by_ref();
+        true
+    }
+
+    /// A look found completions: the next empty look starts a new spin.
+    fn found(&self) {
+        if !self.spin.is_zero() {
+            *self.idle_since.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
     }
 
@@ -206,6 +290,9 @@ impl Shared {
         loop {
             let mut batch = std::mem::take(&mut state.scratch);
             let n = self.cq().poll(&mut batch, DRAIN)?;
+            if n > 0 {
+                self.found();
+            }
             for c in batch.drain(..) {
                 self.deliver(state, c);
             }
@@ -274,6 +361,9 @@ impl Shared {
                         "the operation's completion was already taken",
                     )))
                 }
+            }
+            if self.keep_spinning(cx) {
+                return Poll::Pending;
             }
             if self.arm_and_sleep(cx)?.is_pending() {
                 state.watcher = Some(id);

@@ -40,8 +40,9 @@
 //!   lands in it and is thrown away with its completion (withdraw receives
 //!   by moving the QP to error, `qp().set_error()`, which flushes them);
 //! - [`connect`] and [`AsyncListener::accept`] run the blocking setup on
-//!   tokio's blocking pool: dropping their future abandons the connection
-//!   they make (it is closed when made).
+//!   a thread of their own: dropping their future abandons the connection
+//!   they make (it is closed when made), and a runtime can shut down while
+//!   an accept still waits for a peer.
 //!
 //! # Errors and disconnects
 //!
@@ -55,13 +56,14 @@
 //! operations fail at once with [`OpError::QpFailed`] instead of being
 //! posted (kernel siw never completes work posted to a QP in Error).
 //!
-//! A QP with nothing in flight learns of a lost peer only where the
-//! device reports it to an idle QP: stag0 and siw (their TCP connection
-//! closes) do; on RoCE (rxe, RNICs) the connection manager's disconnect
-//! event is not acted on yet, so there the first Send or Read after the
-//! peer's going fails (retries exhausted) and flushes the rest.
+//! A QP with nothing in flight learns of a lost peer too: stag0 and siw
+//! see their TCP connection close, and on IB/RoCE (rxe, RNICs) the
+//! libibverbs backend acts on rdma_cm's DISCONNECTED (and the other
+//! events that end a connection) by moving the QP to Error.
 
 mod cq;
+#[cfg(feature = "grpc")]
+pub mod grpc;
 mod qp;
 mod stream;
 
@@ -115,11 +117,20 @@ impl From<OpError> for std::io::Error {
     }
 }
 
-/// Run blocking connection setup on tokio's blocking pool.
+/// Run blocking connection setup on a thread of its own, not on tokio's
+/// blocking pool: an accept waits for a peer for as long as it takes, and
+/// a runtime shutting down waits for its pool's tasks, so an accept still
+/// pending there (a server's next connection) would keep the runtime's
+/// drop from returning. A thread of its own is left to finish alone.
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Error::Connect(format!("the connection task failed: {e}")))?
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("stag-async-setup".into())
+        .spawn(move || {
+            let _ = tx.send(f());
+        })?;
+    rx.await
+        .map_err(|_| Error::Connect("the connection thread failed".into()))?
 }
 
 /// [`crate::connect`] as a future: connect to the listener at `addr`,

@@ -196,6 +196,14 @@ impl EventChannel {
     }
 }
 
+impl std::os::fd::AsFd for EventChannel {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        // SAFETY: the channel's fd is open until rdma_destroy_event_channel
+        // in drop, so for as long as `self` is borrowed.
+        unsafe { std::os::fd::BorrowedFd::borrow_raw(self.fd()) }
+    }
+}
+
 impl Drop for EventChannel {
     fn drop(&mut self) {
         // SAFETY: every CmId holds an Arc to this channel, so none remains.

@@ -7,6 +7,7 @@
 //! memory the registration owns.
 
 mod caps;
+mod cm_watch;
 
 use std::any::Any;
 use std::net::SocketAddr;
@@ -265,7 +266,11 @@ impl PdOps for IbvPd {
         id.resolve_route(RESOLVE_MS)?;
         channel.expect(ibv::CmEventType::RouteResolved)?;
         let qp = self.create_qp(&id, &req)?;
-        let qp: Arc<IbvQp> = Arc::new(IbvQp { qp, id });
+        let qp: Arc<IbvQp> = Arc::new(IbvQp {
+            watch: std::sync::OnceLock::new(),
+            qp,
+            id,
+        });
         Ok(Box::new(IbvConnecting {
             ops: qp.clone(),
             qp,
@@ -393,6 +398,9 @@ impl CqOps for IbvCq {
 
 #[derive(Debug)]
 struct IbvQp {
+    /// Moves the QP to Error when rdma_cm reports the connection over;
+    /// stopped first, before the QP and id go.
+    watch: std::sync::OnceLock<cm_watch::CmWatch>,
     // Dropped before the id it lives on.
     qp: ibv::QueuePair,
     id: ibv::CmId,
@@ -615,7 +623,10 @@ impl Connecting for IbvConnecting {
             self.qp.id.connect(&self.param)?;
             let ev = self.channel.get_event()?;
             return match ev.kind {
-                ibv::CmEventType::Established => Ok((self.ops, ev.private_data)),
+                ibv::CmEventType::Established => {
+                    self.watch()?;
+                    Ok((self.ops, ev.private_data))
+                }
                 ibv::CmEventType::Rejected => Err(Error::Rejected(ev.private_data)),
                 other => Err(Error::Connect(format!(
                     "rdma_cm event {other:?} instead of ESTABLISHED"
@@ -624,7 +635,18 @@ impl Connecting for IbvConnecting {
         }
         self.qp.id.accept(&self.param)?;
         self.channel.expect(ibv::CmEventType::Established)?;
+        self.watch()?;
         Ok((self.ops, Vec::new()))
+    }
+}
+
+impl IbvConnecting {
+    /// The connection is established: from now on its channel carries
+    /// only the events that end it, which the watch acts on.
+    fn watch(&self) -> Result<()> {
+        let watch = cm_watch::CmWatch::start(self.channel.clone(), Arc::downgrade(&self.qp))?;
+        let _ = self.qp.watch.set(watch);
+        Ok(())
     }
 }
 
@@ -675,7 +697,11 @@ impl IncomingOps for IbvIncoming {
         let channel = ibv::EventChannel::new()?;
         let id = self.id.migrate(&channel)?;
         let qp = pd.create_qp(&id, &req)?;
-        let qp = Arc::new(IbvQp { qp, id });
+        let qp = Arc::new(IbvQp {
+            watch: std::sync::OnceLock::new(),
+            qp,
+            id,
+        });
         Ok(Box::new(IbvConnecting {
             ops: qp.clone(),
             qp,
