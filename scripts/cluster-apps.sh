@@ -33,7 +33,10 @@ ROOT=$PWD
 cargo build --quiet -p stag -p stag-rdma || exit 1
 STAG=$ROOT/target/debug/stag
 C=$ROOT/scripts/cluster.sh
+# Logs: target/cluster, or target/cluster-PREFIX for another host prefix
+# (STAG_CLUSTER_PREFIX, below), so two runs do not remove each other's.
 out=$ROOT/target/cluster
+[ "${STAG_CLUSTER_PREFIX:-node}" = node ] || out=$out-$STAG_CLUSTER_PREFIX
 rm -rf "$out"
 mkdir -p "$out"
 mpicc -O2 -Wall -Werror -o "$out/mpi_check" scripts/cluster/mpi_check.c || exit 1
@@ -203,8 +206,8 @@ LUN=$(mktemp -d /dev/shm/stag-cluster-lun.XXXXXX)
 TGTD_PID=
 tgt_up() {
     truncate -s 256M "$LUN/lun.img"
-    on node1 "echo \$\$ >$LUN/stag-run.pid; exec $STAG run -- tgtd -f -C $TGT_PORT \
-        --iscsi portal=10.77.0.1:3261" >"$out/tgtd.log" 2>&1 &
+    on node1 "echo \$\$ >$LUN/stag-run.pid; exec env STAG_CM_TIMEWAIT_EXIT=1 $STAG run -- \
+        tgtd -f -C $TGT_PORT --iscsi portal=10.77.0.1:3261" >"$out/tgtd.log" 2>&1 &
     TGTD_PID=$!
     local t="tgtadm -C $TGT_PORT" i
     for i in $(seq 1 100); do
@@ -220,21 +223,45 @@ tgt_up() {
         $t --lld iscsi --op bind --mode target --tid 2 -I ALL" >"$out/tgtadm.log" 2>&1 &&
         wait_listen node1 3260 && wait_listen node1 3261
 }
-# tgt_down: stops tgtd; fails if it no longer answers (it once died of a
-# signal meant for itself). tgtd ignores SIGTERM and leaves only without
-# targets, but an iSER target cannot be deleted here: tgt frees an iSER
-# connection on RDMA_CM_EVENT_TIMEWAIT_EXIT, which rdma_cm gives only on
-# InfiniBand (never on iWARP, kernel siw included), and a forced delete
-# then calls the iSER transport's missing ep_close (NULL). So: KILL.
+# tgt_down: stops tgtd the way an administrator does, and fails if it
+# cannot: every initiator has left, so no session (I_T nexus) may remain;
+# the targets are deleted without --force and tgtd leaves on
+# `--op delete --mode system`. tgt frees an iSER connection only on
+# RDMA_CM_EVENT_TIMEWAIT_EXIT, which the kernel raises only on IB/RoCE
+# and stag0 only when asked (STAG_CM_TIMEWAIT_EXIT=1, set above); without
+# it the iSER session lingers, the delete answers "this target is still
+# active", and (with --force) tgtd crashes in its iSER transport's NULL
+# ep_close. A tgtd still there after that is killed, and this fails.
 tgt_down() {
-    local rc=0 pid
+    local rc=0 pid i t="tgtadm -C $TGT_PORT"
     [ -n "$TGTD_PID" ] || return 0
-    on node1 "tgtadm -C $TGT_PORT --op show --mode target" >"$out/tgt-final.log" 2>&1 || rc=1
+    on node1 "$t --op show --mode target" >"$out/tgt-final.log" 2>&1 || rc=1
     grep -q "Target 1: $IQN:iser" "$out/tgt-final.log" || rc=1
-    # tgtd is the child of the `stag run` that wrote its pid.
-    pid=$(pgrep -P "$(cat "$LUN/stag-run.pid")" -x tgtd)
-    [ -n "$pid" ] && kill -KILL "$pid"
-    wait "$TGTD_PID" 2>/dev/null
+    # The last initiator's DISCONNECTED and TIMEWAIT_EXIT may still be on
+    # their way to tgtd's event loop: its sessions end within 10 s.
+    for i in $(seq 1 100); do
+        on node1 "$t --op show --mode target" >"$out/tgt-sessions.log" 2>&1 || break
+        grep -q 'I_T nexus: ' "$out/tgt-sessions.log" || break
+        sleep 0.1
+    done
+    grep -q 'I_T nexus: ' "$out/tgt-sessions.log" && {
+        echo "      tgtd kept a session after every initiator left" >&2
+        rc=1
+    }
+    on node1 "$t --op delete --mode target --tid 1 && $t --op delete --mode target --tid 2 &&
+        $t --op delete --mode system" >"$out/tgt-stop.log" 2>&1 || rc=1
+    for i in $(seq 1 100); do
+        kill -0 "$TGTD_PID" 2>/dev/null || break
+        sleep 0.1
+    done
+    if kill -0 "$TGTD_PID" 2>/dev/null; then
+        echo "      tgtd did not leave on --op delete --mode system; killed" >&2
+        rc=1
+        # tgtd is the child of the `stag run` that wrote its pid.
+        pid=$(pgrep -P "$(cat "$LUN/stag-run.pid")" -x tgtd)
+        [ -n "$pid" ] && kill -KILL "$pid"
+    fi
+    wait "$TGTD_PID" || rc=1
     TGTD_PID=
     return "$rc"
 }
