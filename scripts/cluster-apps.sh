@@ -291,7 +291,7 @@ iscsi_run() {
 
 # copy NAME WRAP read|write URL FILE: the whole LUN from or to FILE.
 copy() {
-    local name=$1 wrap=$2 dir=$3 url=$4 file=$5 rc=0
+    local name=$1 wrap=$2 dir=$3 url=$4 file=$5 rc=0 t0=$SECONDS
     if [ "$dir" = write ]; then
         on node2 "timeout 90 $wrap $out/iscsi_copy -i $INITIATOR write $url < $file" \
             >"$out/$name.log" 2>&1 || rc=$?
@@ -299,12 +299,19 @@ copy() {
         on node2 "timeout 90 $wrap $out/iscsi_copy -i $INITIATOR read $url > $file" \
             >"$out/$name.log" 2>&1 || rc=$?
     fi
+    # How close a pass came to the timeout, and how a failure ended.
+    echo "copy: exit $rc after $((SECONDS - t0)) s (limit 90)" >>"$out/$name.log"
     echo "$rc"
 }
 
-# sums FILE…: their sha256s, one a line.
+# same_sum FILE…: whether they all have one sha256 (says which differ).
 same_sum() {
-    [ "$(sha256sum "$@" | awk '{print $1}' | sort -u | wc -l)" = 1 ]
+    local sums
+    sums=$(sha256sum "$@")
+    [ "$(awk '{print $1}' <<<"$sums" | sort -u | wc -l)" = 1 ] && return 0
+    echo "      sha256 differ:" >&2
+    sed 's/^/        /' <<<"$sums" >&2
+    return 1
 }
 
 iser_checks() {
