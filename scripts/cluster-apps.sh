@@ -15,6 +15,8 @@
 #     iscsi-inq, iscsi-perf and scripts/cluster/iscsi_copy writing and
 #     reading the whole LUN, checked by sha256 against the input and the
 #     target's backing file; iSCSI over TCP from the same tgtd as control;
+#     then tgtd stopped as an administrator would (no session left, targets
+#     deleted, tgtd exits), which needs stag's TIMEWAIT_EXIT (see tgt_down);
 #   - qperf -cm1 between two hosts, the RC tests but the three that need RNR retries (qperf's TCP tests as
 #     control).
 #
