@@ -112,7 +112,10 @@ tgt_up() {
         $t --lld iscsi --op new --mode logicalunit --tid 2 --lun 1 -b $LUN/lun.img &&
         $t --lld iscsi --op bind --mode target --tid 2 -I ALL" >>"$RAW/tgtadm.log" 2>&1
 }
-# tgtd cannot be stopped once an iSER initiator has left (see README).
+# Killed between samples: a clean stop (no session left, targets deleted,
+# tgtd exits) needs STAG_CM_TIMEWAIT_EXIT=1 and waiting for the last
+# session to end, which scripts/cluster-apps.sh checks; the samples need
+# only that tgtd is gone.
 tgt_down() {
     local pid
     [ -f "$LUN/stag-run.pid" ] || return 0

@@ -15,6 +15,8 @@
 #     iscsi-inq, iscsi-perf and scripts/cluster/iscsi_copy writing and
 #     reading the whole LUN, checked by sha256 against the input and the
 #     target's backing file; iSCSI over TCP from the same tgtd as control;
+#     then tgtd stopped as an administrator would (no session left, targets
+#     deleted, tgtd exits), which needs stag's TIMEWAIT_EXIT (see tgt_down);
 #   - qperf -cm1 between two hosts, the RC tests (qperf's TCP tests as
 #     control).
 #
@@ -33,7 +35,10 @@ ROOT=$PWD
 cargo build --quiet -p stag -p stag-rdma || exit 1
 STAG=$ROOT/target/debug/stag
 C=$ROOT/scripts/cluster.sh
+# Logs: target/cluster, or target/cluster-PREFIX for another host prefix
+# (STAG_CLUSTER_PREFIX, below), so two runs do not remove each other's.
 out=$ROOT/target/cluster
+[ "${STAG_CLUSTER_PREFIX:-node}" = node ] || out=$out-$STAG_CLUSTER_PREFIX
 rm -rf "$out"
 mkdir -p "$out"
 mpicc -O2 -Wall -Werror -o "$out/mpi_check" scripts/cluster/mpi_check.c || exit 1
@@ -203,8 +208,8 @@ LUN=$(mktemp -d /dev/shm/stag-cluster-lun.XXXXXX)
 TGTD_PID=
 tgt_up() {
     truncate -s 256M "$LUN/lun.img"
-    on node1 "echo \$\$ >$LUN/stag-run.pid; exec $STAG run -- tgtd -f -C $TGT_PORT \
-        --iscsi portal=10.77.0.1:3261" >"$out/tgtd.log" 2>&1 &
+    on node1 "echo \$\$ >$LUN/stag-run.pid; exec env STAG_CM_TIMEWAIT_EXIT=1 $STAG run -- \
+        tgtd -f -C $TGT_PORT --iscsi portal=10.77.0.1:3261" >"$out/tgtd.log" 2>&1 &
     TGTD_PID=$!
     local t="tgtadm -C $TGT_PORT" i
     for i in $(seq 1 100); do
@@ -220,21 +225,45 @@ tgt_up() {
         $t --lld iscsi --op bind --mode target --tid 2 -I ALL" >"$out/tgtadm.log" 2>&1 &&
         wait_listen node1 3260 && wait_listen node1 3261
 }
-# tgt_down: stops tgtd; fails if it no longer answers (it once died of a
-# signal meant for itself). tgtd ignores SIGTERM and leaves only without
-# targets, but an iSER target cannot be deleted here: tgt frees an iSER
-# connection on RDMA_CM_EVENT_TIMEWAIT_EXIT, which rdma_cm gives only on
-# InfiniBand (never on iWARP, kernel siw included), and a forced delete
-# then calls the iSER transport's missing ep_close (NULL). So: KILL.
+# tgt_down: stops tgtd the way an administrator does, and fails if it
+# cannot: every initiator has left, so no session (I_T nexus) may remain;
+# the targets are deleted without --force and tgtd leaves on
+# `--op delete --mode system`. tgt frees an iSER connection only on
+# RDMA_CM_EVENT_TIMEWAIT_EXIT, which the kernel raises only on IB/RoCE
+# and stag0 only when asked (STAG_CM_TIMEWAIT_EXIT=1, set above); without
+# it the iSER session lingers, the delete answers "this target is still
+# active", and (with --force) tgtd crashes in its iSER transport's NULL
+# ep_close. A tgtd still there after that is killed, and this fails.
 tgt_down() {
-    local rc=0 pid
+    local rc=0 pid i t="tgtadm -C $TGT_PORT"
     [ -n "$TGTD_PID" ] || return 0
-    on node1 "tgtadm -C $TGT_PORT --op show --mode target" >"$out/tgt-final.log" 2>&1 || rc=1
+    on node1 "$t --op show --mode target" >"$out/tgt-final.log" 2>&1 || rc=1
     grep -q "Target 1: $IQN:iser" "$out/tgt-final.log" || rc=1
-    # tgtd is the child of the `stag run` that wrote its pid.
-    pid=$(pgrep -P "$(cat "$LUN/stag-run.pid")" -x tgtd)
-    [ -n "$pid" ] && kill -KILL "$pid"
-    wait "$TGTD_PID" 2>/dev/null
+    # The last initiator's DISCONNECTED and TIMEWAIT_EXIT may still be on
+    # their way to tgtd's event loop: its sessions end within 10 s.
+    for i in $(seq 1 100); do
+        on node1 "$t --op show --mode target" >"$out/tgt-sessions.log" 2>&1 || break
+        grep -q 'I_T nexus: ' "$out/tgt-sessions.log" || break
+        sleep 0.1
+    done
+    grep -q 'I_T nexus: ' "$out/tgt-sessions.log" && {
+        echo "      tgtd kept a session after every initiator left" >&2
+        rc=1
+    }
+    on node1 "$t --op delete --mode target --tid 1 && $t --op delete --mode target --tid 2 &&
+        $t --op delete --mode system" >"$out/tgt-stop.log" 2>&1 || rc=1
+    for i in $(seq 1 100); do
+        kill -0 "$TGTD_PID" 2>/dev/null || break
+        sleep 0.1
+    done
+    if kill -0 "$TGTD_PID" 2>/dev/null; then
+        echo "      tgtd did not leave on --op delete --mode system; killed" >&2
+        rc=1
+        # tgtd is the child of the `stag run` that wrote its pid.
+        pid=$(pgrep -P "$(cat "$LUN/stag-run.pid")" -x tgtd)
+        [ -n "$pid" ] && kill -KILL "$pid"
+    fi
+    wait "$TGTD_PID" || rc=1
     TGTD_PID=
     return "$rc"
 }
@@ -264,7 +293,7 @@ iscsi_run() {
 
 # copy NAME WRAP read|write URL FILE: the whole LUN from or to FILE.
 copy() {
-    local name=$1 wrap=$2 dir=$3 url=$4 file=$5 rc=0
+    local name=$1 wrap=$2 dir=$3 url=$4 file=$5 rc=0 t0=$SECONDS
     if [ "$dir" = write ]; then
         on node2 "timeout 90 $wrap $out/iscsi_copy -i $INITIATOR write $url < $file" \
             >"$out/$name.log" 2>&1 || rc=$?
@@ -272,12 +301,19 @@ copy() {
         on node2 "timeout 90 $wrap $out/iscsi_copy -i $INITIATOR read $url > $file" \
             >"$out/$name.log" 2>&1 || rc=$?
     fi
+    # How close a pass came to the timeout, and how a failure ended.
+    echo "copy: exit $rc after $((SECONDS - t0)) s (limit 90)" >>"$out/$name.log"
     echo "$rc"
 }
 
-# sums FILE…: their sha256s, one a line.
+# same_sum FILE…: whether they all have one sha256 (says which differ).
 same_sum() {
-    [ "$(sha256sum "$@" | awk '{print $1}' | sort -u | wc -l)" = 1 ]
+    local sums
+    sums=$(sha256sum "$@")
+    [ "$(awk '{print $1}' <<<"$sums" | sort -u | wc -l)" = 1 ] && return 0
+    echo "      sha256 differ:" >&2
+    sed 's/^/        /' <<<"$sums" >&2
+    return 1
 }
 
 iser_checks() {

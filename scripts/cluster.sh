@@ -17,7 +17,11 @@
 # `exec` is the launcher Open MPI takes as `--mca plm_rsh_agent`: it is
 # called like ssh (HOST, then the words of a shell command) and runs the
 # command in HOST's namespace and a UTS namespace whose hostname is HOST.
-# The environment passes through, as `ssh -o SendEnv` would send it.
+# The environment passes through, as `ssh -o SendEnv` would send it;
+# with STAG_CLUSTER_SSH_ENV=1 it does not: the command starts with what a
+# plain ssh session has (PATH, HOME, USER, LOGNAME, SHELL, LANG and
+# /etc/environment, as pam_env reads it), to try what a real cluster's
+# ssh launcher would pass on.
 #
 # `up` is idempotent: it first removes what an earlier `up` left.
 set -euo pipefail
@@ -98,6 +102,13 @@ run_on() {
     shift
     [[ $h =~ ^${PREFIX}[0-9]+$ ]] || h=$(resolve "$h")
     ip netns list | awk '{print $1}' | grep -qx "$h" || die "no host $h (scripts/cluster.sh up N)"
+    if [ "${STAG_CLUSTER_SSH_ENV:-0}" = 1 ]; then
+        exec ip netns exec "$h" unshare --uts env -i \
+            PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+            HOME="${HOME:-/root}" USER="$(id -un)" LOGNAME="$(id -un)" SHELL=/bin/sh \
+            LANG="${LANG:-C.UTF-8}" STAG_CLUSTER_SSH_ENV=1 STAG_CLUSTER_PREFIX="$PREFIX" \
+            sh -c "hostname $h; set -a; [ -r /etc/environment ] && . /etc/environment; set +a; $*"
+    fi
     exec ip netns exec "$h" unshare --uts sh -c "hostname $h; $*"
 }
 

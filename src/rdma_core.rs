@@ -256,6 +256,10 @@ pub fn install(uninstall: bool) -> Result<(), RdmaCoreError> {
             let _ = fs::remove_file(p);
         }
         let _ = fs::remove_dir_all(INSTALL_TREE);
+        // /var/lib/stag, if nothing else is in it.
+        if let Some(dir) = Path::new(INSTALL_TREE).parent() {
+            let _ = fs::remove_dir(dir);
+        }
         edit_environment(None)?;
         println!("stag: uninstalled stag0 from rdma-core");
         return Ok(());
@@ -263,13 +267,15 @@ pub fn install(uninstall: bool) -> Result<(), RdmaCoreError> {
     let plugin = plugin_path()?;
     fs::create_dir_all(libibverbs_driver_dir()).map_err(io_err("mkdir libibverbs"))?;
     // Copy to a temporary name and rename, so a running program that has
-    // the old file mapped keeps it.
-    let tmp = lib.with_extension("so.new");
+    // the old file mapped keeps it. Every step here is atomic or
+    // idempotent, and temporary names carry the PID: nodes that share a
+    // filesystem may all run `stag install` at once (`mpirun stag
+    // install`), which a shared name made fail on all but one.
+    let tmp = lib.with_extension(format!("so.new.{}", std::process::id()));
     fs::copy(&plugin, &tmp).map_err(io_err(format!("copy {}", plugin.display())))?;
     fs::rename(&tmp, &lib).map_err(io_err(format!("install {}", lib.display())))?;
     write(Path::new(DRIVER_FILE), "driver stag\n")?;
-    let _ = fs::remove_dir_all(INSTALL_TREE);
-    write_tree(Path::new(INSTALL_TREE))?;
+    install_tree(Path::new(INSTALL_TREE))?;
     make_node(&node)?;
     let (major, minor) = identity::UVERBS_DEV;
     write(
@@ -290,6 +296,39 @@ pub fn install(uninstall: bool) -> Result<(), RdmaCoreError> {
         println!("stag: this kernel has RDMA devices: libibverbs discovers those through netlink and will not read the tree; use `stag run -- CMD` to see stag0 next to them");
     } else {
         println!("stag: new login sessions list stag0 in ibv_devices; programs using rdma_cm run with `stag run -- CMD`");
+    }
+    Ok(())
+}
+
+/// Replace the tree at `dest` with a new one, written beside it and
+/// renamed into place: a concurrent install (another node on the same
+/// filesystem) never finds it half written or removed under it.
+fn install_tree(dest: &Path) -> Result<(), RdmaCoreError> {
+    let parent = dest.parent().unwrap_or(Path::new("/"));
+    fs::create_dir_all(parent).map_err(io_err(format!("mkdir {}", parent.display())))?;
+    static SEQ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let me = format!(
+        "{}.{}",
+        std::process::id(),
+        SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    );
+    let fresh = parent.join(format!(".sysfs.new.{me}"));
+    let old = parent.join(format!(".sysfs.old.{me}"));
+    let _ = fs::remove_dir_all(&fresh);
+    write_tree(&fresh)?;
+    match fs::rename(dest, &old) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err(format!("move {}", dest.display()))(e)),
+    }
+    let placed = fs::rename(&fresh, dest);
+    let _ = fs::remove_dir_all(&old);
+    if let Err(e) = placed {
+        // Another install put its tree (the same one) there first.
+        let _ = fs::remove_dir_all(&fresh);
+        if !dest.join("class").is_dir() {
+            return Err(io_err(format!("install {}", dest.display()))(e));
+        }
     }
     Ok(())
 }
@@ -317,9 +356,14 @@ fn make_node(node: &Path) -> Result<(), RdmaCoreError> {
         )
     };
     if rc != 0 {
+        let e = io::Error::last_os_error();
+        // A concurrent install made it between the check and here.
+        if e.raw_os_error() == Some(libc::EEXIST) {
+            return Ok(());
+        }
         return Err(RdmaCoreError::Io {
             what: format!("mknod {}", node.display()),
-            source: io::Error::last_os_error(),
+            source: e,
         });
     }
     // SAFETY: as above; mknod's mode is filtered by the umask.
@@ -343,7 +387,23 @@ fn edit_environment(value: Option<&str>) -> Result<(), RdmaCoreError> {
     if !text.is_empty() {
         text.push('\n');
     }
-    fs::write(path, text).map_err(io_err("write /etc/environment"))
+    // A new file renamed over the old: a concurrent install or a login
+    // reading it never sees it truncated (and so never writes back only
+    // its own line).
+    let tmp = path.with_extension(format!("stag.{}", std::process::id()));
+    fs::write(&tmp, &text).map_err(io_err(format!("write {}", tmp.display())))?;
+    match fs::rename(&tmp, path) {
+        Ok(()) => Ok(()),
+        // A file mounted there (a container's bind mount): rewrite it.
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+            let _ = fs::remove_file(&tmp);
+            fs::write(path, text).map_err(io_err("write /etc/environment"))
+        }
+        Err(e) => {
+            let _ = fs::remove_file(&tmp);
+            Err(io_err("replace /etc/environment")(e))
+        }
+    }
 }
 
 #[cfg(test)]
@@ -375,5 +435,28 @@ mod tests {
             fs::remove_dir_all(d).unwrap();
         }
         fs::remove_file(&stale).unwrap();
+    }
+
+    /// Installs that run at once (nodes sharing a filesystem) all succeed
+    /// and leave one whole tree and nothing else beside it.
+    #[test]
+    fn concurrent_tree_installs_all_succeed() {
+        let base = fresh_tree_dir().unwrap();
+        let dest = base.join("sysfs");
+        let results: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..6).map(|_| s.spawn(|| install_tree(&dest))).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for r in &results {
+            assert!(r.is_ok(), "{r:?}");
+        }
+        let dev = dest.join("class/infiniband").join(identity::DEVICE_NAME);
+        assert!(dev.join("ports/1/gids/0").is_file());
+        let names: Vec<_> = fs::read_dir(&base)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("sysfs")]);
+        fs::remove_dir_all(&base).unwrap();
     }
 }

@@ -8,7 +8,10 @@
 use std::ffi::{c_char, CStr};
 use std::ptr;
 
-use crate::ffi::{verbs_device, verbs_device_ops, verbs_register_driver_34, verbs_sysfs_dev};
+use crate::ffi::{
+    verbs_device, verbs_device_ops, verbs_match_ent, verbs_match_ent__bindgen_ty_1,
+    verbs_register_driver_34, verbs_sysfs_dev,
+};
 
 /// The driver's ops table; a `static` because libibverbs keeps the pointer
 /// for the life of the process.
@@ -19,11 +22,31 @@ struct DeviceOps(verbs_device_ops);
 // functions) are valid from any thread.
 unsafe impl Sync for DeviceOps {}
 
+/// A match table that matches nothing (its sentinel alone): the devices
+/// are taken by [`match_device`]. It may not be NULL: libibverbs walks
+/// every driver's table, unchecked, for each device that netlink reports
+/// with a driver id (any kernel RDMA device), so with no table a program
+/// that loaded the plugin from the driver directory (`stag install`) on
+/// a machine with rxe0 or siw0 died in `ibv_get_device_list`.
+#[repr(transparent)]
+struct MatchTable([verbs_match_ent; 1]);
+
+// SAFETY: immutable, and its one pointer is NULL.
+unsafe impl Sync for MatchTable {}
+
+static MATCH_NOTHING: MatchTable = MatchTable([verbs_match_ent {
+    driver_data: ptr::null_mut(),
+    u: verbs_match_ent__bindgen_ty_1 { driver_id: 0 },
+    vendor: 0,
+    device: 0,
+    kind: 0, // VERBS_MATCH_SENTINEL
+}]);
+
 static DEVICE_OPS: DeviceOps = DeviceOps(verbs_device_ops {
     name: c"stag".as_ptr(),
     match_min_abi_version: 0,
     match_max_abi_version: u32::MAX,
-    match_table: ptr::null(),
+    match_table: &MATCH_NOTHING.0[0],
     static_providers: ptr::null_mut(),
     match_device: Some(match_device),
     alloc_context: Some(crate::context::alloc_context),
@@ -85,4 +108,19 @@ unsafe extern "C" fn uninit_device(dev: *mut verbs_device) {
             drop(unsafe { Box::from_raw(dev) });
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// libibverbs reads the table of every driver, without a NULL check,
+    /// for each device netlink reports: it must be there and end at once.
+    #[test]
+    fn match_table_is_a_lone_sentinel() {
+        let table = DEVICE_OPS.0.match_table;
+        assert!(!table.is_null());
+        // SAFETY: points at MATCH_NOTHING, a static.
+        assert_eq!(unsafe { (*table).kind }, 0, "VERBS_MATCH_SENTINEL first");
+    }
 }

@@ -158,9 +158,36 @@ pub(crate) fn on_deliver(id: &Arc<Id>, kind: ffi::rdma_cm_event_type) {
         ffi::RDMA_CM_EVENT_REJECTED
         | ffi::RDMA_CM_EVENT_UNREACHABLE
         | ffi::RDMA_CM_EVENT_CONNECT_ERROR => mirror_state(id, &st, ffi::IBV_QPS_ERR, true),
-        ffi::RDMA_CM_EVENT_DISCONNECTED => mirror_state(id, &st, ffi::IBV_QPS_ERR, false),
+        ffi::RDMA_CM_EVENT_DISCONNECTED => {
+            mirror_state(id, &st, ffi::IBV_QPS_ERR, false);
+            if timewait_exit_wanted() && !st.sync {
+                // Behind the DISCONNECTED the application is taking now,
+                // so it always comes last; an id destroyed first never
+                // gets it (its queued events are dropped).
+                st.channel.push(Pending::new(
+                    id.clone(),
+                    ffi::RDMA_CM_EVENT_TIMEWAIT_EXIT,
+                    0,
+                ));
+            }
+        }
         _ => {}
     }
+}
+
+/// Whether the application asked for RDMA_CM_EVENT_TIMEWAIT_EXIT after
+/// each DISCONNECTED (`STAG_CM_TIMEWAIT_EXIT=1`). The kernel's rdma_cm
+/// raises it only on InfiniBand and RoCE (the IB CM's timewait state);
+/// its iWARP cm, which kernel siw uses, never does, and neither does
+/// stag0 by default: programs written against iWARP read events in a loop
+/// and some take any event they did not expect as an error (qperf's
+/// `cm_expect_event`) or report it on stderr (rping). Some written for IB
+/// wait for it before freeing a connection: tgt's iSER transport holds a
+/// reference to each connection until TIMEWAIT_EXIT, so without it a
+/// session outlives its initiator and tgtd cannot be stopped cleanly.
+fn timewait_exit_wanted() -> bool {
+    static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WANTED.get_or_init(|| std::env::var_os("STAG_CM_TIMEWAIT_EXIT").is_some_and(|v| v == "1"))
 }
 
 /// Refuse a connection request nobody will answer (its listener or child
