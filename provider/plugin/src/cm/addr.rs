@@ -203,6 +203,13 @@ pub(crate) struct Reservation {
     listening: bool,
     /// The bound address, with the port the kernel picked for port 0.
     pub addr: SocketAddr,
+    /// Whether the application named the port (not 0).
+    pub named: bool,
+    /// IPV6_V6ONLY, as bound.
+    pub afonly: bool,
+    /// The listener a destroyed id left on this very address, which
+    /// `rdma_listen` takes over (then `sock` is None).
+    pub retired: Option<super::listen::ListenHandle>,
 }
 
 impl Reservation {
@@ -213,6 +220,28 @@ impl Reservation {
     /// `reuse` (RDMA_OPTION_ID_REUSEADDR) lets it share a port another id
     /// of this process holds without listening.
     pub fn bind(addr: SocketAddr, afonly: bool, reuse: bool) -> CmResult<Reservation> {
+        let named = addr.port() != 0;
+        // A listener retired on this port: taken over if bound exactly so,
+        // else closed, freeing the port.
+        if let Some(h) = super::listen::take_retired(addr, afonly, reuse) {
+            let mut bound = lock(&BOUND);
+            let holders = bound
+                .get_or_insert_with(HashMap::new)
+                .entry(addr)
+                .or_insert(0);
+            if *holders > 0 {
+                return Err(libc::EADDRINUSE);
+            }
+            *holders += 1;
+            return Ok(Reservation {
+                sock: None,
+                listening: true,
+                addr,
+                named,
+                afonly,
+                retired: Some(h),
+            });
+        }
         let family = match addr {
             SocketAddr::V4(_) => libc::AF_INET,
             SocketAddr::V6(_) => libc::AF_INET6,
@@ -270,6 +299,9 @@ impl Reservation {
                         sock: None,
                         listening: false,
                         addr,
+                        named,
+                        afonly,
+                        retired: None,
                     });
                 }
                 _ => return Err(e),
@@ -308,6 +340,9 @@ impl Reservation {
             sock: Some(fd),
             listening,
             addr,
+            named,
+            afonly,
+            retired: None,
         })
     }
 

@@ -450,7 +450,9 @@ pub(crate) fn teardown(id: &Arc<Id>) {
     st.qp = None;
     let channel = st.channel.clone();
     drop(st);
-    drop(listener);
+    if let Some(h) = listener {
+        super::listen::retire(h);
+    }
     if let Some(req) = request {
         // Destroyed without an answer: refused.
         if let Err(e) = req.reject(&[]) {

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <rdma/rdma_cma.h>
 
 static int passed, failed;
@@ -329,6 +330,30 @@ int main(void)
 	rdma_destroy_event_channel(cch2);
 	rdma_destroy_event_channel(cch);
 	rdma_destroy_event_channel(sch);
+	/* Destroyed again (Debian's perftest does this after a refused
+	 * connect): EINVAL, and nothing on stderr. */
+	{
+		char path[] = "/tmp/cm_edge_stderr.XXXXXX";
+		int saved = dup(2), tmp = mkstemp(path);
+		off_t len = -1;
+
+		if (saved >= 0 && tmp >= 0 && dup2(tmp, 2) == 2) {
+			errno = 0;
+			rdma_destroy_event_channel(sch);
+			int e = errno;
+
+			dup2(saved, 2);
+			len = lseek(tmp, 0, SEEK_END);
+			CHECK(e == EINVAL, "destroy a channel twice: EINVAL");
+		}
+		CHECK(len == 0, "destroy a channel twice: stderr stays quiet");
+		if (tmp >= 0) {
+			close(tmp);
+			unlink(path);
+		}
+		if (saved >= 0)
+			close(saved);
+	}
 	rdma_freeaddrinfo(res);
 	CHECK(!strcmp(rdma_event_str(RDMA_CM_EVENT_ESTABLISHED),
 		      "RDMA_CM_EVENT_ESTABLISHED"), "rdma_event_str");
