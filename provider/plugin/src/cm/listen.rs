@@ -62,11 +62,25 @@ pub(crate) struct ListenHandle {
     key: Option<(SocketAddr, bool)>,
 }
 
-impl Drop for ListenHandle {
-    fn drop(&mut self) {
+impl ListenHandle {
+    /// Close the port (the handshake thread ends and its socket with it);
+    /// what was already accepted is still held. A retired listener's port
+    /// is closed while [`RETIRED`] is locked, before it leaves the table,
+    /// so that a re-bind of the address ([`take_retired`]) either takes
+    /// it over or finds the port free, never still listening: bind(2)
+    /// failed with EADDRINUSE when it came while the grace thread was
+    /// closing the listener it had just taken out of the table (perftest's
+    /// server re-binding about [`HANDOVER_GRACE`] after the destroy).
+    fn close_port(&self) {
         self.stop.store(true, Ordering::Release);
         // The port closes and the thread's accept returns.
         self.listener.shutdown();
+    }
+}
+
+impl Drop for ListenHandle {
+    fn drop(&mut self) {
+        self.close_port();
         if self.done.recv_timeout(Duration::from_secs(2)).is_err() {
             debug!("rdma_cm: the listener thread did not stop within 2 s");
         }
@@ -88,9 +102,14 @@ pub(crate) fn retire(handle: ListenHandle) {
     let Some(key) = handle.key else { return };
     lock(&handle.target).id = Weak::new();
     let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
-    let replaced = lock(&RETIRED)
+    let mut retired = lock(&RETIRED);
+    let replaced = retired
         .get_or_insert_with(HashMap::new)
         .insert(key, (generation, handle));
+    if let Some((_, h)) = &replaced {
+        h.close_port();
+    }
+    drop(retired);
     drop(replaced);
     let spawned = std::thread::Builder::new()
         .name("stag-cm-retired".into())
@@ -100,6 +119,9 @@ pub(crate) fn retire(handle: ListenHandle) {
             let map = retired.get_or_insert_with(HashMap::new);
             if map.get(&key).is_some_and(|(g, _)| *g == generation) {
                 let gone = map.remove(&key);
+                if let Some((_, h)) = &gone {
+                    h.close_port();
+                }
                 drop(retired);
                 debug!(addr = %key.0, "rdma_cm: no id took the listener over; closing it");
                 drop(gone);
@@ -107,7 +129,12 @@ pub(crate) fn retire(handle: ListenHandle) {
         });
     if spawned.is_err() {
         // No timer: close it now rather than keep the port.
-        let gone = lock(&RETIRED).get_or_insert_with(HashMap::new).remove(&key);
+        let mut retired = lock(&RETIRED);
+        let gone = retired.get_or_insert_with(HashMap::new).remove(&key);
+        if let Some((_, h)) = &gone {
+            h.close_port();
+        }
+        drop(retired);
         drop(gone);
     }
 }
@@ -133,6 +160,9 @@ pub(crate) fn take_retired(addr: SocketAddr, afonly: bool, reuse: bool) -> Optio
         .copied()
         .collect();
     let closed: Vec<_> = keys.iter().filter_map(|k| map.remove(k)).collect();
+    for (_, h) in &closed {
+        h.close_port();
+    }
     drop(retired);
     drop(closed);
     if taken.is_some() {

@@ -12,6 +12,7 @@
  *   it must be served by the re-created listener);
  * - a listener destroyed and not re-created: a connect is refused once
  *   the grace for a re-bind (1 s) has passed;
+ * - a re-bind of the port as that grace ends: never EADDRINUSE;
  * - a connect that arrives between rdma_bind_addr and rdma_listen (qperf's
  *   order), which must wait for the listener;
  * - rdma_reject with private data;
@@ -34,6 +35,7 @@
 #define CONCURRENT 64
 #define LISTENER_LOOPS 100
 #define GONE_LOOPS 3
+#define REBIND_LOOPS 8
 
 static int passed, failed;
 
@@ -432,7 +434,7 @@ int main(int argc, char **argv)
 	 * re-created listener, as a connect before rdma_listen does. */
 	t = now_s();
 	rdma_destroy_id(l);
-	int port = ntohs(dst.sin_port), lok = 0, rok = 0, gok = 0;
+	int port = ntohs(dst.sin_port), lok = 0, rok = 0, gok = 0, bok = 0;
 	/* (The first listener's port was the kernel's pick; a listener bound
 	 * to a port the program named is the one perftest re-creates.) */
 	{
@@ -503,6 +505,32 @@ int main(int argc, char **argv)
 	CHECK(gok == GONE_LOOPS, "connect with the listener gone: REJECTED");
 	printf("cm_stress: %d connects with the listener gone: %d refused in %.2f s\n",
 	       GONE_LOOPS, gok, now_s() - t);
+
+	/* A re-bind as the grace ends (perftest's server, descheduled for
+	 * about that long between its destroy and its re-bind): the retired
+	 * listener is taken over, or its port is free; never EADDRINUSE (it
+	 * was, when the re-bind came while the grace's end was closing the
+	 * port). Around the 1 s grace, 1 ms apart. */
+	t = now_s();
+	for (i = 0; i < REBIND_LOOPS; i++) {
+		struct sockaddr_in again;
+		long us = 1000000 - REBIND_LOOPS / 2 * 1000 + i * 1000;
+		struct timespec pause = { us / 1000000, us % 1000000 * 1000 };
+
+		l = listener(lch, port, &again);
+		if (!l)
+			break;
+		rdma_destroy_id(l);
+		nanosleep(&pause, NULL);
+		l = listener(lch, port, &again);
+		if (!l)
+			break;
+		rdma_destroy_id(l);
+		bok++;
+	}
+	CHECK(bok == REBIND_LOOPS, "re-bind as the hand-over grace ends");
+	printf("cm_stress: %d re-binds around the grace's end: %d bound in %.2f s\n",
+	       REBIND_LOOPS, bok, now_s() - t);
 
 	/* A port nobody listens on (nor bound). */
 	{
