@@ -35,10 +35,13 @@ use crate::ffi;
 use provider::thread::SpawnMasked;
 
 /// How long a destroyed id's listener waits for an id of this process to
-/// bind its address again (see the module's comment). Long enough for
-/// perftest's message exchange under QEMU's TCG; what arrives meanwhile
-/// and is not taken over waits this long to be refused.
-pub(crate) const HANDOVER_GRACE: Duration = Duration::from_secs(1);
+/// bind its address again (see the module's comment); what arrives
+/// meanwhile and is not taken over waits this long to be refused. Debian's
+/// ib_write_bw (4.5-0.17) sleeps 1 s between the destroy and its message
+/// exchange, so its re-bind comes 1.0-1.3 s after the destroy on a loaded
+/// machine: a grace of 1 s had mostly ended by then (its held connect
+/// refused), and the re-bind often fell on the grace's end.
+pub(crate) const HANDOVER_GRACE: Duration = Duration::from_secs(3);
 
 /// Where the listener thread delivers: the listening id, or (retired, or
 /// its id destroyed) nobody, and then requests are held.
@@ -100,6 +103,7 @@ static GENERATION: AtomicU64 = AtomicU64::new(0);
 /// port was named, else closed now.
 pub(crate) fn retire(handle: ListenHandle) {
     let Some(key) = handle.key else { return };
+    debug!(addr = %key.0, "rdma_cm: listener retired, held for a re-bind");
     lock(&handle.target).id = Weak::new();
     let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
     let mut retired = lock(&RETIRED);
