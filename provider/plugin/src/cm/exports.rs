@@ -162,7 +162,8 @@ pub unsafe extern "C" fn stag_cm_rdma_resolve_addr(
         // SAFETY: NULL or the application's addresses.
         let (src, dst) = unsafe { (ops::opt_addr(src)?, addr::from_c(dst)?) };
         debug!(?src, %dst, timeout_ms, "rdma_resolve_addr");
-        ops::resolve_addr(&id, src, dst)
+        let timeout = std::time::Duration::from_millis(timeout_ms.max(0) as u64);
+        ops::resolve_addr(&id, src, dst, timeout)
     })
 }
 

@@ -8,9 +8,11 @@
  * Non-blocking channels (EAGAIN, poll), port 0 binds, private data both
  * ways, reject with private data, accept, migrate, disconnect seen by both
  * sides, options, unknown pointers. Prints "cm_edge: N passed, M failed".
+ * `cm_edge resolve-timeout ADDR`: address resolution that times out.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <stdio.h>
@@ -118,7 +120,52 @@ static struct rdma_cm_id *client(struct rdma_event_channel *ch,
 	return id;
 }
 
-int main(void)
+/*
+ * `cm_edge resolve-timeout ADDR`: ADDR is on a connected network whose
+ * hosts never answer ARP (a veth whose peer has no address, in a network
+ * namespace of the caller's): rdma_resolve_addr ends in ADDR_ERROR with
+ * -ETIMEDOUT, once its timeout has passed; the id can resolve again after.
+ */
+static int resolve_timeout(const char *addr)
+{
+	struct rdma_event_channel *ch = rdma_create_event_channel();
+	struct rdma_cm_id *id;
+	struct rdma_cm_event *ev;
+	struct sockaddr_in dst = { .sin_family = AF_INET, .sin_port = htons(7471) };
+	int round;
+
+	if (!ch || inet_pton(AF_INET, addr, &dst.sin_addr) != 1 ||
+	    rdma_create_id(ch, &id, NULL, RDMA_PS_TCP)) {
+		fprintf(stderr, "cm_edge: setup for %s failed\n", addr);
+		return 1;
+	}
+	for (round = 0; round < 2; round++) {
+		double t = now_us();
+		int status = 0, got = 0;
+
+		CHECK(rdma_resolve_addr(id, NULL, (struct sockaddr *)&dst, 300) == 0,
+		      "resolve-timeout: rdma_resolve_addr returns at once");
+		ev = next_event(ch);
+		if (ev) {
+			got = ev->event;
+			status = ev->status;
+			rdma_ack_cm_event(ev);
+		}
+		CHECK(ev && got == RDMA_CM_EVENT_ADDR_ERROR && status == -ETIMEDOUT,
+		      "resolve-timeout: ADDR_ERROR with -ETIMEDOUT");
+		CHECK(now_us() - t >= 300 * 1000,
+		      "resolve-timeout: not before the timeout");
+		printf("cm_edge: resolve %s: %s, status %d, after %.0f ms\n", addr,
+		       ev ? rdma_event_str(got) : "no event", status,
+		       (now_us() - t) / 1000);
+	}
+	rdma_destroy_id(id);
+	rdma_destroy_event_channel(ch);
+	printf("cm_edge: %d passed, %d failed\n", passed, failed);
+	return failed ? 1 : 0;
+}
+
+int main(int argc, char **argv)
 {
 	struct rdma_event_channel *sch, *cch, *cch2;
 	struct rdma_cm_id *listen, *c1, *c2, *child;
@@ -137,6 +184,9 @@ int main(void)
 	};
 	uint8_t tos = 0;
 	int one = 1;
+
+	if (argc == 3 && !strcmp(argv[1], "resolve-timeout"))
+		return resolve_timeout(argv[2]);
 
 	CHECK(rdma_getaddrinfo("127.0.0.1", "0", &hints, &res) == 0,
 	      "rdma_getaddrinfo passive");
