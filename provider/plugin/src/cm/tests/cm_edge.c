@@ -375,6 +375,63 @@ int main(int argc, char **argv)
 	rdma_destroy_qp(c2);
 	rdma_destroy_id(c2);
 
+	/* A source port the client bound (named, before rdma_resolve_addr)
+	 * is the one its connection leaves from, as with the kernel's
+	 * rdma_cm: the listener's child sees it as its peer's port. The
+	 * port is one the kernel just had free (bound with port 0, then
+	 * let go). */
+	{
+		struct sockaddr_in src = { .sin_family = AF_INET,
+					   .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+		struct rdma_cm_id *probe, *c;
+		uint16_t port = 0;
+
+		if (rdma_create_id(cch, &probe, NULL, RDMA_PS_TCP) == 0) {
+			if (rdma_bind_addr(probe, (struct sockaddr *)&src) == 0)
+				port = rdma_get_src_port(probe);
+			rdma_destroy_id(probe);
+		}
+		src.sin_port = port;
+		CHECK(port != 0 && rdma_create_id(cch, &c, NULL, RDMA_PS_TCP) == 0,
+		      "bound-port client id");
+		CHECK(rdma_bind_addr(c, (struct sockaddr *)&src) == 0,
+		      "bind the client to a named port");
+		CHECK(rdma_resolve_addr(c, NULL, (struct sockaddr *)&dst, 2000) == 0 &&
+		      expect(cch, RDMA_CM_EVENT_ADDR_RESOLVED, NULL) &&
+		      rdma_get_src_port(c) == port,
+		      "resolved, source port kept");
+		CHECK(rdma_resolve_route(c, 2000) == 0 &&
+		      expect(cch, RDMA_CM_EVENT_ROUTE_RESOLVED, NULL),
+		      "route resolved");
+		attr.send_cq = attr.recv_cq = NULL;
+		CHECK(rdma_create_qp(c, NULL, &attr) == 0 && rdma_connect(c, NULL) == 0,
+		      "connect from the bound port");
+		child = NULL;
+		if (expect(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
+			child = ev->id;
+			CHECK(rdma_get_dst_port(child) == port,
+			      "the listener sees the bound source port");
+			rdma_ack_cm_event(ev);
+			attr.send_cq = attr.recv_cq = NULL;
+			CHECK(rdma_create_qp(child, NULL, &attr) == 0 &&
+			      rdma_accept(child, NULL) == 0, "accept the bound-port client");
+		}
+		CHECK(expect(cch, RDMA_CM_EVENT_ESTABLISHED, NULL),
+		      "bound-port client ESTABLISHED");
+		CHECK(expect(sch, RDMA_CM_EVENT_ESTABLISHED, NULL),
+		      "bound-port server ESTABLISHED");
+		rdma_disconnect(c);
+		CHECK(expect(cch, RDMA_CM_EVENT_DISCONNECTED, NULL) &&
+		      expect(sch, RDMA_CM_EVENT_DISCONNECTED, NULL),
+		      "bound-port connection disconnected");
+		rdma_destroy_qp(c);
+		rdma_destroy_id(c);
+		if (child) {
+			rdma_destroy_qp(child);
+			rdma_destroy_id(child);
+		}
+	}
+
 	CHECK(rdma_destroy_id(listen) == 0, "destroy listener");
 	CHECK(rdma_destroy_id(listen) == -1 && errno == EINVAL, "destroy twice: EINVAL");
 	rdma_destroy_event_channel(cch2);
