@@ -4,7 +4,7 @@
 //! alone, and `stag run` then reports its status.
 //!
 //! The three signals are blocked in `stag run` before the child is spawned
-//! (the child starts with an empty mask: std resets it), and one thread
+//! (and unblocked in the child before exec), and one thread
 //! takes them with `sigwaitinfo`. Only signals a process sent are passed
 //! on: the terminal's (^C, a hang-up) already reached the child, which is
 //! in the same process group.
@@ -47,6 +47,18 @@ pub fn run_forwarding(cmd: &mut Command) -> io::Result<ExitStatus> {
 }
 
 fn spawn_and_wait(cmd: &mut Command, set: &libc::sigset_t) -> io::Result<ExitStatus> {
+    use std::os::unix::process::CommandExt;
+    let unblock = *set;
+    // SAFETY: the closure runs in the forked child before exec and calls
+    // only pthread_sigmask, which is async-signal-safe. The child must not
+    // inherit our mask (std does not reset it): a program that does not
+    // unblock signals itself would never see SIGTERM.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::pthread_sigmask(libc::SIG_UNBLOCK, &unblock, std::ptr::null_mut());
+            Ok(())
+        });
+    }
     let mut child: Child = cmd.spawn()?;
     let live: Live = Arc::new(Mutex::new(Some(child.id() as libc::pid_t)));
     {
