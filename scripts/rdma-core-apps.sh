@@ -124,6 +124,18 @@ suite() {
 }
 
 suite root root
+# rdma_resolve_addr to an address nobody answers ARP for (a veth whose peer
+# has no address, in a network namespace of its own): ADDR_ERROR with
+# -ETIMEDOUT once the call's timeout passes (cm_edge.c resolve-timeout).
+if unshare -n bash -c 'ip link set lo up && ip link add v0 type veth peer name v1 &&
+        ip addr add 10.77.0.1/24 dev v0 && ip link set v0 up && ip link set v1 up &&
+        exec "$0" run -- "$1" resolve-timeout 10.77.0.2' "$STAG" "$out/cm_edge" \
+        >"$out/root-cm_resolve_timeout.run.log" 2>&1 &&
+    grep -Eq 'cm_edge: [1-9][0-9]* passed, 0 failed' "$out/root-cm_resolve_timeout.run.log"; then
+    pass root-cm_resolve_timeout
+else
+    fail root-cm_resolve_timeout root-cm_resolve_timeout
+fi
 if ((!QUICK)); then
     id stagtest >/dev/null 2>&1 || useradd --system --no-create-home stagtest
     suite stagtest user

@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod rdma_core;
+mod signal_forward;
 
 use stag::verbs::{self, Backend, Capabilities, Context};
 

@@ -228,7 +228,9 @@ pub fn run(cmd: &[String]) -> Result<i32, RdmaCoreError> {
     if kernel_has_rdma() {
         child.env("STAG_RUN_HIDE_NETLINK", "1");
     }
-    let status = child.status().map_err(io_err(format!("run {prog}")));
+    // SIGTERM/SIGINT/SIGHUP sent to `stag run` go on to the child.
+    let status =
+        crate::signal_forward::run_forwarding(&mut child).map_err(io_err(format!("run {prog}")));
     let _ = fs::remove_dir_all(&root);
     let status = status?;
     use std::os::unix::process::ExitStatusExt;

@@ -446,7 +446,18 @@ impl QueuePair {
             .to_socket_addrs()?
             .next()
             .ok_or_else(|| std::io::Error::new(ErrorKind::InvalidInput, "no address"))?;
-        let mut sock = TcpStream::connect_timeout(&addr, SETUP_TIMEOUT)?;
+        let sock = TcpStream::connect_timeout(&addr, SETUP_TIMEOUT)?;
+        self.connect_stream(sock, params)
+    }
+
+    /// Active side over `sock`, a TCP connection the caller made (rdma_cm
+    /// binds it to the source port the application named): run the MPA
+    /// exchange. Returns the responder's private data.
+    pub fn connect_stream(
+        &self,
+        mut sock: TcpStream,
+        params: &MpaParams,
+    ) -> Result<Vec<u8>, DeviceError> {
         sock.set_nodelay(true)?;
         let (mut initiator, request) = Initiator::new(params.clone())?;
         NoSignal(&sock).write_all(&request)?;

@@ -315,7 +315,12 @@ unsafe extern "C" fn query_port(
     })
 }
 
-unsafe extern "C" fn cq_event(_cq: *mut ibv_cq) {}
+/// libibverbs' `ibv_get_cq_event` read an event of `cq` (without `stag
+/// run`'s interposed one): counted for `destroy_cq`.
+unsafe extern "C" fn cq_event(cq: *mut ibv_cq) {
+    // SAFETY: libibverbs passes the CQ the record named, one of ours.
+    unsafe { crate::cq::count_event(cq) }
+}
 
 /// The context's ops; NULL entries keep libibverbs' EOPNOTSUPP stubs.
 #[repr(transparent)]

@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use std::ffi::c_int;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 
 use provider::cq::{CompletionQueue, NotifySink};
@@ -36,6 +37,25 @@ pub(crate) struct StagCq {
     pub(crate) users: Arc<crate::users::Users>,
     /// Where its IBV_EVENT_CQ_ERR goes.
     events: Option<Arc<crate::async_events::AsyncSource>>,
+    /// Completion events the application has read (`ibv_get_cq_event`):
+    /// `destroy_cq` waits until as many are acked, as the kernel's
+    /// `comp_events_reported` makes rdma-core's `ibv_cmd_destroy_cq` do.
+    comp_reported: AtomicU32,
+}
+
+/// One completion event of `cq` read by the application (libibverbs'
+/// `ibv_get_cq_event` calls the `cq_event` op; ours counts here itself).
+///
+/// # Safety
+/// As [`cq`].
+pub(crate) unsafe fn count_event(cq: *mut ibv_cq) {
+    // SAFETY: forwarded; `cq` checked it is ours.
+    if unsafe { self::cq(cq) }.is_some() {
+        // SAFETY: ours (checked); StagCq starts with the ibv_cq.
+        unsafe { &*cq.cast::<StagCq>() }
+            .comp_reported
+            .fetch_add(1, Ordering::AcqRel);
+    }
 }
 
 thread_local! {
@@ -153,9 +173,18 @@ pub(crate) unsafe fn get_cq_event(
         // SAFETY: as above.
         let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
         WAITING.with(|w| w.borrow_mut().0 = ch as usize);
-        let waited = CompletionQueue::wait_notified(borrowed, &cqs, None, &|| {
-            WAITING.with(|w| !w.borrow().1.is_empty())
-        });
+        let waited = loop {
+            let waited = CompletionQueue::wait_notified(borrowed, &cqs, None, &|| {
+                WAITING.with(|w| !w.borrow().1.is_empty())
+            });
+            // libibverbs' read(2) of the channel is restarted after a
+            // handler with SA_RESTART, as the kernel restarts it; poll(2)
+            // never is.
+            match waited {
+                Err(nix::errno::Errno::EINTR) if restarts_after_signal() => continue,
+                other => break other,
+            }
+        };
         let mut mine = WAITING.with(|w| {
             let mut w = w.borrow_mut();
             w.0 = 0;
@@ -203,9 +232,28 @@ pub(crate) unsafe fn get_cq_event(
         unsafe {
             *out_cq = cq;
             *out_ctx = (*cq).cq_context;
+            count_event(cq);
         }
         0
     }))
+}
+
+/// Whether a read(2) interrupted by a signal's handler would be restarted:
+/// every handler installed has SA_RESTART. (Which signal interrupted the
+/// wait is not known here; with one handler lacking SA_RESTART the wait
+/// ends with EINTR, as it would if that one had run.)
+fn restarts_after_signal() -> bool {
+    (1..=libc::SIGRTMAX()).all(|sig| {
+        // SAFETY: sigaction is plain data, filled by the query below.
+        let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+        // SAFETY: a query (no new action) into a valid sigaction.
+        if unsafe { libc::sigaction(sig, ptr::null(), &mut old) } != 0 {
+            return true;
+        }
+        old.sa_sigaction == libc::SIG_DFL
+            || old.sa_sigaction == libc::SIG_IGN
+            || old.sa_flags & libc::SA_RESTART != 0
+    })
 }
 
 /// What uses one of our `ibv_cq`s.
@@ -271,6 +319,7 @@ pub(crate) unsafe extern "C" fn create_cq(
             mark: Arc::default(),
             users: Arc::default(),
             events: None,
+            comp_reported: AtomicU32::new(0),
         }));
         // SAFETY: ctx is live (checked ours above).
         if let Some(st) = unsafe { crate::context::state(ctx) } {
@@ -343,6 +392,20 @@ pub(crate) unsafe extern "C" fn destroy_cq(cq: *mut ibv_cq) -> c_int {
         }
         if let Some(channel) = &sc.channel {
             *channel.open.write().unwrap_or_else(|p| p.into_inner()) = false;
+            // Every completion event read is acked first: the application
+            // may still be using the CQ it named (rdma-core's
+            // ibv_cmd_destroy_cq waits so, on comp_events_completed).
+            let reported = sc.comp_reported.load(Ordering::Acquire);
+            // SAFETY: the live cq's own members (libibverbs initialised
+            // them; ibv_ack_cq_events counts under them).
+            unsafe {
+                crate::async_events::wait_acked(
+                    ptr::addr_of_mut!((*cq).mutex).cast(),
+                    ptr::addr_of_mut!((*cq).cond).cast(),
+                    ptr::addr_of!((*cq).comp_events_completed),
+                    reported,
+                )
+            };
             let mut cqs = channel_cqs().lock().unwrap_or_else(|p| p.into_inner());
             let chan = sc.cq.channel as usize;
             if let Some(v) = cqs.get_mut(&chan) {

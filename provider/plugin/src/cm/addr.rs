@@ -203,6 +203,13 @@ pub(crate) struct Reservation {
     listening: bool,
     /// The bound address, with the port the kernel picked for port 0.
     pub addr: SocketAddr,
+    /// Whether the application named the port (not 0).
+    pub named: bool,
+    /// IPV6_V6ONLY, as bound.
+    pub afonly: bool,
+    /// The listener a destroyed id left on this very address, which
+    /// `rdma_listen` takes over (then `sock` is None).
+    pub retired: Option<super::listen::ListenHandle>,
 }
 
 impl Reservation {
@@ -213,6 +220,28 @@ impl Reservation {
     /// `reuse` (RDMA_OPTION_ID_REUSEADDR) lets it share a port another id
     /// of this process holds without listening.
     pub fn bind(addr: SocketAddr, afonly: bool, reuse: bool) -> CmResult<Reservation> {
+        let named = addr.port() != 0;
+        // A listener retired on this port: taken over if bound exactly so,
+        // else closed, freeing the port.
+        if let Some(h) = super::listen::take_retired(addr, afonly, reuse) {
+            let mut bound = lock(&BOUND);
+            let holders = bound
+                .get_or_insert_with(HashMap::new)
+                .entry(addr)
+                .or_insert(0);
+            if *holders > 0 {
+                return Err(libc::EADDRINUSE);
+            }
+            *holders += 1;
+            return Ok(Reservation {
+                sock: None,
+                listening: true,
+                addr,
+                named,
+                afonly,
+                retired: Some(h),
+            });
+        }
         let family = match addr {
             SocketAddr::V4(_) => libc::AF_INET,
             SocketAddr::V6(_) => libc::AF_INET6,
@@ -270,6 +299,9 @@ impl Reservation {
                         sock: None,
                         listening: false,
                         addr,
+                        named,
+                        afonly,
+                        retired: None,
                     });
                 }
                 _ => return Err(e),
@@ -308,7 +340,24 @@ impl Reservation {
             sock: Some(fd),
             listening,
             addr,
+            named,
+            afonly,
+            retired: None,
         })
+    }
+
+    /// For an active id: the address the application bound with a port it
+    /// named, for the connection to leave from (the kernel's rdma_cm
+    /// honours it); the reservation's socket closes so that the
+    /// connection can bind it, and the port stays this process's until
+    /// the id goes. None for a port the kernel picked.
+    pub fn release_for_connect(&mut self) -> Option<SocketAddr> {
+        if !self.named {
+            return None;
+        }
+        self.sock = None;
+        self.retired = None;
+        Some(self.addr)
     }
 
     /// The reserved socket, listening, for `rdma_listen` to take over: the
@@ -338,6 +387,102 @@ impl Drop for Reservation {
             }
         }
     }
+}
+
+/// A TCP connection to `dst` from `src` (SO_REUSEADDR, as the port's
+/// reservation had), giving up after `timeout` (SO_SNDTIMEO bounds
+/// connect(2); cleared after).
+pub(crate) fn dial_from(
+    src: SocketAddr,
+    dst: SocketAddr,
+    timeout: std::time::Duration,
+) -> std::io::Result<std::net::TcpStream> {
+    let family = match dst {
+        SocketAddr::V4(_) => libc::AF_INET,
+        SocketAddr::V6(_) => libc::AF_INET6,
+    };
+    // Both in the destination's family.
+    let src = match (src, dst) {
+        (SocketAddr::V4(s), SocketAddr::V6(_)) => {
+            SocketAddr::new(IpAddr::V6(s.ip().to_ipv6_mapped()), s.port())
+        }
+        (SocketAddr::V6(s), SocketAddr::V4(_)) => match s.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(IpAddr::V4(v4), s.port()),
+            None => return Err(std::io::Error::from_raw_os_error(libc::EAFNOSUPPORT)),
+        },
+        _ => src,
+    };
+    // SAFETY: plain socket(2).
+    let fd = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let one: c_int = 1;
+    let tv = libc::timeval {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_usec: timeout.subsec_micros() as libc::suseconds_t,
+    };
+    let zero = libc::timeval {
+        tv_sec: 0,
+        tv_usec: 0,
+    };
+    let set_tv = |v: &libc::timeval| {
+        // SAFETY: setsockopt with a valid timeval.
+        unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_SNDTIMEO,
+                (v as *const libc::timeval).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        }
+    };
+    // SAFETY: setsockopt with a valid int option value.
+    unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_REUSEADDR,
+            (&one as *const c_int).cast(),
+            std::mem::size_of::<c_int>() as libc::socklen_t,
+        )
+    };
+    set_tv(&tv);
+    let (ss, len) = to_c(&src);
+    // SAFETY: binding to a valid address of `len` bytes.
+    if unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            &ss as *const _ as *const libc::sockaddr,
+            len,
+        )
+    } != 0
+    {
+        return Err(std::io::Error::last_os_error());
+    }
+    let (ds, dlen) = to_c(&dst);
+    // SAFETY: connecting to a valid address of `dlen` bytes.
+    if unsafe {
+        libc::connect(
+            fd.as_raw_fd(),
+            &ds as *const _ as *const libc::sockaddr,
+            dlen,
+        )
+    } != 0
+    {
+        let e = std::io::Error::last_os_error();
+        // A connect that ran out of SO_SNDTIMEO says EINPROGRESS.
+        return Err(if e.raw_os_error() == Some(libc::EINPROGRESS) {
+            std::io::Error::from_raw_os_error(libc::ETIMEDOUT)
+        } else {
+            e
+        });
+    }
+    set_tv(&zero);
+    Ok(std::net::TcpStream::from(fd))
 }
 
 /// Allocate a copy of `addr` with malloc (freed by rdma_freeaddrinfo).

@@ -301,15 +301,35 @@ pub(crate) fn connect(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmR
     st.connect_data.clear();
     st.phase = Phase::Connecting;
     st.qp = Some(Arc::downgrade(&qp));
-    // The source port was only a name; the TCP connection picks its own.
-    st.reservation = None;
+    // A source port the application named is where the connection leaves
+    // from (on the resolved source address); else the TCP connection
+    // picks its own and the reservation goes.
+    let from = match st
+        .reservation
+        .as_mut()
+        .and_then(|r| r.release_for_connect())
+    {
+        Some(bound) => Some(match st.src {
+            Some(s) if bound.ip().is_unspecified() => SocketAddr::new(s.ip(), bound.port()),
+            _ => bound,
+        }),
+        None => {
+            st.reservation = None;
+            None
+        }
+    };
     drop(st);
-    debug!(%dst, ird = params.ird, ord = params.ord, len = params.private_data.len(), "rdma_cm: connecting");
+    debug!(%dst, ?from, ird = params.ird, ord = params.ord, len = params.private_data.len(), "rdma_cm: connecting");
     let id2 = id.clone();
     let spawned = std::thread::Builder::new()
         .name("stag-cm-connect".into())
         .spawn_masked(move || {
-            let r = qp.connect(dst, &params);
+            let r = match from {
+                Some(src) => super::addr::dial_from(src, dst, provider::device::SETUP_TIMEOUT)
+                    .map_err(DeviceError::from)
+                    .and_then(|sock| qp.connect_stream(sock, &params)),
+                None => qp.connect(dst, &params),
+            };
             finish_connect(&id2, qp, r);
         });
     if spawned.is_err() {
@@ -476,7 +496,9 @@ pub(crate) fn teardown(id: &Arc<Id>) {
     st.qp = None;
     let channel = st.channel.clone();
     drop(st);
-    drop(listener);
+    if let Some(h) = listener {
+        super::listen::retire(h);
+    }
     if let Some(req) = request {
         // Destroyed without an answer: refused.
         if let Err(e) = req.reject(&[]) {

@@ -57,8 +57,17 @@ pub unsafe extern "C" fn stag_cm_rdma_create_event_channel() -> *mut ffi::rdma_e
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_destroy_event_channel(channel: *mut ffi::rdma_event_channel) {
     entry_val("rdma_destroy_event_channel", (), || {
-        if Channel::unregister(channel).is_none() && !channel.is_null() {
-            error!("rdma_cm: rdma_destroy_event_channel: not a channel of this library");
+        // librdmacm's returns nothing and checks nothing. A channel destroyed
+        // twice is what Debian's perftest (4.5-0.17) does after a refused
+        // connect: its retry path destroys the channel, then its error path
+        // destroys it again. EINVAL quietly (debug log), as for any other
+        // handle this library does not know.
+        if Channel::unregister(channel).is_none() {
+            debug!(
+                destroyed_before = Channel::was_destroyed(channel),
+                "rdma_cm: rdma_destroy_event_channel: not a channel of this library"
+            );
+            set_errno(libc::EINVAL);
         }
     })
 }
@@ -153,7 +162,8 @@ pub unsafe extern "C" fn stag_cm_rdma_resolve_addr(
         // SAFETY: NULL or the application's addresses.
         let (src, dst) = unsafe { (ops::opt_addr(src)?, addr::from_c(dst)?) };
         debug!(?src, %dst, timeout_ms, "rdma_resolve_addr");
-        ops::resolve_addr(&id, src, dst)
+        let timeout = std::time::Duration::from_millis(timeout_ms.max(0) as u64);
+        ops::resolve_addr(&id, src, dst, timeout)
     })
 }
 

@@ -2,11 +2,24 @@
 //! the provider's listener has read whole and queues CONNECT_REQUEST events
 //! carrying them; the child id is made when the application takes the
 //! event.
+//!
+//! A listener on a port the application named is not closed at once when
+//! its id goes: it is retired for [`HANDOVER_GRACE`], holding what arrives,
+//! and an id of this process that binds the same address meanwhile takes it
+//! over with what it held. perftest (`-R`) needs this: its server destroys
+//! the listener of its first connection, exchanges a message over that
+//! connection, then binds the same port again, while its client connects as
+//! soon as it has the message; a connect that came first was refused, and
+//! Debian's perftest (4.5-0.17) cannot recover (its retry reuses the ids
+//! and channel it just destroyed). What no id takes over is refused when
+//! the grace ends (an MPA reject: REJECTED with -ECONNREFUSED, the status a
+//! refused TCP connect gives), only later than the kernel would.
 
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use provider::device::{Listener, SETUP_TIMEOUT};
@@ -17,27 +30,149 @@ use super::addr::{local_ip_for, set_src, unmap};
 use super::channel::{Incoming, Pending};
 use super::conn::{errno_of, refuse};
 use super::id::{Id, Op, Phase};
-use super::CmResult;
+use super::{lock, CmResult};
 use crate::ffi;
 use provider::thread::SpawnMasked;
 
-/// A running listener; dropping it stops its thread and closes the port.
+/// How long a destroyed id's listener waits for an id of this process to
+/// bind its address again (see the module's comment); what arrives
+/// meanwhile and is not taken over waits this long to be refused. Debian's
+/// ib_write_bw (4.5-0.17) sleeps 1 s between the destroy and its message
+/// exchange, so its re-bind comes 1.0-1.3 s after the destroy on a loaded
+/// machine: a grace of 1 s had mostly ended by then (its held connect
+/// refused), and the re-bind often fell on the grace's end.
+pub(crate) const HANDOVER_GRACE: Duration = Duration::from_secs(3);
+
+/// Where the listener thread delivers: the listening id, or (retired, or
+/// its id destroyed) nobody, and then requests are held.
+#[derive(Debug, Default)]
+struct Target {
+    id: Weak<Id>,
+    held: Vec<Incoming>,
+}
+
+/// A running listener; dropping it stops its thread, refuses what it held
+/// and closes the port.
 #[derive(Debug)]
 pub(crate) struct ListenHandle {
     stop: Arc<AtomicBool>,
     listener: Arc<Listener>,
     done: mpsc::Receiver<()>,
+    target: Arc<Mutex<Target>>,
+    local: SocketAddr,
+    /// The address and IPV6_V6ONLY it was bound with, when the
+    /// application named the port: such a listener can be handed over.
+    key: Option<(SocketAddr, bool)>,
+}
+
+impl ListenHandle {
+    /// Close the port (the handshake thread ends and its socket with it);
+    /// what was already accepted is still held. A retired listener's port
+    /// is closed while [`RETIRED`] is locked, before it leaves the table,
+    /// so that a re-bind of the address ([`take_retired`]) either takes
+    /// it over or finds the port free, never still listening: bind(2)
+    /// failed with EADDRINUSE when it came while the grace thread was
+    /// closing the listener it had just taken out of the table (perftest's
+    /// server re-binding about [`HANDOVER_GRACE`] after the destroy).
+    fn close_port(&self) {
+        self.stop.store(true, Ordering::Release);
+        // The port closes and the thread's accept returns.
+        self.listener.shutdown();
+    }
 }
 
 impl Drop for ListenHandle {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        // The port closes and the thread's accept returns.
-        self.listener.shutdown();
+        self.close_port();
         if self.done.recv_timeout(Duration::from_secs(2)).is_err() {
             debug!("rdma_cm: the listener thread did not stop within 2 s");
         }
+        for inc in std::mem::take(&mut lock(&self.target).held) {
+            refuse(inc);
+        }
     }
+}
+
+/// A retired listener: its key, its handle and which retirement it is.
+type Retired = HashMap<(SocketAddr, bool), (u64, ListenHandle)>;
+
+static RETIRED: Mutex<Option<Retired>> = Mutex::new(None);
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// The listener of a destroyed id: retired for [`HANDOVER_GRACE`] if its
+/// port was named, else closed now.
+pub(crate) fn retire(handle: ListenHandle) {
+    let Some(key) = handle.key else { return };
+    debug!(addr = %key.0, "rdma_cm: listener retired, held for a re-bind");
+    lock(&handle.target).id = Weak::new();
+    let generation = GENERATION.fetch_add(1, Ordering::Relaxed);
+    let mut retired = lock(&RETIRED);
+    let replaced = retired
+        .get_or_insert_with(HashMap::new)
+        .insert(key, (generation, handle));
+    if let Some((_, h)) = &replaced {
+        h.close_port();
+    }
+    drop(retired);
+    drop(replaced);
+    let spawned = std::thread::Builder::new()
+        .name("stag-cm-retired".into())
+        .spawn_masked(move || {
+            std::thread::sleep(HANDOVER_GRACE);
+            let mut retired = lock(&RETIRED);
+            let map = retired.get_or_insert_with(HashMap::new);
+            if map.get(&key).is_some_and(|(g, _)| *g == generation) {
+                let gone = map.remove(&key);
+                if let Some((_, h)) = &gone {
+                    h.close_port();
+                }
+                drop(retired);
+                debug!(addr = %key.0, "rdma_cm: no id took the listener over; closing it");
+                drop(gone);
+            }
+        });
+    if spawned.is_err() {
+        // No timer: close it now rather than keep the port.
+        let mut retired = lock(&RETIRED);
+        let gone = retired.get_or_insert_with(HashMap::new).remove(&key);
+        if let Some((_, h)) = &gone {
+            h.close_port();
+        }
+        drop(retired);
+        drop(gone);
+    }
+}
+
+/// For `rdma_bind_addr` of `addr` (with IPV6_V6ONLY `afonly`, sharing the
+/// port if `reuse`): the retired listener bound exactly so, if any; every
+/// other retired listener on the port is closed, as the kernel's port
+/// would be free.
+pub(crate) fn take_retired(addr: SocketAddr, afonly: bool, reuse: bool) -> Option<ListenHandle> {
+    if addr.port() == 0 {
+        return None;
+    }
+    let mut retired = lock(&RETIRED);
+    let map = retired.get_or_insert_with(HashMap::new);
+    let taken = if reuse {
+        None
+    } else {
+        map.remove(&(addr, afonly)).map(|(_, h)| h)
+    };
+    let keys: Vec<_> = map
+        .keys()
+        .filter(|(a, _)| a.port() == addr.port())
+        .copied()
+        .collect();
+    let closed: Vec<_> = keys.iter().filter_map(|k| map.remove(k)).collect();
+    for (_, h) in &closed {
+        h.close_port();
+    }
+    drop(retired);
+    drop(closed);
+    if taken.is_some() {
+        debug!(%addr, "rdma_cm: taking over the listener a destroyed id left on this address");
+    }
+    taken
 }
 
 /// `rdma_listen`.
@@ -49,30 +184,66 @@ pub(crate) fn listen(id: &Arc<Id>) -> CmResult<()> {
     if st.phase == Phase::Listening {
         return Ok(());
     }
-    let listener = match st.reservation.take() {
+    let (listener, key) = match st.reservation.take() {
+        // A destroyed id's listener on this address: deliver here what it
+        // held and what comes.
+        Some(mut r) if r.retired.is_some() => {
+            let handle = r.retired.take().ok_or(libc::EINVAL)?;
+            let (local, target) = (handle.local, handle.target.clone());
+            debug!(%local, "rdma_cm: listening (taken over)");
+            st.listener = Some(handle);
+            st.src = Some(local);
+            st.phase = Phase::Listening;
+            drop(st);
+            // SAFETY: application thread inside rdma_listen on `id`.
+            set_src(unsafe { id.c() }, Some(&local));
+            // The id's lock is released: the listener thread takes the
+            // target's, then the id's.
+            let mut t = lock(&target);
+            t.id = Arc::downgrade(id);
+            let held = std::mem::take(&mut t.held);
+            let back: Vec<_> = held
+                .into_iter()
+                .filter_map(|inc| deliver(id, inc))
+                .collect();
+            // Destroyed meanwhile: its teardown retires or closes the
+            // listener, which holds these.
+            t.held.extend(back);
+            return Ok(());
+        }
         // The bound socket listens since rdma_bind_addr (a shared port's
         // from now on): take it over with the connections queued meanwhile
         // and the options it was bound with.
-        Some(r) => Listener::adopt(r.into_listener()?, SETUP_TIMEOUT),
-        None => Listener::bind(
-            st.src
-                .unwrap_or(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)),
+        Some(r) => {
+            let key = (r.addr.port() != 0 && r.named).then_some((r.addr, r.afonly));
+            (Listener::adopt(r.into_listener()?, SETUP_TIMEOUT), key)
+        }
+        None => (
+            Listener::bind(
+                st.src
+                    .unwrap_or(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 0)),
+            ),
+            None,
         ),
-    }
-    .map_err(|e| errno_of(&e))?;
+    };
+    let listener = listener.map_err(|e| errno_of(&e))?;
     let local = listener.local_addr().map_err(|e| errno_of(&e))?;
     let stop = Arc::new(AtomicBool::new(false));
     let (done_tx, done) = mpsc::channel();
     let listener = Arc::new(listener);
+    let target = Arc::new(Mutex::new(Target {
+        id: Arc::downgrade(id),
+        held: Vec::new(),
+    }));
     // One thread suffices: the listener reads MPA Requests in the
     // background and hands over only whole ones, so no peer holds up
     // another.
     let spawned = {
-        let (listener, weak, stop) = (listener.clone(), Arc::downgrade(id), stop.clone());
+        let (listener, target, stop) = (listener.clone(), target.clone(), stop.clone());
         std::thread::Builder::new()
             .name(format!("stag-cm-listen-{}", local.port()))
             .spawn_masked(move || {
-                run(&listener, local, &weak, &stop);
+                run(&listener, local, &target, &stop);
                 drop(listener);
                 let _ = done_tx.send(());
             })
@@ -84,6 +255,9 @@ pub(crate) fn listen(id: &Arc<Id>) -> CmResult<()> {
         stop,
         listener,
         done,
+        target,
+        local,
+        key,
     };
     debug!(%local, "rdma_cm: listening");
     st.listener = Some(handle);
@@ -104,7 +278,7 @@ fn clamp(v: u16) -> u8 {
     }
 }
 
-fn run(listener: &Listener, local: SocketAddr, id: &Weak<Id>, stop: &AtomicBool) {
+fn run(listener: &Listener, local: SocketAddr, target: &Mutex<Target>, stop: &AtomicBool) {
     loop {
         let r = listener.accept();
         if stop.load(Ordering::Acquire) {
@@ -119,7 +293,6 @@ fn run(listener: &Listener, local: SocketAddr, id: &Weak<Id>, stop: &AtomicBool)
                 return;
             }
         };
-        let Some(id) = id.upgrade() else { return };
         let peer = unmap(req.peer_addr());
         let local_ip = if local.ip().is_unspecified() {
             local_ip_for(peer.ip()).unwrap_or(local.ip())
@@ -127,24 +300,37 @@ fn run(listener: &Listener, local: SocketAddr, id: &Weak<Id>, stop: &AtomicBool)
             local.ip()
         };
         let local = unmap(SocketAddr::new(local_ip, local.port()));
-        let r = req.request();
-        let (ird, ord) = match r.ird_ord {
-            Some(w) => (clamp(w.ird), clamp(w.ord)),
-            None => (u8::MAX, u8::MAX),
-        };
-        debug!(%peer, %local, ird, ord, len = r.private_data.len(), "rdma_cm: connect request");
-        let mut p = Pending::new(id.clone(), ffi::RDMA_CM_EVENT_CONNECT_REQUEST, 0);
-        p.private_data = r.private_data.clone();
-        // The peer's ORD is what we must answer (our responder
-        // resources), its IRD what we may ask of it.
-        p.responder_resources = ord;
-        p.initiator_depth = ird;
-        p.incoming = Some(Incoming { req, local });
-        if let Some(p) = id.push(p) {
-            if let Some(inc) = p.incoming {
-                refuse(inc);
+        let inc = Incoming { req, local };
+        let mut t = lock(target);
+        match t.id.upgrade() {
+            Some(id) => {
+                if let Some(inc) = deliver(&id, inc) {
+                    // Its id is being destroyed: the listener is retired
+                    // or closed, and either decides.
+                    t.held.push(inc);
+                }
             }
-            return;
+            None => t.held.push(inc),
         }
     }
+}
+
+/// Queue a CONNECT_REQUEST for `inc` on `id`; the request back if the id
+/// was destroyed.
+fn deliver(id: &Arc<Id>, inc: Incoming) -> Option<Incoming> {
+    let r = inc.req.request();
+    let (ird, ord) = match r.ird_ord {
+        Some(w) => (clamp(w.ird), clamp(w.ord)),
+        None => (u8::MAX, u8::MAX),
+    };
+    let peer = unmap(inc.req.peer_addr());
+    debug!(%peer, local = %inc.local, ird, ord, len = r.private_data.len(), "rdma_cm: connect request");
+    let mut p = Pending::new(id.clone(), ffi::RDMA_CM_EVENT_CONNECT_REQUEST, 0);
+    p.private_data = r.private_data.clone();
+    // The peer's ORD is what we must answer (our responder resources), its
+    // IRD what we may ask of it.
+    p.responder_resources = ord;
+    p.initiator_depth = ird;
+    p.incoming = Some(inc);
+    id.push(p).and_then(|p| p.incoming)
 }

@@ -4,14 +4,16 @@
 use std::net::{IpAddr, SocketAddr};
 use std::os::raw::{c_int, c_void};
 use std::sync::Arc;
+use std::time::Duration;
 
+use provider::thread::SpawnMasked;
 use tracing::{debug, error};
 
 use super::addr::{from_c, local_ip_for, set_dst, set_src, unmap, Reservation};
 use super::channel::{Channel, Pending};
 use super::event::{ack_held, complete};
 use super::id::{Id, Op, Phase};
-use super::{conn, verbs, CmResult};
+use super::{conn, neigh, verbs, CmResult};
 use crate::ffi;
 
 /// `rdma_create_id` (NULL channel: a synchronous id with a private one).
@@ -96,9 +98,16 @@ pub(crate) fn bind(id: &Arc<Id>, addr: SocketAddr) -> CmResult<()> {
     Ok(())
 }
 
-/// `rdma_resolve_addr`: ADDR_RESOLVED (or ADDR_ERROR) at once; the local
-/// address is the routing table's choice for the peer.
-pub(crate) fn resolve_addr(id: &Arc<Id>, src: Option<SocketAddr>, dst: SocketAddr) -> CmResult<()> {
+/// `rdma_resolve_addr`: ADDR_RESOLVED once the next hop answers ARP (at
+/// once if it did before, or needs none), ADDR_ERROR with -ETIMEDOUT if it
+/// does not within `timeout`, with -EHOSTUNREACH at once without a route;
+/// the local address is the routing table's choice for the peer.
+pub(crate) fn resolve_addr(
+    id: &Arc<Id>,
+    src: Option<SocketAddr>,
+    dst: SocketAddr,
+    timeout: Duration,
+) -> CmResult<()> {
     {
         let st = id.state();
         if !st.phase.allows(Op::ResolveAddr) {
@@ -135,6 +144,7 @@ pub(crate) fn resolve_addr(id: &Arc<Id>, src: Option<SocketAddr>, dst: SocketAdd
     };
     st.src = Some(src);
     st.dst = Some(dst);
+    let before = st.phase;
     st.phase = Phase::AddrResolved;
     {
         // The addresses are in place before another thread can take the
@@ -143,6 +153,45 @@ pub(crate) fn resolve_addr(id: &Arc<Id>, src: Option<SocketAddr>, dst: SocketAdd
         let c = unsafe { id.c() };
         set_src(c, Some(&src));
         set_dst(c, Some(&dst));
+    }
+    // The next hop must answer ARP first (neigh's comment); a thread
+    // waits for it, up to the call's timeout.
+    if let Some((hop, iface)) = neigh::pending_hop(unmap(dst).ip(), ip) {
+        drop(st);
+        debug!(%dst, %hop, %iface, ?timeout, "rdma_cm: resolving the next hop");
+        let id2 = id.clone();
+        let resolve = move || {
+            let ok = neigh::wait_resolved(unmap(dst).ip(), hop, &iface, timeout);
+            let mut st = id2.state();
+            if st.destroyed || st.phase != Phase::AddrResolved {
+                return;
+            }
+            if ok {
+                debug!(%src, %dst, "rdma_cm: address resolved");
+                st.channel.push(Pending::new(
+                    id2.clone(),
+                    ffi::RDMA_CM_EVENT_ADDR_RESOLVED,
+                    0,
+                ));
+            } else {
+                debug!(%dst, %hop, "rdma_cm: the next hop did not answer ARP in time");
+                st.phase = before;
+                st.channel.push(Pending::new(
+                    id2.clone(),
+                    ffi::RDMA_CM_EVENT_ADDR_ERROR,
+                    -libc::ETIMEDOUT,
+                ));
+            }
+        };
+        if let Err(e) = std::thread::Builder::new()
+            .name("stag-cm-resolve".into())
+            .spawn_masked(resolve)
+        {
+            debug!(error = %e, "rdma_cm: no resolver thread");
+            id.state().phase = before;
+            return Err(libc::EAGAIN);
+        }
+        return complete(id);
     }
     st.channel.push(Pending::new(
         id.clone(),

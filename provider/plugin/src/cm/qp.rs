@@ -385,7 +385,8 @@ unsafe fn setup_ep(
     }
     // SAFETY: as above.
     let dst = unsafe { ops::opt_addr(res.ai_dst_addr) }?.ok_or(libc::EINVAL)?;
-    ops::resolve_addr(id, src, dst)?;
+    // librdmacm's rdma_create_ep resolves with 2000 ms.
+    ops::resolve_addr(id, src, dst, std::time::Duration::from_millis(2000))?;
     ops::resolve_route(id)?;
     if !init.is_null() {
         // SAFETY: valid (caller).

@@ -8,6 +8,11 @@
  *   2. armed for any completion, in poll(2) on the channel fd, then
  *      ibv_get_cq_event: every Send wakes it, and its own reply's
  *      completion does too.
+ *   3. ibv_destroy_cq waits until every event read is acked, as
+ *      rdma-core's ibv_cmd_destroy_cq does (comp_events_completed);
+ *   4. a thread asleep in ibv_get_cq_event: a signal whose handler has
+ *      SA_RESTART does not end the wait (libibverbs' read(2) restarts),
+ *      one without SA_RESTART ends it with EINTR.
  * The requester waits for a reply before each group, so every wake-up is
  * caused by an arrival that came while the responder slept. A missed
  * wake-up fails a 10 s poll (or the 60 s alarm). Run under `stag run`.
@@ -17,9 +22,11 @@
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <infiniband/verbs.h>
@@ -232,6 +239,172 @@ static void *responder(void *arg)
 	return NULL;
 }
 
+/* 3 and 4: a channel and an RC QP of their own, no connection: the QP in
+ * Error flushes each receive posted, a completion that fires the armed
+ * CQ. */
+struct chan {
+	struct ibv_context *ctx;
+	struct ibv_pd *pd;
+	struct ibv_comp_channel *cc;
+	struct ibv_cq *cq;
+	struct ibv_qp *qp;
+	struct ibv_mr *mr;
+	char buf[64];
+};
+
+static void chan_open(struct chan *c)
+{
+	struct ibv_device **l = ibv_get_device_list(NULL);
+	if (!l || !l[0] || !(c->ctx = ibv_open_device(l[0])))
+		DIE("open device");
+	ibv_free_device_list(l);
+	c->pd = ibv_alloc_pd(c->ctx);
+	c->cc = ibv_create_comp_channel(c->ctx);
+	c->cq = c->cc ? ibv_create_cq(c->ctx, 16, (void *)0x5e, c->cc, 0) : NULL;
+	if (!c->pd || !c->cq)
+		DIE("channel cq");
+	struct ibv_qp_init_attr qa = { .send_cq = c->cq, .recv_cq = c->cq,
+				       .qp_type = IBV_QPT_RC, .cap = { 4, 4, 1, 1, 0 } };
+	c->qp = ibv_create_qp(c->pd, &qa);
+	c->mr = ibv_reg_mr(c->pd, c->buf, sizeof c->buf, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_qp_attr a = { .qp_state = IBV_QPS_ERR };
+	if (!c->qp || !c->mr || ibv_modify_qp(c->qp, &a, IBV_QP_STATE))
+		DIE("qp in error");
+}
+
+/* Arm the CQ and complete one (flushed) receive: one event. */
+static void chan_fire(struct chan *c)
+{
+	if (ibv_req_notify_cq(c->cq, 0))
+		DIE("req_notify");
+	post_recv(c->qp, c->mr, 77);
+}
+
+static void chan_close(struct chan *c)
+{
+	ibv_destroy_qp(c->qp);
+	ibv_dereg_mr(c->mr);
+	ibv_destroy_cq(c->cq);
+	ibv_destroy_comp_channel(c->cc);
+	ibv_dealloc_pd(c->pd);
+	ibv_close_device(c->ctx);
+}
+
+static volatile sig_atomic_t destroyed, handled;
+static int destroy_rc = -1;
+
+static void *destroy_thread(void *arg)
+{
+	destroy_rc = ibv_destroy_cq(arg);
+	destroyed = 1;
+	return NULL;
+}
+
+static void sleep_ms(int ms)
+{
+	struct timespec t = { ms / 1000, (ms % 1000) * 1000000L };
+	nanosleep(&t, NULL);
+}
+
+/* 3: the event read, not acked: ibv_destroy_cq returns only after the ack. */
+static void destroy_waits_for_ack(void)
+{
+	struct chan c;
+	struct ibv_cq *ev_cq;
+	struct ibv_wc wc;
+	void *ctx;
+	chan_open(&c);
+	chan_fire(&c);
+	CHECK(ibv_get_cq_event(c.cc, &ev_cq, &ctx) == 0 && ev_cq == c.cq,
+	      "destroy_cq: an event read");
+	while (ibv_poll_cq(c.cq, 1, &wc) == 1)
+		;
+	ibv_destroy_qp(c.qp);
+	pthread_t t;
+	if (pthread_create(&t, NULL, destroy_thread, c.cq))
+		DIE("thread");
+	/* Not a timing test: a destroy that did not wait returns at once. */
+	sleep_ms(300);
+	CHECK(!destroyed, "destroy_cq: waits while an event read is not acked");
+	ibv_ack_cq_events(ev_cq, 1);
+	pthread_join(t, NULL);
+	CHECK(destroyed && destroy_rc == 0, "destroy_cq: returns 0 once it is acked (%d)",
+	      destroy_rc);
+	ibv_dereg_mr(c.mr);
+	ibv_destroy_comp_channel(c.cc);
+	ibv_dealloc_pd(c.pd);
+	ibv_close_device(c.ctx);
+}
+
+static void on_signal(int sig)
+{
+	(void)sig;
+	handled++;
+}
+
+static struct chan *waiting_on;
+static volatile sig_atomic_t wait_done;
+static int wait_rc, wait_errno;
+
+static void *wait_thread(void *arg)
+{
+	(void)arg;
+	struct ibv_cq *ev_cq;
+	void *ctx;
+	wait_rc = ibv_get_cq_event(waiting_on->cc, &ev_cq, &ctx);
+	wait_errno = errno;
+	if (wait_rc == 0)
+		ibv_ack_cq_events(ev_cq, 1);
+	wait_done = 1;
+	return NULL;
+}
+
+/* 4: SA_RESTART restarts the wait; without it, EINTR. */
+static void signal_during_wait(void)
+{
+	struct chan c;
+	struct ibv_wc wc;
+	struct sigaction sa = { .sa_handler = on_signal, .sa_flags = SA_RESTART };
+	pthread_t t;
+	chan_open(&c);
+	waiting_on = &c;
+	sigemptyset(&sa.sa_mask);
+	sigaction(SIGUSR1, &sa, NULL);
+	if (ibv_req_notify_cq(c.cq, 0))
+		DIE("req_notify");
+	wait_done = 0;
+	if (pthread_create(&t, NULL, wait_thread, NULL))
+		DIE("thread");
+	sleep_ms(100);
+	pthread_kill(t, SIGUSR1);
+	sleep_ms(300);
+	CHECK(handled == 1 && !wait_done,
+	      "SA_RESTART: the handler ran (%d) and ibv_get_cq_event still waits (rc %d, %s)",
+	      (int)handled, wait_rc, wait_done ? strerror(wait_errno) : "-");
+	post_recv(c.qp, c.mr, 78);
+	pthread_join(t, NULL);
+	CHECK(wait_rc == 0, "SA_RESTART: then the completion's event (rc %d)", wait_rc);
+	while (ibv_poll_cq(c.cq, 1, &wc) == 1)
+		;
+
+	sa.sa_flags = 0;
+	sigaction(SIGUSR2, &sa, NULL);
+	if (ibv_req_notify_cq(c.cq, 0))
+		DIE("req_notify");
+	wait_done = 0;
+	if (pthread_create(&t, NULL, wait_thread, NULL))
+		DIE("thread");
+	sleep_ms(100);
+	pthread_kill(t, SIGUSR2);
+	pthread_join(t, NULL);
+	CHECK(handled == 2 && wait_rc == -1 && wait_errno == EINTR,
+	      "no SA_RESTART: ibv_get_cq_event fails with EINTR (rc %d, %s)", wait_rc,
+	      strerror(wait_errno));
+	signal(SIGUSR1, SIG_DFL);
+	signal(SIGUSR2, SIG_DFL);
+	chan_close(&c);
+}
+
 int main(void)
 {
 	alarm(60);
@@ -298,6 +471,8 @@ int main(void)
 	rdma_destroy_id(id);
 	rdma_destroy_event_channel(ch);
 	free(buf);
+	destroy_waits_for_ack();
+	signal_during_wait();
 	printf("cq_events: %d passed, %d failed\n", passed, failed);
 	return failed ? 1 : 0;
 }

@@ -8,15 +8,18 @@
  * Non-blocking channels (EAGAIN, poll), port 0 binds, private data both
  * ways, reject with private data, accept, migrate, disconnect seen by both
  * sides, options, unknown pointers. Prints "cm_edge: N passed, M failed".
+ * `cm_edge resolve-timeout ADDR`: address resolution that times out.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <rdma/rdma_cma.h>
 
 static int passed, failed;
@@ -117,7 +120,52 @@ static struct rdma_cm_id *client(struct rdma_event_channel *ch,
 	return id;
 }
 
-int main(void)
+/*
+ * `cm_edge resolve-timeout ADDR`: ADDR is on a connected network whose
+ * hosts never answer ARP (a veth whose peer has no address, in a network
+ * namespace of the caller's): rdma_resolve_addr ends in ADDR_ERROR with
+ * -ETIMEDOUT, once its timeout has passed; the id can resolve again after.
+ */
+static int resolve_timeout(const char *addr)
+{
+	struct rdma_event_channel *ch = rdma_create_event_channel();
+	struct rdma_cm_id *id;
+	struct rdma_cm_event *ev;
+	struct sockaddr_in dst = { .sin_family = AF_INET, .sin_port = htons(7471) };
+	int round;
+
+	if (!ch || inet_pton(AF_INET, addr, &dst.sin_addr) != 1 ||
+	    rdma_create_id(ch, &id, NULL, RDMA_PS_TCP)) {
+		fprintf(stderr, "cm_edge: setup for %s failed\n", addr);
+		return 1;
+	}
+	for (round = 0; round < 2; round++) {
+		double t = now_us();
+		int status = 0, got = 0;
+
+		CHECK(rdma_resolve_addr(id, NULL, (struct sockaddr *)&dst, 300) == 0,
+		      "resolve-timeout: rdma_resolve_addr returns at once");
+		ev = next_event(ch);
+		if (ev) {
+			got = ev->event;
+			status = ev->status;
+			rdma_ack_cm_event(ev);
+		}
+		CHECK(ev && got == RDMA_CM_EVENT_ADDR_ERROR && status == -ETIMEDOUT,
+		      "resolve-timeout: ADDR_ERROR with -ETIMEDOUT");
+		CHECK(now_us() - t >= 300 * 1000,
+		      "resolve-timeout: not before the timeout");
+		printf("cm_edge: resolve %s: %s, status %d, after %.0f ms\n", addr,
+		       ev ? rdma_event_str(got) : "no event", status,
+		       (now_us() - t) / 1000);
+	}
+	rdma_destroy_id(id);
+	rdma_destroy_event_channel(ch);
+	printf("cm_edge: %d passed, %d failed\n", passed, failed);
+	return failed ? 1 : 0;
+}
+
+int main(int argc, char **argv)
 {
 	struct rdma_event_channel *sch, *cch, *cch2;
 	struct rdma_cm_id *listen, *c1, *c2, *child;
@@ -136,6 +184,9 @@ int main(void)
 	};
 	uint8_t tos = 0;
 	int one = 1;
+
+	if (argc == 3 && !strcmp(argv[1], "resolve-timeout"))
+		return resolve_timeout(argv[2]);
 
 	CHECK(rdma_getaddrinfo("127.0.0.1", "0", &hints, &res) == 0,
 	      "rdma_getaddrinfo passive");
@@ -324,11 +375,92 @@ int main(void)
 	rdma_destroy_qp(c2);
 	rdma_destroy_id(c2);
 
+	/* A source port the client bound (named, before rdma_resolve_addr)
+	 * is the one its connection leaves from, as with the kernel's
+	 * rdma_cm: the listener's child sees it as its peer's port. The
+	 * port is one the kernel just had free (bound with port 0, then
+	 * let go). */
+	{
+		struct sockaddr_in src = { .sin_family = AF_INET,
+					   .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+		struct rdma_cm_id *probe, *c;
+		uint16_t port = 0;
+
+		if (rdma_create_id(cch, &probe, NULL, RDMA_PS_TCP) == 0) {
+			if (rdma_bind_addr(probe, (struct sockaddr *)&src) == 0)
+				port = rdma_get_src_port(probe);
+			rdma_destroy_id(probe);
+		}
+		src.sin_port = port;
+		CHECK(port != 0 && rdma_create_id(cch, &c, NULL, RDMA_PS_TCP) == 0,
+		      "bound-port client id");
+		CHECK(rdma_bind_addr(c, (struct sockaddr *)&src) == 0,
+		      "bind the client to a named port");
+		CHECK(rdma_resolve_addr(c, NULL, (struct sockaddr *)&dst, 2000) == 0 &&
+		      expect(cch, RDMA_CM_EVENT_ADDR_RESOLVED, NULL) &&
+		      rdma_get_src_port(c) == port,
+		      "resolved, source port kept");
+		CHECK(rdma_resolve_route(c, 2000) == 0 &&
+		      expect(cch, RDMA_CM_EVENT_ROUTE_RESOLVED, NULL),
+		      "route resolved");
+		attr.send_cq = attr.recv_cq = NULL;
+		CHECK(rdma_create_qp(c, NULL, &attr) == 0 && rdma_connect(c, NULL) == 0,
+		      "connect from the bound port");
+		child = NULL;
+		if (expect(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
+			child = ev->id;
+			CHECK(rdma_get_dst_port(child) == port,
+			      "the listener sees the bound source port");
+			rdma_ack_cm_event(ev);
+			attr.send_cq = attr.recv_cq = NULL;
+			CHECK(rdma_create_qp(child, NULL, &attr) == 0 &&
+			      rdma_accept(child, NULL) == 0, "accept the bound-port client");
+		}
+		CHECK(expect(cch, RDMA_CM_EVENT_ESTABLISHED, NULL),
+		      "bound-port client ESTABLISHED");
+		CHECK(expect(sch, RDMA_CM_EVENT_ESTABLISHED, NULL),
+		      "bound-port server ESTABLISHED");
+		rdma_disconnect(c);
+		CHECK(expect(cch, RDMA_CM_EVENT_DISCONNECTED, NULL) &&
+		      expect(sch, RDMA_CM_EVENT_DISCONNECTED, NULL),
+		      "bound-port connection disconnected");
+		rdma_destroy_qp(c);
+		rdma_destroy_id(c);
+		if (child) {
+			rdma_destroy_qp(child);
+			rdma_destroy_id(child);
+		}
+	}
+
 	CHECK(rdma_destroy_id(listen) == 0, "destroy listener");
 	CHECK(rdma_destroy_id(listen) == -1 && errno == EINVAL, "destroy twice: EINVAL");
 	rdma_destroy_event_channel(cch2);
 	rdma_destroy_event_channel(cch);
 	rdma_destroy_event_channel(sch);
+	/* Destroyed again (Debian's perftest does this after a refused
+	 * connect): EINVAL, and nothing on stderr. */
+	{
+		char path[] = "/tmp/cm_edge_stderr.XXXXXX";
+		int saved = dup(2), tmp = mkstemp(path);
+		off_t len = -1;
+
+		if (saved >= 0 && tmp >= 0 && dup2(tmp, 2) == 2) {
+			errno = 0;
+			rdma_destroy_event_channel(sch);
+			int e = errno;
+
+			dup2(saved, 2);
+			len = lseek(tmp, 0, SEEK_END);
+			CHECK(e == EINVAL, "destroy a channel twice: EINVAL");
+		}
+		CHECK(len == 0, "destroy a channel twice: stderr stays quiet");
+		if (tmp >= 0) {
+			close(tmp);
+			unlink(path);
+		}
+		if (saved >= 0)
+			close(saved);
+	}
 	rdma_freeaddrinfo(res);
 	CHECK(!strcmp(rdma_event_str(RDMA_CM_EVENT_ESTABLISHED),
 		      "RDMA_CM_EVENT_ESTABLISHED"), "rdma_event_str");

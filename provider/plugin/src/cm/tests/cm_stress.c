@@ -8,7 +8,11 @@
  * - CYCLES (default 2000) sequential connect/accept/disconnect cycles;
  * - 64 connects in flight at once to one listener;
  * - a listener destroyed and re-created on the same port, in a loop, with
- *   a connect to the port while no listener is there;
+ *   a connect to the port while no listener is there (perftest's order:
+ *   it must be served by the re-created listener);
+ * - a listener destroyed and not re-created: a connect is refused once
+ *   the grace for a re-bind (3 s) has passed;
+ * - a re-bind of the port as that grace ends: never EADDRINUSE;
  * - a connect that arrives between rdma_bind_addr and rdma_listen (qperf's
  *   order), which must wait for the listener;
  * - rdma_reject with private data;
@@ -30,6 +34,11 @@
 
 #define CONCURRENT 64
 #define LISTENER_LOOPS 100
+#define GONE_LOOPS 1
+#define REBIND_LOOPS 4
+/* How long a destroyed listener waits for a re-bind (HANDOVER_GRACE in
+ * provider/plugin/src/cm/listen.rs). */
+#define GRACE_US 3000000L
 
 static int passed, failed;
 
@@ -421,25 +430,115 @@ int main(int argc, char **argv)
 	       now_s() - t);
 
 	/* The same port, its listener destroyed and made again: each time a
-	 * connection through it, then a connect finding nobody there. */
+	 * connection through it, and one that arrives while no listener is
+	 * there (perftest -R: its server destroys the listener of its first
+	 * connection and listens again on the port only after a message
+	 * exchange, while its client connects at once): it waits for the
+	 * re-created listener, as a connect before rdma_listen does. */
 	t = now_s();
 	rdma_destroy_id(l);
-	int port = ntohs(dst.sin_port), lok = 0, rok = 0;
+	int port = ntohs(dst.sin_port), lok = 0, rok = 0, gok = 0, bok = 0;
+	/* (The first listener's port was the kernel's pick; a listener bound
+	 * to a port the program named is the one perftest re-creates.) */
+	{
+		struct sockaddr_in again;
+
+		l = listener(lch, port, &again);
+		CHECK(l != NULL, "listener on a named port");
+		if (l)
+			rdma_destroy_id(l);
+	}
 
 	for (i = 0; i < LISTENER_LOOPS; i++) {
+		struct sockaddr_in again;
+		struct rdma_conn_param p = { .responder_resources = 1,
+					     .initiator_depth = 1 };
+		struct rdma_cm_id *c = client_id(cch, &dst), *s = NULL;
+		struct rdma_cm_event *ev;
+
+		if (!c)
+			break;
+		/* The connect goes out while nobody listens (and, the first
+		 * 20 times, has time to reach the port first). The first
+		 * time the listener comes back only 1.3 s later: Debian's
+		 * ib_write_bw -R sleeps 1 s between the destroy and its
+		 * message exchange, then re-binds. */
+		if (rdma_connect(c, &p)) {
+			destroy(c);
+			break;
+		}
+		if (i < 20) {
+			struct timespec pause = { .tv_nsec = 20 * 1000 * 1000 };
+
+			if (i == 0)
+				pause = (struct timespec){ 1, 300 * 1000 * 1000 };
+			nanosleep(&pause, NULL);
+		}
+		l = listener(lch, port, &again);
+		if (!l) {
+			destroy(c);
+			break;
+		}
+		if (expect(lch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev))
+			s = accept_request(ev);
+		rok += s && expect(cch, RDMA_CM_EVENT_ESTABLISHED, NULL) &&
+		       expect(lch, RDMA_CM_EVENT_ESTABLISHED, NULL) &&
+		       !rdma_disconnect(c) &&
+		       expect(cch, RDMA_CM_EVENT_DISCONNECTED, NULL) &&
+		       expect(lch, RDMA_CM_EVENT_DISCONNECTED, NULL);
+		if (s)
+			destroy(s);
+		destroy(c);
+		lok += cycle(lch, cch, &dst);
+		rdma_destroy_id(l);
+	}
+	CHECK(lok == LISTENER_LOOPS, "connect through a re-created listener");
+	CHECK(rok == LISTENER_LOOPS,
+	      "connect between a listener's destroy and its re-creation: ESTABLISHED");
+	printf("cm_stress: %d listener re-creations: %d connected, %d connected while none listened in %.2f s\n",
+	       LISTENER_LOOPS, lok, rok, now_s() - t);
+
+	/* The listener gone for good: refused (after the grace a re-bind
+	 * has). */
+	t = now_s();
+	for (i = 0; i < GONE_LOOPS; i++) {
 		struct sockaddr_in again;
 
 		l = listener(lch, port, &again);
 		if (!l)
 			break;
-		lok += cycle(lch, cch, &dst);
 		rdma_destroy_id(l);
-		rok += refused(cch, &dst, NULL, NULL, 0);
+		gok += refused(cch, &dst, NULL, NULL, 0);
 	}
-	CHECK(lok == LISTENER_LOOPS, "connect through a re-created listener");
-	CHECK(rok == LISTENER_LOOPS, "connect with the listener gone: REJECTED");
-	printf("cm_stress: %d listener re-creations: %d connected, %d refused in %.2f s\n",
-	       LISTENER_LOOPS, lok, rok, now_s() - t);
+	CHECK(gok == GONE_LOOPS, "connect with the listener gone: REJECTED");
+	printf("cm_stress: %d connects with the listener gone: %d refused in %.2f s\n",
+	       GONE_LOOPS, gok, now_s() - t);
+
+	/* A re-bind as the grace ends (perftest's server, descheduled for
+	 * about that long between its destroy and its re-bind): the retired
+	 * listener is taken over, or its port is free; never EADDRINUSE (it
+	 * was, when the re-bind came while the grace's end was closing the
+	 * port). Around the grace's end, 1 ms apart. */
+	t = now_s();
+	for (i = 0; i < REBIND_LOOPS; i++) {
+		struct sockaddr_in again;
+		long us = GRACE_US - REBIND_LOOPS / 2 * 1000 + i * 1000;
+		struct timespec pause = { us / 1000000, us % 1000000 * 1000 };
+
+		l = listener(lch, port, &again);
+		if (!l)
+			break;
+		rdma_destroy_id(l);
+		nanosleep(&pause, NULL);
+		l = listener(lch, port, &again);
+		if (!l)
+			break;
+		rdma_destroy_id(l);
+		bok++;
+	}
+	CHECK(bok == REBIND_LOOPS, "re-bind as the hand-over grace ends");
+	printf("cm_stress: %d re-binds around the grace's end: %d bound in %.2f s\n",
+	       REBIND_LOOPS, bok, now_s() - t);
 
 	/* A port nobody listens on (nor bound). */
 	{
