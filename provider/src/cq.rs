@@ -157,6 +157,17 @@ impl CompletionQueue {
         }
     }
 
+    /// Take every queued completion of QP `qpn` out of the queue; returns
+    /// how many there were. What `ibv_destroy_qp` does on hardware
+    /// providers (mlx5's CQ clean): the application may free what those
+    /// completions' ids point at as soon as the QP is gone.
+    pub(crate) fn discard_qp(&self, qpn: u32) -> usize {
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let before = q.len();
+        q.retain(|wc| wc.qp_num != qpn);
+        before - q.len()
+    }
+
     /// A notification fires: once per arming.
     fn fire(&self) {
         match self.sink.get() {

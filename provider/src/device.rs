@@ -403,6 +403,31 @@ impl QueuePair {
         self.shared.post_recv(wr)
     }
 
+    /// `ibv_destroy_qp`: close the stream now (nothing of this QP is
+    /// placed or completed after it) and take the QP's completions out of
+    /// its CQs, as hardware providers do (mlx5's CQ clean), so that a
+    /// program that frees what its WR ids point at once the QP is gone
+    /// (libfabric's rxm does) never reads one. Dropping the last handle
+    /// later only finishes the close.
+    pub fn retire(&self) {
+        let mut io = self.shared.lock();
+        self.shared.shut(&mut io);
+        drop(io);
+        let n = self.shared.send_cq.discard_qp(self.shared.qpn)
+            + if Arc::ptr_eq(&self.shared.send_cq, &self.shared.recv_cq) {
+                0
+            } else {
+                self.shared.recv_cq.discard_qp(self.shared.qpn)
+            };
+        if n > 0 {
+            tracing::debug!(
+                qpn = self.shared.qpn,
+                n,
+                "destroyed QP's completions discarded"
+            );
+        }
+    }
+
     /// Move the QP to Error (`ibv_modify_qp(IBV_QPS_ERR)`): outstanding WRs
     /// complete with a flush error and the stream closes.
     pub fn set_error(&self) {

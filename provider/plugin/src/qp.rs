@@ -513,11 +513,14 @@ pub(crate) unsafe extern "C" fn destroy_qp(qp: *mut ibv_qp) -> c_int {
             };
         }
         *sh.ibv.lock().unwrap_or_else(|p| p.into_inner()) = ptr::null_mut();
-        // The stream closes when the RNIC QP drops with the last handle
-        // (the connection manager holds one only for the length of a
-        // call). Nothing is flushed into the CQs: verbs has no completions
-        // for a destroyed QP, and the application may already have freed
-        // what its WRs' ids point at (it drains through Error first).
+        // The stream closes now, even while the connection manager still
+        // holds a handle for the length of a call, and the QP's
+        // completions leave its CQs (mlx5's CQ clean): verbs has no
+        // completions for a destroyed QP, and the application may already
+        // have freed what its WRs' ids point at. libfabric's rxm does: a
+        // receive completion of a connection it had closed made it repost
+        // on the freed endpoint (a SIGSEGV in fi_pingpong).
+        sh.prov.retire();
         // SAFETY: ours, freed once; the pthread objects die with it.
         unsafe {
             libc::pthread_mutex_destroy(ptr::addr_of_mut!((*qp).mutex).cast());

@@ -31,6 +31,9 @@
  *   full_sq        posting beyond max_send_wr fails with ENOMEM.
  *   post_error     after the QP went to Error (ibv_modify_qp), posts
  *                  succeed and complete with IBV_WC_WR_FLUSH_ERR.
+ *   destroy_clean  ibv_destroy_qp with completions queued and a Receive
+ *                  posted: none of them is polled afterwards (mlx5's CQ
+ *                  clean; libfabric's rxm counts on it).
  *   destroy_qp     ibv_destroy_qp with 16 x 4 MiB Writes in flight, then
  *                  dereg and munmap: nothing touches the memory again.
  *   async          ibv_get_async_event on a polled async_fd: COMM_EST once
@@ -801,6 +804,44 @@ static void *destroy_thread(void *arg)
 	return NULL;
 }
 
+static void case_destroy_clean(void)
+{
+	struct peer p = spawn_peer("destroy_clean");
+	struct end e = { 0 };
+	connect_to(&e, p.port, 8);
+	char *buf = map_big(4096, 0);
+	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, 4096, IBV_ACCESS_LOCAL_WRITE);
+	int ok = 0;
+	for (int i = 0; i < 4; i++)
+		ok += post_write(&e, mr, buf, 64, 10 + i, 0) == 0;
+	struct ibv_sge s = { (uintptr_t)buf, 64, mr->lkey };
+	struct ibv_recv_wr rw = { .wr_id = 20, .sg_list = &s, .num_sge = 1 }, *rbad;
+	ok += ibv_post_recv(e.id->qp, &rw, &rbad) == 0;
+	CHECK(ok == 5, "destroy_clean: 4 Writes and a Receive posted");
+	/* Let the Writes complete into the CQ, unpolled. */
+	usleep(300 * 1000);
+	CHECK(ibv_destroy_qp(e.id->qp) == 0, "destroy_clean: destroy with completions queued");
+	e.id->qp = NULL;
+	/* As on mlx5: no completion of a destroyed QP is polled afterwards,
+	 * neither those queued before nor a flush of its Receive (libfabric's
+	 * rxm frees what their ids point at once the QP is gone). */
+	struct ibv_wc wc[8];
+	int n = 0;
+	for (int t = 0; t < 20; t++) {
+		n += ibv_poll_cq(e.cq, 8, wc);
+		usleep(10 * 1000);
+	}
+	CHECK(n == 0, "destroy_clean: no completion of the destroyed QP (%d polled)", n);
+	kill(p.pid, SIGKILL);
+	reap(&p);
+	ibv_dereg_mr(mr);
+	munmap(buf, 4096);
+	ibv_destroy_cq(e.cq);
+	ibv_dealloc_pd(e.pd);
+	rdma_destroy_id(e.id);
+	rdma_destroy_event_channel(e.ch);
+}
+
 static void case_async_destroy(void)
 {
 	/* An event read and not acked: destroy waits for the ack. */
@@ -1362,6 +1403,7 @@ static const struct {
 	{ "kill_recv", case_kill_recv },
 	{ "dereg_inflight", case_dereg_inflight }, { "full_sq", case_full_sq },
 	{ "post_error", case_post_error },   { "destroy_qp", case_destroy_qp },
+	{ "destroy_clean", case_destroy_clean },
 	{ "async", case_async },	     { "async_destroy", case_async_destroy },
 	{ "async_reset", case_async_reset }, { "async_disconnect", case_async_disconnect },
 	{ "async_last_wqe", case_async_last_wqe }, { "async_cq_err", case_async_cq_err },
