@@ -220,6 +220,8 @@ pub(crate) unsafe fn get_cq_event(
                     .unwrap_or_else(|p| p.into_inner())
                     .get(&(ch as usize))
                 {
+                    // SAFETY: `desc` is a live buffer of desc.len() bytes and
+                    // the fd is the channel's open pipe.
                     let _ =
                         unsafe { libc::write(tx.as_raw_fd(), desc.as_ptr().cast(), desc.len()) };
                 }

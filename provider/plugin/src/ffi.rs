@@ -8,6 +8,7 @@
     dead_code,
     missing_docs,
     clippy::all,
+    clippy::undocumented_unsafe_blocks,
     unsafe_op_in_unsafe_fn
 )]
 

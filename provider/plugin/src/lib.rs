@@ -20,6 +20,8 @@
 //! panic crosses into C (each entry point catches and turns it into an
 //! errno).
 
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+
 mod ffi;
 
 mod assist;

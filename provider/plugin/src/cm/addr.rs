@@ -94,9 +94,9 @@ pub(crate) fn to_c(addr: &SocketAddr) -> (libc::sockaddr_storage, libc::socklen_
 /// Store `addr` (or zeros) into a `struct sockaddr_storage` inside a C
 /// struct.
 fn store(dst: &mut ffi::sockaddr_storage, addr: Option<&SocketAddr>) {
-    // SAFETY: both are 128-byte plain-data socket address storages.
     let bytes: libc::sockaddr_storage = match addr {
         Some(a) => to_c(a).0,
+        // SAFETY: sockaddr_storage is plain data; all zeros is valid.
         None => unsafe { std::mem::zeroed() },
     };
     let n = std::mem::size_of::<ffi::sockaddr_storage>()
@@ -546,10 +546,10 @@ pub(crate) unsafe fn getaddrinfo(
         return Err(libc::EINVAL.into());
     }
     let nohints = ffi::rdma_addrinfo::default();
-    // SAFETY: valid or NULL (caller).
     let h = if hints.is_null() {
         &nohints
     } else {
+        // SAFETY: not NULL, so valid (the caller's contract).
         unsafe { &*hints }
     };
     if h.ai_family == AF_IB {
@@ -905,10 +905,8 @@ mod tests {
         let mut id = ffi::rdma_cm_id::default();
         set_src(&mut id, Some(&"1.2.3.4:5".parse().unwrap()));
         // SAFETY: reading the storage member just written.
-        assert_eq!(
-            port_be(unsafe { &id.route.addr.__bindgen_anon_1.src_storage }),
-            5u16.to_be()
-        );
+        let src = unsafe { &id.route.addr.__bindgen_anon_1.src_storage };
+        assert_eq!(port_be(src), 5u16.to_be());
         assert_eq!(
             unmap("[::ffff:127.0.0.1]:9".parse().unwrap()),
             "127.0.0.1:9".parse().unwrap()

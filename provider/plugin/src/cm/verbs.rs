@@ -295,8 +295,8 @@ pub(crate) unsafe fn create_cqs(
 pub(crate) unsafe fn destroy_cqs(id: *mut ffi::rdma_cm_id) {
     // SAFETY: live id (caller).
     let raw = unsafe { &mut *id };
-    // SAFETY (each call): these were created by create_cqs and are owned
-    // by the id; the fields are cleared so they are destroyed once.
+    // SAFETY: each call's CQ or channel was created by create_cqs and is
+    // owned by the id; the fields are cleared so each is destroyed once.
     unsafe {
         if !raw.recv_cq.is_null() {
             ibv_destroy_cq(raw.recv_cq);
