@@ -26,15 +26,38 @@ pub(crate) fn guard<R>(what: &'static str, on_panic: R, body: impl FnOnce() -> R
     }
 }
 
-/// The errno rdma-core's providers give for a device-level failure.
+/// The errno a verb (`ibv_*`, returned or set) gives for a device-level
+/// failure, as rdma-core's providers do.
 pub(crate) fn of_device(e: &DeviceError) -> i32 {
+    // siw: a post on a QP that is not (yet) RTS.
+    of(e, libc::ENOTCONN)
+}
+
+/// The errno an rdma_cm call (`-1` and errno set) gives for the same
+/// failure, as librdmacm does. One difference from the verbs: an id or
+/// QP in the wrong state for the call is EINVAL there.
+pub(crate) fn of_cm(e: &DeviceError) -> i32 {
+    of(e, libc::EINVAL)
+}
+
+/// The one map, but for the wrong-state errno of the caller's convention.
+fn of(e: &DeviceError, invalid_state: i32) -> i32 {
+    use std::io::ErrorKind;
     match e {
-        DeviceError::Io(io) => io.raw_os_error().unwrap_or(libc::EIO),
-        DeviceError::Mpa(_) => libc::ECONNRESET,
+        DeviceError::Io(io) => io.raw_os_error().unwrap_or(match io.kind() {
+            ErrorKind::TimedOut | ErrorKind::WouldBlock => libc::ETIMEDOUT,
+            ErrorKind::ConnectionRefused => libc::ECONNREFUSED,
+            ErrorKind::AddrInUse => libc::EADDRINUSE,
+            ErrorKind::AddrNotAvailable => libc::EADDRNOTAVAIL,
+            _ => libc::EIO,
+        }),
+        // The stream ended under the MPA exchange; anything else the peer
+        // sent there broke the protocol.
+        DeviceError::Mpa(provider::wire::Error::LlpClosed) => libc::ECONNRESET,
+        DeviceError::Mpa(_) => libc::EPROTO,
         DeviceError::Rejected(_) => libc::ECONNREFUSED,
         DeviceError::Timeout => libc::ETIMEDOUT,
-        // siw: a post on a QP that is not (yet) RTS.
-        DeviceError::InvalidState => libc::ENOTCONN,
+        DeviceError::InvalidState => invalid_state,
         DeviceError::Post(p) => of_post(p),
         DeviceError::Register(_) => libc::EINVAL,
         DeviceError::Sys(errno) => *errno as i32,

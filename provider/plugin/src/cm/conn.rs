@@ -4,7 +4,6 @@
 //! `rdma_disconnect`, and the watcher that turns a stream that closed
 //! (peer disconnect, peer gone, QP destroyed) into DISCONNECTED.
 
-use std::io::ErrorKind;
 use std::net::SocketAddr;
 use std::sync::{Arc, Condvar, Mutex, Once, Weak};
 use std::time::Duration;
@@ -28,31 +27,10 @@ use provider::thread::SpawnMasked;
 /// a stream that died without one.
 const WATCH_BACKSTOP: Duration = Duration::from_millis(200);
 
-/// The errno for a device error.
-pub(crate) fn errno_of(e: &DeviceError) -> i32 {
-    match e {
-        DeviceError::Io(io) => io.raw_os_error().unwrap_or(match io.kind() {
-            ErrorKind::TimedOut | ErrorKind::WouldBlock => libc::ETIMEDOUT,
-            ErrorKind::ConnectionRefused => libc::ECONNREFUSED,
-            ErrorKind::AddrInUse => libc::EADDRINUSE,
-            ErrorKind::AddrNotAvailable => libc::EADDRNOTAVAIL,
-            _ => libc::EIO,
-        }),
-        DeviceError::Mpa(provider::wire::Error::LlpClosed) => libc::ECONNRESET,
-        DeviceError::Mpa(_) => libc::EPROTO,
-        DeviceError::Rejected(_) => libc::ECONNREFUSED,
-        DeviceError::Timeout => libc::ETIMEDOUT,
-        DeviceError::InvalidState => libc::EINVAL,
-        DeviceError::Post(_) | DeviceError::Register(_) => libc::EINVAL,
-        DeviceError::Sys(e) => *e as i32,
-        DeviceError::ListenerClosed => libc::EINVAL,
-    }
-}
-
 /// The event (and status) a failed connect ends in, as the kernel's
 /// iWARP cm reports them.
 fn failure_event(e: &DeviceError) -> (ffi::rdma_cm_event_type, i32) {
-    let errno = errno_of(e);
+    let errno = crate::errno::of_cm(e);
     match errno {
         libc::ECONNREFUSED => (ffi::RDMA_CM_EVENT_REJECTED, -libc::ECONNREFUSED),
         libc::ETIMEDOUT | libc::EHOSTUNREACH | libc::ENETUNREACH => {
@@ -409,7 +387,7 @@ pub(crate) fn accept(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmRe
     if let Err(e) = req.accept(&qp, &params) {
         warn!(error = %e, "rdma_cm: accept failed");
         st.phase = Phase::Failed;
-        return Err(errno_of(&e));
+        return Err(crate::errno::of_cm(&e));
     }
     st.phase = Phase::Connected;
     st.qp = Some(Arc::downgrade(&qp));
@@ -435,7 +413,8 @@ pub(crate) fn reject(id: &Arc<Id>, private_data: &[u8]) -> CmResult<()> {
     let req = st.request.take().ok_or(libc::EINVAL)?;
     st.phase = Phase::Failed;
     drop(st);
-    req.reject(private_data).map_err(|e| errno_of(&e))
+    req.reject(private_data)
+        .map_err(|e| crate::errno::of_cm(&e))
 }
 
 /// `rdma_disconnect`.

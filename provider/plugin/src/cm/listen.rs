@@ -28,7 +28,7 @@ use tracing::debug;
 
 use super::addr::{local_ip_for, set_src, unmap};
 use super::channel::{Incoming, Pending};
-use super::conn::{errno_of, refuse};
+use super::conn::refuse;
 use super::id::{Id, Op, Phase};
 use super::{lock, CmResult};
 use crate::ffi;
@@ -226,8 +226,8 @@ pub(crate) fn listen(id: &Arc<Id>) -> CmResult<()> {
             None,
         ),
     };
-    let listener = listener.map_err(|e| errno_of(&e))?;
-    let local = listener.local_addr().map_err(|e| errno_of(&e))?;
+    let listener = listener.map_err(|e| crate::errno::of_cm(&e))?;
+    let local = listener.local_addr().map_err(|e| crate::errno::of_cm(&e))?;
     let stop = Arc::new(AtomicBool::new(false));
     let (done_tx, done) = mpsc::channel();
     let listener = Arc::new(listener);
