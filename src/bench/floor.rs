@@ -268,7 +268,7 @@ impl StreamSet {
 
     /// After a turn that moved nothing: spin on, or sleep until a socket
     /// is ready for `events`.
-    fn idle_turn(&self, busy: &[bool], events: libc::c_short) -> Result<()> {
+    fn idle_turn(&self, waiting: impl Iterator<Item = bool>, events: libc::c_short) -> Result<()> {
         if self.mode == Mode::Busy {
             std::hint::spin_loop();
             return Ok(());
@@ -276,8 +276,8 @@ impl StreamSet {
         let mut fds: Vec<libc::pollfd> = self
             .conns
             .iter()
-            .zip(busy)
-            .filter(|(_, &b)| b)
+            .zip(waiting)
+            .filter(|&(_, w)| w)
             .map(|(c, _)| libc::pollfd {
                 fd: std::os::fd::AsRawFd::as_raw_fd(&c.s),
                 events,
@@ -328,12 +328,11 @@ impl StreamSet {
                     Err(e) => return Err(e.into()),
                 }
             }
-            let busy: Vec<bool> = left.iter().map(|&l| l > 0).collect();
-            if !busy.contains(&true) {
+            if left.iter().all(|&l| l == 0) {
                 return Ok(());
             }
             if moved == 0 {
-                self.idle_turn(&busy, libc::POLLOUT)?;
+                self.idle_turn(left.iter().map(|&l| l > 0), libc::POLLOUT)?;
             }
             idle.tick(moved, "waiting for room in the sockets")?;
         }
@@ -360,12 +359,11 @@ impl StreamSet {
                 moved += n;
                 left[i] -= n as u64;
             }
-            let busy: Vec<bool> = left.iter().map(|&l| l > 0).collect();
-            if !busy.contains(&true) {
+            if left.iter().all(|&l| l == 0) {
                 return Ok(());
             }
             if moved == 0 {
-                self.idle_turn(&busy, libc::POLLIN)?;
+                self.idle_turn(left.iter().map(|&l| l > 0), libc::POLLIN)?;
             }
             idle.tick(moved, "waiting for the streams")?;
         }

@@ -740,12 +740,17 @@ pub(crate) fn open_context_on(
     ib_dev: Option<String>,
     progress: Option<stag::Progress>,
 ) -> Result<Context> {
-    let name = ib_dev.unwrap_or_else(stag::default_device);
     let opts = ContextOptions {
         progress,
         ..ContextOptions::default()
     };
-    Ok(Context::open_with(&name, &opts)?)
+    open_named(ib_dev, &opts)
+}
+
+/// Open `ib_dev`, else the default device, with `opts`.
+fn open_named(ib_dev: Option<String>, opts: &ContextOptions) -> Result<Context> {
+    let name = ib_dev.unwrap_or_else(stag::default_device);
+    Ok(Context::open_with(&name, opts)?)
 }
 
 /// Raise this process's soft limit on open files to its hard limit: on
@@ -769,14 +774,13 @@ pub fn raise_fd_limit() {
 }
 
 pub(crate) fn open_context(common: &CommonArgs) -> Result<Context> {
-    let name = common.ib_dev.clone().unwrap_or_else(stag::default_device);
     let opts = ContextOptions {
         force_emulation: common.emulate.clone(),
         legacy_post: common.legacy_post,
         rfc5040_only: common.rfc5040,
         progress: common.progress,
     };
-    let ctx = Context::open_with(&name, &opts)?;
+    let ctx = open_named(common.ib_dev.clone(), &opts)?;
     for &k in &common.emulate {
         if ctx.capabilities().get(k).is_native() {
             warn!(op = %k, "no emulation exists for {k}; it stays native");

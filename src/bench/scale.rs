@@ -96,6 +96,41 @@ pub struct ScaleReport {
     pub alive: u16,
 }
 
+impl ScaleReport {
+    /// The report of `qps` QPs of `queue_depth` that took `connect` to
+    /// set up, grew the RSS from `rss_before_kib` to `rss_after_kib`,
+    /// burned `idle_cpu_pct` over `idle`, and of which `alive` carried
+    /// their message after it.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        role: &'static str,
+        ctx: &Context,
+        qps: u16,
+        queue_depth: u32,
+        connect: Duration,
+        (rss_before_kib, rss_after_kib): (u64, u64),
+        (idle, idle_cpu_pct): (Duration, f64),
+        alive: usize,
+    ) -> ScaleReport {
+        let n = f64::from(qps.max(1));
+        ScaleReport {
+            test: "scale",
+            role,
+            device: ctx.name().to_owned(),
+            qps,
+            queue_depth,
+            connect_s: connect.as_secs_f64(),
+            connects_per_s: n / connect.as_secs_f64().max(1e-9),
+            rss_before_kib,
+            rss_after_kib,
+            rss_per_qp_kib: rss_after_kib.saturating_sub(rss_before_kib) as f64 / n,
+            idle_s: idle.as_secs_f64(),
+            idle_cpu_pct,
+            alive: u16::try_from(alive).unwrap_or(u16::MAX),
+        }
+    }
+}
+
 /// Resident set size of this process, in KiB.
 fn rss_kib() -> Result<u64> {
     let statm = std::fs::read_to_string("/proc/self/statm")?;
@@ -253,7 +288,8 @@ fn client(a: &ScaleArgs, ctx: &Context, addr: SocketAddr) -> Result<()> {
     let connect = t0.elapsed();
     let after = rss_kib()?;
     info!(qps = n, ?connect, "scale: connected");
-    let idle_cpu_pct = idle_cpu(Duration::from_millis(u64::from(idle_ms)));
+    let idle = Duration::from_millis(u64::from(idle_ms));
+    let idle_cpu_pct = idle_cpu(idle);
     for (i, qp) in qps.iter().enumerate() {
         let slice = [mr.slice(8 * i, 8)?];
         qp.post_send(WorkRequest::new(
@@ -266,21 +302,17 @@ fn client(a: &ScaleArgs, ctx: &Context, addr: SocketAddr) -> Result<()> {
         ))?;
     }
     let alive = reap(&cq, n, "waiting for the sends after the idle period")?;
-    let r = ScaleReport {
-        test: "scale",
-        role: "client",
-        device: ctx.name().to_owned(),
-        qps: a.qps,
-        queue_depth: options(a.queue_depth, Vec::new()).caps.max_send_wr,
-        connect_s: connect.as_secs_f64(),
-        connects_per_s: n as f64 / connect.as_secs_f64().max(1e-9),
-        rss_before_kib: before,
-        rss_after_kib: after,
-        rss_per_qp_kib: (after.saturating_sub(before)) as f64 / n as f64,
-        idle_s: f64::from(idle_ms) / 1000.0,
-        idle_cpu_pct,
-        alive: alive as u16,
-    };
+    let depth = options(a.queue_depth, Vec::new()).caps.max_send_wr;
+    let r = ScaleReport::new(
+        "client",
+        ctx,
+        a.qps,
+        depth,
+        connect,
+        (before, after),
+        (idle, idle_cpu_pct),
+        alive,
+    );
     report(&r, a.json)?;
     if alive != n {
         return Err(BenchError::Protocol(format!(
@@ -315,6 +347,7 @@ fn server(a: &ScaleArgs, ctx: &Context) -> Result<()> {
     let n = usize::from(plan.qps);
     let cq = ctx.create_cq(u32::from(plan.qps).max(64))?;
     let mr = pd.alloc_mr(8 * n, Access::LOCAL_WRITE)?;
+    let opts = options(a.queue_depth, Vec::new());
     let mut qps: Vec<QueuePair> = Vec::with_capacity(n);
     let mut next = Some(req);
     while qps.len() < n {
@@ -330,7 +363,7 @@ fn server(a: &ScaleArgs, ctx: &Context) -> Result<()> {
             )));
         }
         let slice = [mr.slice(8 * usize::from(h.index), 8)?];
-        let qp = req.accept_with(&pd, &cq, &options(a.queue_depth, Vec::new()), |qp| {
+        let qp = req.accept_with(&pd, &cq, &opts, |qp| {
             qp.post_recv(u64::from(h.index), &slice)
         })?;
         qps.push(qp);
@@ -338,24 +371,20 @@ fn server(a: &ScaleArgs, ctx: &Context) -> Result<()> {
     let connect = t0.elapsed();
     let after = rss_kib()?;
     info!(qps = n, ?connect, "scale: all accepted");
-    let idle_cpu_pct = idle_cpu(Duration::from_millis(u64::from(plan.idle_ms)));
+    let idle = Duration::from_millis(u64::from(plan.idle_ms));
+    let idle_cpu_pct = idle_cpu(idle);
     let alive = reap(&cq, n, "waiting for every QP's send")?;
     report(
-        &ScaleReport {
-            test: "scale",
-            role: "server",
-            device: ctx.name().to_owned(),
-            qps: plan.qps,
-            queue_depth: options(a.queue_depth, Vec::new()).caps.max_recv_wr,
-            connect_s: connect.as_secs_f64(),
-            connects_per_s: n as f64 / connect.as_secs_f64().max(1e-9),
-            rss_before_kib: before,
-            rss_after_kib: after,
-            rss_per_qp_kib: (after.saturating_sub(before)) as f64 / n as f64,
-            idle_s: f64::from(plan.idle_ms) / 1000.0,
-            idle_cpu_pct,
-            alive: alive as u16,
-        },
+        &ScaleReport::new(
+            "server",
+            ctx,
+            plan.qps,
+            opts.caps.max_recv_wr,
+            connect,
+            (before, after),
+            (idle, idle_cpu_pct),
+            alive,
+        ),
         a.json,
     )?;
     if alive != n {
