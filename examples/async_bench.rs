@@ -1,4 +1,4 @@
-//! The async API's benchmark, one side per process (scripts/bench-async.sh
+//! The async API's benchmark, one side per process (scripts/bench/bench-async.sh
 //! runs both and compares against `stag lat`/`stag bw` and plain TCP in
 //! the same run). Every figure is printed as one JSON line.
 //!

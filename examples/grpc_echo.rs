@@ -7,7 +7,7 @@
 //!
 //!     cargo run --release --features grpc --example grpc_echo [-- ROUNDS CALLS]
 //!
-//! One side per process, for `scripts/bench-async.sh` (the client prints
+//! One side per process, for `scripts/bench/bench-async.sh` (the client prints
 //! one JSON line: the median of CALLS unary calls, timed one by one):
 //!
 //!     grpc_echo server rdma|tcp PORT        (serves until killed)

@@ -10,7 +10,7 @@ packages=(
     curl xz-utils
     perftest rdmacm-utils libfabric-bin qperf fio
     cmake ninja-build libnl-3-dev libnl-route-3-dev libudev-dev
-    # scripts/cluster.sh and scripts/cluster-apps.sh: namespace hosts,
+    # scripts/cluster/cluster.sh and scripts/gate/cluster-apps.sh: namespace hosts,
     # Open MPI (mpicc, NetPIPE), qperf, the tgt iSER target and libiscsi.
     iputils-ping util-linux openmpi-bin libopenmpi-dev netpipe-openmpi qperf
     tgt libiscsi-bin libiscsi-dev linux-perf

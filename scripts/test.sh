@@ -34,42 +34,42 @@ echo "examples: $ex_pass passed, 0 failed"
 # as root and as an ordinary user, the stagdv.h C example and stag install
 # (~30 s).
 echo "== unmodified rdma-core programs on stag0 (prints rdma-core-apps: N passed, M failed)"
-bash scripts/rdma-core-apps.sh
+bash scripts/gate/rdma-core-apps.sh
 # Real clients the way their users run them: qperf -cm1 (completion
 # channels and polling), fio's rdma engine, rping in event mode, and the C
 # programs over librdmacm (cm_stress.c: 2000 connect cycles, 64 at once, a
 # connect before rdma_listen, rejects, a listener re-created on one port);
 # nothing retried (~45 s).
 echo "== real clients on stag0 (prints real-clients: N passed, M failed)"
-bash scripts/real-clients.sh
+bash scripts/gate/real-clients.sh
 # stag0 across 2 and 8 network-namespace hosts: libfabric's addresses,
 # fi_pingpong (verbs;ofi_rxm, three rxm modes), NetPIPE and a
 # result-checking MPI test, each against a tcp;ofi_rxm control (~3.5 min).
 echo "== stag0 across hosts (prints cluster-apps: N passed, M failed)"
-bash scripts/cluster-apps.sh
+bash scripts/gate/cluster-apps.sh
 # The verbs suite and the examples again, on kernel soft-RoCE (rxe0) and
 # soft-iWARP (siw0) in a QEMU guest, on both pinned kernels (6.12: rxe with
 # FLUSH and ATOMIC_WRITE; 6.1: without) and both rdma-core releases
-# (Debian 12's 44; 55, built by scripts/rdma-core.sh, with ibv_wr_flush):
+# (Debian 12's 44; 55, built by scripts/vm/rdma-core.sh, with ibv_wr_flush):
 # 6.12 + 55 runs Commit as a device FLUSH and proves it. Each warm run
 # takes ~35-40 s; the first 55 run on a cold cache ~2 min (rdma-core builds
 # in ~15 s, stag against its headers in ~1 min). A VM that cannot run fails
 # the gate like a failing test.
 for pair in 6.12:44 6.1:44 6.12:55 6.1:55; do
     echo "== vm-suite (kernel ${pair%:*}, rdma-core ${pair#*:})"
-    bash scripts/vm-suite.sh --kernel "${pair%:*}" --rdma-core "${pair#*:}"
+    bash scripts/vm/vm-suite.sh --kernel "${pair%:*}" --rdma-core "${pair#*:}"
 done
-# in_vm ARGS...: scripts/vm.sh ARGS, booted once more when the harness
+# in_vm ARGS...: scripts/vm/vm.sh ARGS, booted once more when the harness
 # itself failed (exit 3: a TCG guest that dies before reporting, 2 of
 # about 40 boots in this session's gate runs), as vm-suite.sh does. A
 # failing case exits 1 and is never retried.
 in_vm() {
     local rc=0
-    bash scripts/vm.sh "$@" || rc=$?
+    bash scripts/vm/vm.sh "$@" || rc=$?
     if ((rc == 3)); then
         echo "test.sh: the VM did not report (vm.sh exit 3); booting once more" >&2
         rc=0
-        bash scripts/vm.sh "$@" || rc=$?
+        bash scripts/vm/vm.sh "$@" || rc=$?
     fi
     return "$rc"
 }
@@ -88,10 +88,10 @@ done
 # Built against rdma-core 56's headers (ibv_wr_flush compiled in), run on
 # Debian 12's rdma-core 44 in the VM: the run-time gates must hold.
 echo "== newer headers, older library (VM)"
-bash scripts/newer-headers.sh
+bash scripts/gate/newer-headers.sh
 if command -v cargo-fuzz >/dev/null 2>&1; then
     echo "== fuzz (short)"
-    bash scripts/fuzz.sh "${STAG_FUZZ_SECONDS:-10}"
+    bash scripts/gate/fuzz.sh "${STAG_FUZZ_SECONDS:-10}"
 else
     echo "== fuzz: cargo-fuzz not installed, fuzz targets NOT run" >&2
     exit 1

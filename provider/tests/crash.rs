@@ -6,7 +6,7 @@
 //! The file, reopened, must hold every range whose Commit succeeded.
 //!
 //! `STAG_CRASH_TRIALS` sets the number of trials (default 4);
-//! `scripts/crash-durability.sh N` runs many.
+//! `scripts/dev/crash-durability.sh N` runs many.
 //!
 //! A `kill -9` loses the process, not the page cache, so this checks that a
 //! Commit's success is only reported once its Write is placed in the file

@@ -1,5 +1,5 @@
 //! Byte vectors captured against a live kernel siw (Linux 6.12, in the VM of
-//! `scripts/vm.sh -- scripts/vm/interop.sh` with `STAG_INTEROP_PCAP`): each
+//! `scripts/vm/vm.sh -- scripts/vm/interop.sh` with `STAG_INTEROP_PCAP`): each
 //! one pins a place where our provider and siw once disagreed, or where the
 //! capture confirmed that they agree.
 

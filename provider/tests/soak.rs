@@ -2,7 +2,7 @@
 //! Sends with checksummed payloads, Writes read back, and FetchAdd
 //! counters, for `STAG_SOAK_SECS` seconds (default 5). Every op must
 //! complete successfully with the right data: zero lost, zero corrupted.
-//! `scripts/soak.sh SECONDS` runs it long; RSS before and after is printed.
+//! `scripts/dev/soak.sh SECONDS` runs it long; RSS before and after is printed.
 
 mod common;
 

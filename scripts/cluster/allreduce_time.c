@@ -1,5 +1,5 @@
 /* allreduce_time: the time of one MPI_Allreduce (sum of doubles) at 8 B
- * and 1 MiB, for scripts/bench-cluster.sh.
+ * and 1 MiB, for scripts/bench/bench-cluster.sh.
  *
  * Each size: a warm-up, then ITERS allreduces in a row between barriers;
  * the time is the slowest rank's mean per call. The result is checked

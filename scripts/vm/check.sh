@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Smoke test of the VM's RDMA devices; run inside the VM by `scripts/vm.sh
+# Smoke test of the VM's RDMA devices; run inside the VM by `scripts/vm/vm.sh
 # --check`. Lists the devices, dumps their capabilities, and moves real data on
 # each of rxe0 and siw0 with perftest (server and client both in the VM, over
 # rdma_cm on the device's own address). Exits non-zero if anything failed.
 set -uo pipefail
 
-: "${STAG_IN_VM:?run this through scripts/vm.sh --check}"
+: "${STAG_IN_VM:?run this through scripts/vm/vm.sh --check}"
 RXE_DEV=${STAG_RXE_DEV:-rxe0} RXE_ADDR=${STAG_RXE_ADDR:?}
 SIW_DEV=${STAG_SIW_DEV:-siw0} SIW_ADDR=${STAG_SIW_ADDR:?}
 failed=()

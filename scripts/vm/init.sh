@@ -1,6 +1,6 @@
 #!/bin/busybox sh
 # shellcheck shell=sh
-# /init of the stag test VM (runs as PID 1 under busybox, see scripts/vm.sh).
+# /init of the stag test VM (runs as PID 1 under busybox, see scripts/vm/vm.sh).
 #
 # Boot flow:
 #   1. load the kernel modules listed in /lib/modules/order (host-resolved

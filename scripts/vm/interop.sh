@@ -3,7 +3,7 @@
 # runs every case of verbs/tests/siw_interop.rs (ignored tests, VM-only)
 # inside the test VM.
 #
-#   scripts/vm.sh -- scripts/vm/interop.sh [CASE...]
+#   scripts/vm/vm.sh -- scripts/vm/interop.sh [CASE...]
 #
 # Each case runs in its own process (both ends in one process: the
 # provider over plain TCP, rdma_cm + libibverbs on siw0). Set
@@ -12,7 +12,7 @@
 # Prints `interop: N passed, M failed`.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
-[[ ${STAG_IN_VM:-0} == 1 ]] || { echo "interop.sh: run me inside scripts/vm.sh" >&2; exit 2; }
+[[ ${STAG_IN_VM:-0} == 1 ]] || { echo "interop.sh: run me inside scripts/vm/vm.sh" >&2; exit 2; }
 # The test binary: $STAG_INTEROP_BIN, else the newest
 # target/debug/deps/siw_interop-* that `cargo test -p stag-verbs --test
 # siw_interop --no-run` (or the gate's `cargo test --workspace`) built.

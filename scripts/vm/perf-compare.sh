@@ -1,5 +1,5 @@
 #!/bin/sh
-# Inside the VM (scripts/vm.sh -- sh scripts/vm/perf-compare.sh, after
+# Inside the VM (scripts/vm/vm.sh -- sh scripts/vm/perf-compare.sh, after
 # cargo build --release --bin stag): perftest and `stag lat` on the same
 # device in the same run, so the wrapper's overhead shows as a ratio. Prints
 # the perftest-style result row of each.

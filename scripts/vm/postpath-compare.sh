@@ -1,5 +1,5 @@
 #!/bin/sh
-# Inside the VM (scripts/vm.sh -- sh scripts/vm/postpath-compare.sh, after
+# Inside the VM (scripts/vm/vm.sh -- sh scripts/vm/postpath-compare.sh, after
 # cargo build --release --bin stag): `stag lat` on rxe0 through the
 # extended ibv_wr_* post path and through ibv_post_send (--legacy-post),
 # alternated over three rounds so both see the same machine. Prints the

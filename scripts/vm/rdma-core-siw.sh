@@ -5,17 +5,17 @@
 # over the guest's TCP), siw0's side is plain Debian (kernel rdma_cm and
 # siw). Prints `rdma-core-siw: N passed, M failed`.
 #
-#   scripts/vm.sh -- scripts/vm/rdma-core-siw.sh      (build first: cargo build -p stag -p stag-rdma)
+#   scripts/vm/vm.sh -- scripts/vm/rdma-core-siw.sh      (build first: cargo build -p stag -p stag-rdma)
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
-[[ ${STAG_IN_VM:-0} == 1 ]] || { echo "rdma-core-siw.sh: run me inside scripts/vm.sh" >&2; exit 2; }
+[[ ${STAG_IN_VM:-0} == 1 ]] || { echo "rdma-core-siw.sh: run me inside scripts/vm/vm.sh" >&2; exit 2; }
 STAG=${CARGO_TARGET_DIR:-$PWD/target}/debug/stag
 [[ -x $STAG ]] || { echo "rdma-core-siw.sh: $STAG not built" >&2; exit 2; }
 addr=${STAG_SIW_ADDR:?}
 out=$(mktemp -d)
 passed=0 failed=0
 
-source scripts/lib.sh
+source scripts/lib/common.sh
 
 # attempt NAME PORT SERVER_SIDE(stag|siw) 'SERVER ARGS' 'CLIENT ARGS' PATTERN:
 # one run of server and client; 0 when both exit 0 and the client's output

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The guest side of scripts/vm-suite.sh: runs in the VM (vm.sh), cwd = the
+# The guest side of scripts/vm/vm-suite.sh: runs in the VM (vm.sh), cwd = the
 # project. Arguments: OUTDIR NAME=EXECUTABLE... ; writes "passed failed" to
 # OUTDIR/counts.
 set -uo pipefail

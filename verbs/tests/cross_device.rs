@@ -3,7 +3,7 @@
 //! without them (`$STAG_PEER_DEVICE`, siw0 in the VM suite, listening on
 //! `$STAG_ADDR`). Each end's header tells the other what its device
 //! executes; what siw lacks is emulated, in both directions. Needs the
-//! kernel device, so ignored here; `scripts/vm-suite.sh` runs it with
+//! kernel device, so ignored here; `scripts/vm/vm-suite.sh` runs it with
 //! `--ignored` on siw0.
 
 mod common;

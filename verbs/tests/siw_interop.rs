@@ -2,7 +2,7 @@
 //! VM-only, every case `#[ignore]`d, so `cargo test` outside the VM skips
 //! them all.
 //!
-//! Runs inside the test VM (`scripts/vm.sh -- scripts/vm/interop.sh`), where
+//! Runs inside the test VM (`scripts/vm/vm.sh -- scripts/vm/interop.sh`), where
 //! `siw0` sits on `$STAG_SIW_ADDR` (10.12.0.1). Each case connects our
 //! provider and a plain rdma_cm endpoint on siw0 (through `verbs::ibv`, so
 //! no stag header and no agent connection) in one process, then runs Send,

@@ -125,7 +125,7 @@ impl AsyncCompletionQueue {
     /// (yielding to the runtime between looks) until it has been empty
     /// for `spin`, and only then sleep: see "Spinning" above.
     ///
-    /// On stag0, measured with `scripts/bench-async.sh` (8-byte send
+    /// On stag0, measured with `scripts/bench/bench-async.sh` (8-byte send
     /// ping-pong, two processes, a 2-core machine at load 12-16), a run
     /// settles in one of two modes: the spinning task drives the QP itself
     /// (5-7 µs a half round trip, as `stag lat` busy polling), or the

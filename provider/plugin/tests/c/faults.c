@@ -1,7 +1,7 @@
 /*
  * Faults over stag0's libibverbs plugin: what a C program sees when its
  * peer dies or it tears things down with work in flight, run under
- * `stag run` (scripts/rdma-core-apps.sh does). Each case connects to a
+ * `stag run` (scripts/gate/rdma-core-apps.sh does). Each case connects to a
  * peer process (this program re-executed with --peer CASE) through
  * rdma_cm, and checks the completions and errnos verbs promises; the
  * program must survive every case (no signal, no crash).

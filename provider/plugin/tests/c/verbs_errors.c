@@ -1,7 +1,7 @@
 /*
  * What stag0's libibverbs plugin answers to requests it must refuse, and
  * the objects it must get right without a connection: run under
- * `stag run` (scripts/rdma-core-apps.sh does). Prints
+ * `stag run` (scripts/gate/rdma-core-apps.sh does). Prints
  * "verbs_errors: N passed, M failed".
  */
 #include <errno.h>

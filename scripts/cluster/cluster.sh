@@ -2,10 +2,10 @@
 # A cluster of network-namespace hosts on this machine, for running stag0
 # across hosts (MPI, libfabric, iSER) without a second machine.
 #
-#   scripts/cluster.sh up N            N hosts (1..16): node1..nodeN
-#   scripts/cluster.sh down            remove every host and the bridge
-#   scripts/cluster.sh exec HOST CMD…  run CMD on HOST (as ssh HOST CMD would)
-#   scripts/cluster.sh hosts           the host names, one a line
+#   scripts/cluster/cluster.sh up N            N hosts (1..16): node1..nodeN
+#   scripts/cluster/cluster.sh down            remove every host and the bridge
+#   scripts/cluster/cluster.sh exec HOST CMD…  run CMD on HOST (as ssh HOST CMD would)
+#   scripts/cluster/cluster.sh hosts           the host names, one a line
 #
 # Host nodeI is the network namespace nodeI, whose eth0 has 10.77.0.I/24 (a
 # veth whose other end sits on a bridge), loopback up, IPv6 off, and its
@@ -101,7 +101,7 @@ run_on() {
     local h=$1
     shift
     [[ $h =~ ^${PREFIX}[0-9]+$ ]] || h=$(resolve "$h")
-    ip netns list | awk '{print $1}' | grep -qx "$h" || die "no host $h (scripts/cluster.sh up N)"
+    ip netns list | awk '{print $1}' | grep -qx "$h" || die "no host $h (scripts/cluster/cluster.sh up N)"
     if [ "${STAG_CLUSTER_SSH_ENV:-0}" = 1 ]; then
         exec ip netns exec "$h" unshare --uts env -i \
             PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \

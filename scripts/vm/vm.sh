@@ -3,9 +3,9 @@
 # kernels with kernel soft-RoCE (rdma_rxe -> rxe0) and soft-iWARP (siw -> siw0)
 # devices ready, because the host kernel has no RDMA at all.
 #
-#   scripts/vm.sh [options] [--] CMD [ARGS...]   run CMD in the VM
-#   scripts/vm.sh [options] --check              smoke test (scripts/vm/check.sh)
-#   scripts/vm.sh [options] --prepare            only install + fill the cache
+#   scripts/vm/vm.sh [options] [--] CMD [ARGS...]   run CMD in the VM
+#   scripts/vm/vm.sh [options] --check              smoke test (scripts/vm/check.sh)
+#   scripts/vm/vm.sh [options] --prepare            only install + fill the cache
 #
 # Options:
 #   --kernel 6.12|6.1   kernel series to boot (default 6.12, or $STAG_VM_KERNEL)
@@ -45,8 +45,8 @@ set -Eeuo pipefail
 # that could pass for the command's own status.
 trap 'die "unexpected failure at line $LINENO: $BASH_COMMAND"' ERR
 
-SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-VM_DIR=$SCRIPT_DIR/vm
+# This directory: init.sh and check.sh live next to vm.sh.
+VM_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 # ---------------------------------------------------------------------------
 # Pinned kernels (Debian bookworm / bookworm-security), so that runs are

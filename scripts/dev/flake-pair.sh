@@ -4,7 +4,7 @@
 # (issue #19's fi_pingpong SIGSEGV). Not part of the gate: a tool for
 # hunting a flaky case down to its cause.
 #
-#   scripts/flake-pair.sh [-n RUNS] [-u USER] [-p PORT] [-m] [-- SERVER_ARGS -- CLIENT_ARGS]
+#   scripts/dev/flake-pair.sh [-n RUNS] [-u USER] [-p PORT] [-m] [-- SERVER_ARGS -- CLIENT_ARGS]
 #
 # Defaults to rdma-core-apps.sh's fi_pingpong case (with -I 10, so that a
 # run takes about a second). PORT (default 23000) should be below the
@@ -22,7 +22,7 @@
 #
 # Prints "flake-pair: N passed, M failed"; exits non-zero if any run failed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 runs=200 user=root port=23000 mdebug=0
 while getopts "n:u:p:m" o; do
@@ -50,7 +50,7 @@ cargo build --quiet -p stag -p stag-rdma || exit 1
 STAG=$PWD/target/debug/stag
 out=$PWD/target/flake-pair
 rm -rf "$out" && mkdir -p "$out" && chmod 777 "$out"
-source scripts/lib.sh
+source scripts/lib/common.sh
 
 export IPATH_NO_BACKTRACE=1 HFI_NO_BACKTRACE=1
 if ((mdebug)); then

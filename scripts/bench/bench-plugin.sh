@@ -21,9 +21,9 @@
 #
 # Writes target/bench-plugin.{md,json}.
 #
-#   scripts/bench-plugin.sh [ROUNDS] [ITERS]     (defaults 5, 20000)
+#   scripts/bench/bench-plugin.sh [ROUNDS] [ITERS]     (defaults 5, 20000)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROUNDS=${1:-5}
 ITERS=${2:-20000}
 cargo build --release --quiet -p stag -p stag-rdma
@@ -32,7 +32,7 @@ STAG=$PWD/target/release/stag
 RAW=$PWD/target/release/examples/write_lat_raw
 port=23000
 
-source scripts/lib.sh
+source scripts/lib/common.sh
 
 # Each run gets a port of its own (a server of the previous run may still
 # be listening on the last one). The runners below are called in command

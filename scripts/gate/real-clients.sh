@@ -9,9 +9,9 @@
 # a run that fails is a failure. Prints each case with its run time, then
 # "real-clients: N passed, M failed", and exits non-zero on any failure.
 #
-#   scripts/real-clients.sh [--release]   (default: the debug build the gate makes)
+#   scripts/gate/real-clients.sh [--release]   (default: the debug build the gate makes)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 profile=debug
 [[ ${1:-} == --release ]] && profile=release
 flag=()
@@ -21,7 +21,7 @@ cargo build --quiet "${flag[@]}" -p stag -p stag-rdma || exit 1
 STAG=$PWD/target/$profile/stag
 out=$PWD/target/real-clients
 rm -rf "$out" && mkdir -p "$out"
-source scripts/lib.sh
+source scripts/lib/common.sh
 
 passed=0 failed=0
 # case_run NAME SECONDS RC: record one case (RC 0: passed) with its time;

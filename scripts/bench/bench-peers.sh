@@ -12,7 +12,7 @@
 # stag processes burned per second of wall time, and the UCX/libfabric
 # figure for the same measurement with its ratio to the floor.
 #
-#   scripts/bench-peers.sh [--quick] [--no-install]
+#   scripts/bench/bench-peers.sh [--quick] [--no-install]
 #
 # Knobs (environment): ROUNDS (3), ITERS (20000 latency iterations; a
 # tenth for Commit and UCX's Get), BW_ITERS (2000 messages of 1 MiB),
@@ -29,9 +29,9 @@
 # n/a).
 set -euo pipefail
 
-cd "$(dirname "$0")/.."
-# shellcheck source=scripts/lib.sh disable=SC1091
-source scripts/lib.sh
+cd "$(dirname "$0")/../.."
+# shellcheck source=scripts/lib/common.sh disable=SC1091
+source scripts/lib/common.sh
 
 QUICK=0
 INSTALL=1
@@ -101,7 +101,7 @@ mkdir -p "$OUT"
 RAW=$OUT/raw
 rm -rf "$RAW"
 mkdir -p "$RAW"
-gcc -O2 -Wall -o "$RAW/floor_check" scripts/floor_check.c
+gcc -O2 -Wall -o "$RAW/floor_check" scripts/bench/floor_check.c
 CHECK=$RAW/floor_check
 
 # `stag lat|bw --progress` once the provider has progress modes; the
@@ -245,7 +245,7 @@ for r in $(seq "$ROUNDS"); do
 done
 ELAPSED=$((SECONDS - START))
 
-python3 scripts/bench-report.py "$RAW" "$OUT" "$ROUNDS" "$PROGRESS_MODES" "$ELAPSED" \
+python3 scripts/bench/bench-report.py "$RAW" "$OUT" "$ROUNDS" "$PROGRESS_MODES" "$ELAPSED" \
     "ITERS=$ITERS BW_ITERS=$BW_ITERS QP_ITERS=$QP_ITERS STREAM_ITERS=$STREAM_ITERS SLOW_ITERS=$SLOW_ITERS SCALE_QPS=$SCALE_QPS SCALE_IDLE=$SCALE_IDLE" \
     "$PROGRESS_FLAG"
 log "wrote $OUT/report.md and $OUT/report.json in ${ELAPSED}s"

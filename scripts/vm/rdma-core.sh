@@ -7,7 +7,7 @@
 # STAG_RDMA_INCLUDE_DIR of rdma-sys-ext's build.rs) and run with its lib/
 # first on LD_LIBRARY_PATH.
 #
-#   scripts/rdma-core.sh            build if needed, print the directory
+#   scripts/vm/rdma-core.sh            build if needed, print the directory
 #
 # The source is the rdma-core tree that the crates.io package
 # ibverbs-sys 0.3.2+55.0 vendors (Debian's archive does not serve the

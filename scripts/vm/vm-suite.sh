@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds on the host, then runs stag's verbs test-suite, the raw libibverbs
 # loopback test and every example on kernel soft-RoCE (rxe0) and soft-iWARP
-# (siw0), all inside one VM boot (scripts/vm.sh), and checks the capability
+# (siw0), all inside one VM boot (scripts/vm/vm.sh), and checks the capability
 # matrix each device shows. Prints one line per device and a summary:
 #
 #   vm-suite: N passed, M failed
@@ -9,14 +9,14 @@
 # and exits non-zero on any failure, including a VM that cannot run (then the
 # summary counts it as a failure: never a silent pass).
 #
-#   scripts/vm-suite.sh [--kernel 6.12|6.1] [--rdma-core 44|55] [--timeout SECS]
+#   scripts/vm/vm-suite.sh [--kernel 6.12|6.1] [--rdma-core 44|55] [--timeout SECS]
 #
 # --rdma-core 44 (the default) runs on Debian 12's rdma-core. 55 builds
-# rdma-core v55 (scripts/rdma-core.sh, cached), builds stag against its
+# rdma-core v55 (scripts/vm/rdma-core.sh, cached), builds stag against its
 # headers (ibv_wr_flush compiled in; in target/rdma-core-55) and runs
 # everything in the guest with its libibverbs, librdmacm and providers.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 KERNEL=${STAG_VM_KERNEL:-6.12}
 RDMA_CORE=44
 TIMEOUT=900
@@ -38,7 +38,7 @@ case $RDMA_CORE in
     unset STAG_RDMA_LIB
     ;;
 55)
-    prefix=$(bash scripts/rdma-core.sh)
+    prefix=$(bash scripts/vm/rdma-core.sh)
     export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}/rdma-core-55
     export STAG_RDMA_INCLUDE_DIR=$prefix/include
     export STAG_SUITE_BIN=$CARGO_TARGET_DIR/debug STAG_RDMA_LIB=$prefix/lib
@@ -68,7 +68,7 @@ out=$(mktemp -d "${TMPDIR:-/tmp}/stag-vm-suite.XXXXXX")
 trap 'rm -rf "$out"' EXIT
 for attempt in 1 2; do
     rc=0
-    scripts/vm.sh --kernel "$KERNEL" --timeout "$TIMEOUT" --share "$out" -- \
+    scripts/vm/vm.sh --kernel "$KERNEL" --timeout "$TIMEOUT" --share "$out" -- \
         bash scripts/vm/suite.sh "$out" "${tests[@]}" || rc=$?
     # A TCG guest that dies before running anything (exit 3, no results:
     # seen once in a few dozen 6.12 boots) gets one more boot; a test

@@ -8,9 +8,9 @@
 # stag0. Prints "rdma-core-apps: N passed, M failed" and exits non-zero on any
 # failure.
 #
-#   scripts/rdma-core-apps.sh [--quick]     (--quick: root only, no install check)
+#   scripts/gate/rdma-core-apps.sh [--quick]     (--quick: root only, no install check)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 QUICK=0
 [[ ${1:-} == --quick ]] && QUICK=1
 
@@ -63,7 +63,7 @@ single() {
     fi
 }
 
-source scripts/lib.sh
+source scripts/lib/common.sh
 
 # pair NAME USER PORT 'SERVER ARGS' 'CLIENT ARGS' [PATTERN]: server then
 # client, both under stag run; both must exit 0 (and the client's output

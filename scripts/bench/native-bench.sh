@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Native against emulated Commit and Atomic Write on kernel rxe0, in one
-# Linux 6.12 guest running rdma-core v55 (scripts/rdma-core.sh): `stag lat`
+# Linux 6.12 guest running rdma-core v55 (scripts/vm/rdma-core.sh): `stag lat`
 # for each operation natively and with --emulate, alternated, with the
 # round trips per operation the client QP counted. Commit runs twice: into
 # a file-backed region (the responder's msync is needed either way) and
@@ -8,9 +8,9 @@
 # of typical latencies, the emulated/native ratio and the round trips.
 # TCG timings are slow: read the ratios, not the microseconds.
 #
-#   scripts/native-bench.sh [-n ITERS] [--rounds N]
+#   scripts/bench/native-bench.sh [-n ITERS] [--rounds N]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 iters=300 rounds=2
 while (($#)); do
     case $1 in
@@ -20,7 +20,7 @@ while (($#)); do
     *) echo "native-bench: unknown argument $1" >&2; exit 2 ;;
     esac
 done
-prefix=$(bash scripts/rdma-core.sh)
+prefix=$(bash scripts/vm/rdma-core.sh)
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target}/rdma-core-55
 export STAG_RDMA_INCLUDE_DIR=$prefix/include STAG_RDMA_LIB=$prefix/lib
 cargo build --quiet --release --bin stag
@@ -48,7 +48,7 @@ for r in \$(seq $rounds); do
     one "atomic-write emulated" atomic-write --emulate atomic-write
 done
 EOF
-scripts/vm.sh --kernel 6.12 --timeout 1200 -- bash "$out/run.sh" >"$out/rows"
+scripts/vm/vm.sh --kernel 6.12 --timeout 1200 -- bash "$out/run.sh" >"$out/rows"
 # Median of the rounds per label, then the emulated/native ratio.
 awk -F'|' '
     { key = $1; n[key]++; t[key, n[key]] = $2; rt[key] = $3; path[key] = $4 }

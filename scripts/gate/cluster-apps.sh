@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # stag0 across hosts: unmodified Debian programs between network-namespace
-# hosts (scripts/cluster.sh), each workload against a control that does not
+# hosts (scripts/cluster/cluster.sh), each workload against a control that does not
 # use stag (the same stack over libfabric's tcp;ofi_rxm, or Open MPI's btl
 # tcp). Prints `cluster-apps: N passed, M failed`; exits 1 if any failed.
 #
@@ -26,7 +26,7 @@ set -uo pipefail
 # Arguments name the parts to run (fi_info iser qperf fi_pingpong netpipe mpi;
 # all of them without any).
 PARTS=$*
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=$PWD
 [ "$(id -u)" -eq 0 ] || {
     echo "cluster-apps: needs root (network namespaces)" >&2
@@ -34,7 +34,7 @@ ROOT=$PWD
 }
 cargo build --quiet -p stag -p stag-rdma || exit 1
 STAG=$ROOT/target/debug/stag
-C=$ROOT/scripts/cluster.sh
+C=$ROOT/scripts/cluster/cluster.sh
 # Logs: target/cluster, or target/cluster-PREFIX for another host prefix
 # (STAG_CLUSTER_PREFIX, below), so two runs do not remove each other's.
 out=$ROOT/target/cluster

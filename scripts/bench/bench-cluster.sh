@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # stag0 across hosts against the same stacks without stag (not in the
-# gate): network-namespace hosts (scripts/cluster.sh), ROUNDS rounds, each
+# gate): network-namespace hosts (scripts/cluster/cluster.sh), ROUNDS rounds, each
 # running every measurement once in a fixed order, so every figure has
 # ROUNDS samples taken side by side with its control. Reports medians and
 # each stag0 figure as a ratio to its control:
@@ -19,14 +19,14 @@
 # Targets (issue #23): NetPIPE on stag0 within 1.15x of tcp;ofi_rxm at 8 B
 # (latency ratio <= 1.15) and >= 0.9x at 1 MiB; iSER MB/s >= iSCSI/TCP.
 #
-#   scripts/bench-cluster.sh [--json] [--quick]
+#   scripts/bench/bench-cluster.sh [--json] [--quick]
 #
 # ROUNDS (3), OUT (target/bench-cluster), PROFILE (release: the stag and
 # plugin measured; debug is what cluster-apps.sh runs). --json prints the report as JSON
 # on stdout (it is always written to $OUT/report.json). --quick: one round.
 # Needs root; scripts/setup.sh installs what it runs.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=$PWD
 JSON=0
 ROUNDS=${ROUNDS:-3}
@@ -55,7 +55,7 @@ else
     cargo build --quiet -p stag -p stag-rdma || exit 1
 fi
 STAG=$ROOT/target/$PROFILE/stag
-C=$ROOT/scripts/cluster.sh
+C=$ROOT/scripts/cluster/cluster.sh
 OUT=${OUT:-$ROOT/target/bench-cluster}
 RAW=$OUT/raw
 rm -rf "$OUT"
@@ -90,7 +90,7 @@ declare -A STACK=(
 )
 
 # tgtd on host 1 under stag run: IQN:iser (stag0) and IQN:tcp (port 3261)
-# on one LUN; see scripts/cluster-apps.sh for why both ACLs.
+# on one LUN; see scripts/gate/cluster-apps.sh for why both ACLs.
 IQN=iqn.2026-11.org.stag
 INITIATOR=$IQN:client
 # tgtd runs only for the iscsi-perf samples: an idle stag0 engine in it
@@ -114,7 +114,7 @@ tgt_up() {
 }
 # Killed between samples: a clean stop (no session left, targets deleted,
 # tgtd exits) needs STAG_CM_TIMEWAIT_EXIT=1 and waiting for the last
-# session to end, which scripts/cluster-apps.sh checks; the samples need
+# session to end, which scripts/gate/cluster-apps.sh checks; the samples need
 # only that tgtd is gone.
 tgt_down() {
     local pid

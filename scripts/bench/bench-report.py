@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The report of scripts/bench-peers.sh: one markdown table, one JSON file.
+"""The report of scripts/bench/bench-peers.sh: one markdown table, one JSON file.
 
     bench-report.py RAW OUT ROUNDS "MODES" ELAPSED_S "KNOBS" PROGRESS_FLAG
 
@@ -328,7 +328,7 @@ for key, label, unit in [
     met = MET[check["within_3pct"]]
     md.append(
         f"| {label} [{unit}] | — | {fmt_agg(floor_raw[key], unit)} (stag floor) | plain C "
-        f"(scripts/floor_check.c) | {fmt_agg(c, unit)} | {fmt(check['paired_ratio'])} (paired) | "
+        f"(scripts/bench/floor_check.c) | {fmt_agg(c, unit)} | {fmt(check['paired_ratio'])} (paired) | "
         f"within 3% of C | {met} | — | — | — |"
     )
 for key, label, unit in [

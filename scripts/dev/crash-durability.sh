@@ -4,7 +4,7 @@
 # completes or at a random moment; every committed range must be in the
 # file afterwards. Fails on the first trial that loses one.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 n="${1:-50}"
 log=$(mktemp)
 STAG_CRASH_TRIALS="$n" cargo test -p stag-provider --test crash -- --nocapture >"$log" 2>&1

@@ -2,7 +2,7 @@
 # Runs every cargo-fuzz target for the given number of seconds (default 60)
 # and prints the executions each one reached. Fails if any target finds a crash.
 set -euo pipefail
-cd "$(dirname "$0")/../fuzz"
+cd "$(dirname "$0")/../../fuzz"
 secs="${1:-60}"
 targets=$(cargo +nightly fuzz list)
 [ -n "$targets" ] || { echo "fuzz: no targets" >&2; exit 1; }

@@ -13,7 +13,7 @@
 # The headers come from Debian's archive (its Packages index names the
 # current files) and are cached next to the VM kernels.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 cache=${STAG_VM_CACHE:-${XDG_CACHE_HOME:+$XDG_CACHE_HOME/stag-vm}}
 cache=${cache:-/var/cache/stag-vm}/trixie-headers
@@ -75,4 +75,4 @@ run $(exe operations) --test-threads=1 || exit 1
 run $(exe ibv_loopback) --ignored --nocapture --test-threads=1 || exit 1
 echo "newer-headers: ok"
 EOF
-scripts/vm.sh --kernel 6.12 -- bash "$target/run.sh"
+scripts/vm/vm.sh --kernel 6.12 -- bash "$target/run.sh"

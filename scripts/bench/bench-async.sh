@@ -14,9 +14,9 @@
 #   - tonic unary RPC latency (examples/grpc_echo.rs, GRPC_CALLS calls)
 #     over RdmaStream against tonic over TCP.
 #
-#   scripts/bench-async.sh   (ROUNDS=3 ITERS=5000 MIB=512 SPIN_US=1000 OUT=target/bench-async)
+#   scripts/bench/bench-async.sh   (ROUNDS=3 ITERS=5000 MIB=512 SPIN_US=1000 OUT=target/bench-async)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 ROUNDS=${ROUNDS:-3}
 ITERS=${ITERS:-5000}

@@ -22,14 +22,14 @@
 # Not in the test gate (timings). A run that fails or hangs (LIMIT seconds)
 # counts as missing and its cell says so; nothing is retried.
 #
-#   scripts/bench-apps.sh [--json] [ROUNDS]     (default 3 rounds; STAG_BIN=path/to/stag
+#   scripts/bench/bench-apps.sh [--json] [ROUNDS]     (default 3 rounds; STAG_BIN=path/to/stag
 #                                               measures that build instead; ONLY=REGEX
 #                                               measures only the keys it matches, e.g.
 #                                               ONLY='stag\.(send|write|read1?)|qperf\.rc_.*bw|fio\..*')
 #
 # Writes target/bench-apps.{md,json}; prints the table (or the JSON).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 JSON=0
 if [[ ${1:-} == --json ]]; then
     JSON=1
@@ -47,7 +47,7 @@ fi
 STAG=${STAG_BIN:-$PWD/target/release/stag}
 port=24000
 
-source scripts/lib.sh
+source scripts/lib/common.sh
 
 for prog in qperf fio rping ib_write_lat; do
     command -v "$prog" >/dev/null || {
