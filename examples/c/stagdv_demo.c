@@ -3,7 +3,9 @@
  * connected through rdma_cm, each result checked. One process, two
  * threads (responder and requester), over 127.0.0.1.
  *
- *   stag run -- target/stagdv_demo        # prints "stagdv_demo: N passed, 0 failed"
+ *   cc -Iprovider/plugin/include -Iprovider/plugin/tests/c -o stagdv_demo \
+ *      examples/c/stagdv_demo.c -Ltarget/debug -lstag_rdmav34 -lrdmacm -libverbs
+ *   stag run -- ./stagdv_demo        # prints "stagdv_demo: N passed, 0 failed"
  *
  * The responder offers a 64-byte target region (atomics, Writes) and a
  * durable log region (a shared mapping of a file, registered with
@@ -24,35 +26,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <infiniband/verbs.h>
-#include <rdma/rdma_cma.h>
-
 #include "stagdv.h"
-
-static int passed, failed;
-static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-
-#define CHECK(cond, ...)                                                       \
-	do {                                                                   \
-		int ok_ = (cond);                                              \
-		pthread_mutex_lock(&lock);                                     \
-		if (ok_) {                                                     \
-			passed++;                                              \
-		} else {                                                       \
-			failed++;                                              \
-			fprintf(stderr, "FAILED %s:%d: ", __FILE__, __LINE__); \
-			fprintf(stderr, __VA_ARGS__);                          \
-			fputc('\n', stderr);                                   \
-		}                                                              \
-		pthread_mutex_unlock(&lock);                                   \
-	} while (0)
-
-#define DIE(...)                                                               \
-	do {                                                                   \
-		fprintf(stderr, "stagdv_demo: " __VA_ARGS__);                  \
-		fprintf(stderr, " (errno %d: %s)\n", errno, strerror(errno));  \
-		exit(1);                                                       \
-	} while (0)
+/* CHECK, DIE and the rdma_cm connection over 127.0.0.1 that every stag C
+ * test program shares (provider/plugin/tests/c/stag_test.h). */
+#define TEST_NAME "stagdv_demo"
+#include "stag_test.h"
 
 struct offer {
 	uint64_t target_addr;
@@ -62,23 +40,6 @@ struct offer {
 };
 
 enum { LOG_LEN = 4096, RECVS = 4 };
-
-static uint16_t port;
-static pthread_mutex_t port_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t port_cond = PTHREAD_COND_INITIALIZER;
-
-static struct rdma_cm_event *expect_event(struct rdma_event_channel *ch,
-					  enum rdma_cm_event_type type)
-{
-	struct rdma_cm_event *ev;
-
-	if (rdma_get_cm_event(ch, &ev))
-		DIE("rdma_get_cm_event");
-	if (ev->event != type)
-		DIE("expected %s, got %s (status %d)", rdma_event_str(type),
-		    rdma_event_str(ev->event), ev->status);
-	return ev;
-}
 
 /* Poll one completion (busy), with the stagdv extension. */
 static void poll_one(struct ibv_cq *cq, struct ibv_wc *wc, struct stagdv_wc_ext *ext)
@@ -97,28 +58,13 @@ static void poll_one(struct ibv_cq *cq, struct ibv_wc *wc, struct stagdv_wc_ext 
 static void *responder(void *arg)
 {
 	(void)arg;
-	struct rdma_event_channel *ch = rdma_create_event_channel();
-	struct rdma_cm_id *listen_id, *id;
-	struct sockaddr_in sin = { .sin_family = AF_INET };
-	struct rdma_cm_event *ev;
-
-	if (!ch || rdma_create_id(ch, &listen_id, NULL, RDMA_PS_TCP))
-		DIE("responder: create id");
-	sin.sin_addr.s_addr = htonl(0x7f000001);
-	if (rdma_bind_addr(listen_id, (struct sockaddr *)&sin) || rdma_listen(listen_id, 1))
-		DIE("responder: bind/listen");
-	pthread_mutex_lock(&port_lock);
-	port = ntohs(rdma_get_src_port(listen_id));
-	pthread_cond_signal(&port_cond);
-	pthread_mutex_unlock(&port_lock);
-
-	ev = expect_event(ch, RDMA_CM_EVENT_CONNECT_REQUEST);
-	id = ev->id;
-	rdma_ack_cm_event(ev);
+	struct test_conn c = { 0 };
+	test_conn_serve_one(&c);
+	struct rdma_cm_id *id = c.id;
 	CHECK(stagdv_is_stag_context(id->verbs), "the cm id's context is stag0's");
 
-	struct ibv_pd *pd = ibv_alloc_pd(id->verbs);
-	struct ibv_cq *cq = ibv_create_cq(id->verbs, 64, NULL, NULL, 0);
+	struct ibv_pd *pd = c.pd = ibv_alloc_pd(id->verbs);
+	struct ibv_cq *cq = c.cq = ibv_create_cq(id->verbs, 64, NULL, NULL, 0);
 	struct ibv_qp_init_attr qa = {
 		.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
 		.cap = { .max_send_wr = 16, .max_recv_wr = 16, .max_send_sge = 1, .max_recv_sge = 1 },
@@ -160,7 +106,7 @@ static void *responder(void *arg)
 				      .responder_resources = 16, .initiator_depth = 16 };
 	if (rdma_accept(id, &cp))
 		DIE("responder: accept");
-	rdma_ack_cm_event(expect_event(ch, RDMA_CM_EVENT_ESTABLISHED));
+	test_conn_established(&c, NULL, 0);
 
 	/* Immediate Data, Immediate Data with SE, Write with Immediate, then
 	 * the requester's closing Send. */
@@ -193,16 +139,12 @@ static void *responder(void *arg)
 	CHECK(pread(fd, ondisk, 14, 0) == 14 && memcmp(ondisk, "durable record", 14) == 0,
 	      "the committed log record is in the file: '%s'", ondisk);
 
-	rdma_ack_cm_event(expect_event(ch, RDMA_CM_EVENT_DISCONNECTED));
+	rdma_ack_cm_event(expect_event(c.ch, RDMA_CM_EVENT_DISCONNECTED));
 	rdma_destroy_qp(id);
 	ibv_dereg_mr(tmr);
 	ibv_dereg_mr(lmr);
 	ibv_dereg_mr(rmr);
-	ibv_destroy_cq(cq);
-	ibv_dealloc_pd(pd);
-	rdma_destroy_id(id);
-	rdma_destroy_id(listen_id);
-	rdma_destroy_event_channel(ch);
+	test_conn_destroy(&c);
 	munmap(log, LOG_LEN);
 	close(fd);
 	unlink(path);
@@ -226,28 +168,13 @@ static void *responder(void *arg)
 
 static void requester(void)
 {
-	struct rdma_event_channel *ch = rdma_create_event_channel();
-	struct rdma_cm_id *id;
-	struct sockaddr_in sin = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7f000001) };
+	struct test_conn c = { 0 };
+	test_conn_resolve(&c, wait_port());
+	struct rdma_cm_id *id = c.id;
 	struct rdma_cm_event *ev;
 
-	pthread_mutex_lock(&port_lock);
-	while (!port)
-		pthread_cond_wait(&port_cond, &port_lock);
-	sin.sin_port = htons(port);
-	pthread_mutex_unlock(&port_lock);
-
-	if (!ch || rdma_create_id(ch, &id, NULL, RDMA_PS_TCP))
-		DIE("requester: create id");
-	if (rdma_resolve_addr(id, NULL, (struct sockaddr *)&sin, 2000))
-		DIE("requester: resolve_addr");
-	rdma_ack_cm_event(expect_event(ch, RDMA_CM_EVENT_ADDR_RESOLVED));
-	if (rdma_resolve_route(id, 2000))
-		DIE("requester: resolve_route");
-	rdma_ack_cm_event(expect_event(ch, RDMA_CM_EVENT_ROUTE_RESOLVED));
-
-	struct ibv_pd *pd = ibv_alloc_pd(id->verbs);
-	struct ibv_cq *cq = ibv_create_cq(id->verbs, 64, NULL, NULL, 0);
+	struct ibv_pd *pd = c.pd = ibv_alloc_pd(id->verbs);
+	struct ibv_cq *cq = c.cq = ibv_create_cq(id->verbs, 64, NULL, NULL, 0);
 	struct ibv_qp_init_attr qa = {
 		.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC, .sq_sig_all = 1,
 		.cap = { .max_send_wr = 16, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1 },
@@ -263,7 +190,7 @@ static void requester(void)
 	struct rdma_conn_param cp = { .responder_resources = 16, .initiator_depth = 16 };
 	if (rdma_connect(id, &cp))
 		DIE("requester: connect");
-	ev = expect_event(ch, RDMA_CM_EVENT_ESTABLISHED);
+	ev = expect_event(c.ch, RDMA_CM_EVENT_ESTABLISHED);
 	struct offer offer;
 	CHECK(ev->param.conn.private_data_len >= sizeof offer, "the responder's offer arrives (%u bytes)",
 	      ev->param.conn.private_data_len);
@@ -332,10 +259,7 @@ static void requester(void)
 	rdma_disconnect(id);
 	rdma_destroy_qp(id);
 	ibv_dereg_mr(mr);
-	ibv_destroy_cq(cq);
-	ibv_dealloc_pd(pd);
-	rdma_destroy_id(id);
-	rdma_destroy_event_channel(ch);
+	test_conn_destroy(&c);
 	free(local);
 }
 
@@ -347,6 +271,5 @@ int main(void)
 		DIE("pthread_create");
 	requester();
 	pthread_join(t, NULL);
-	printf("stagdv_demo: %d passed, %d failed\n", passed, failed);
-	return failed ? 1 : 0;
+	return test_summary();
 }

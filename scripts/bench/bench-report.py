@@ -357,21 +357,31 @@ def scale_field(rdir, role, key):
 
 
 def cmtime_rate(rdir):
-    """Connections set up per second through rdma_cm: cmtime's connections
-    over the sum of its setup steps' wall times (each step runs for all
-    connections at once; disconnect and destroy are not setup)."""
-    total_ms, n = 0.0, None
+    """Connections set up per second through rdma_cm, all from cmtime's own
+    output: its connections over the sum of its setup steps' wall times
+    (each step runs for all connections at once; disconnect and destroy are
+    not setup). cmtime prints, per step, the total in ms and the time per
+    connection in us, so their quotient is its connection count (taken from
+    the step with the largest total, where the rounding matters least); the
+    connections it reports failed ("event: ..." lines) are left out."""
+    total_ms, n, widest = 0.0, None, 0.0
+    failed = 0
     for line in read(rdir, "cmtime").splitlines():
+        if line.startswith("event:"):
+            failed += 1
+            continue
         f = line.replace(":", " ").split()
         if len(f) >= 5 and f[0] in ("create", "resolve", "connect"):
             try:
-                total_ms += float(f[-4])
+                step_ms, per_conn_us = float(f[-4]), float(f[-1])
             except ValueError:
                 return None
-    m = KNOBS.split("SCALE_QPS=")
-    if len(m) > 1:
-        n = float(m[1].split()[0])
-    return n / (total_ms / 1000.0) if n and total_ms > 0 else None
+            total_ms += step_ms
+            if step_ms > widest and per_conn_us > 0:
+                widest, n = step_ms, round(step_ms * 1000.0 / per_conn_us)
+    if not n or total_ms <= 0 or failed >= n:
+        return None
+    return (n - failed) / (total_ms / 1000.0)
 
 
 scale_rows = []

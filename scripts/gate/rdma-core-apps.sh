@@ -19,14 +19,14 @@ STAG=$PWD/target/debug/stag
 out=$PWD/target/rdma-core
 rm -rf "$out" && mkdir -p "$out"
 chmod 755 "$out"
-cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/include -o "$out/stagdv_demo" \
+cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/include -Iprovider/plugin/tests/c -o "$out/stagdv_demo" \
     examples/c/stagdv_demo.c -L target/debug -Wl,-rpath,"$PWD/target/debug" \
     -lstag_rdmav34 -lrdmacm -libverbs -lpthread || exit 1
-cc -Wall -Wextra -Werror -O1 -o "$out/verbs_errors" provider/plugin/tests/c/verbs_errors.c -libverbs || exit 1
-cc -Wall -Wextra -Werror -O1 -o "$out/cm_edge" provider/plugin/src/cm/tests/cm_edge.c -lrdmacm -libverbs -lpthread || exit 1
-cc -Wall -Wextra -Werror -O1 -o "$out/wr_api" provider/plugin/tests/c/wr_api.c -lrdmacm -libverbs -lpthread || exit 1
-cc -Wall -Wextra -Werror -O1 -o "$out/cq_events" provider/plugin/tests/c/cq_events.c -lrdmacm -libverbs -lpthread || exit 1
-cc -Wall -Wextra -Werror -O1 -o "$out/faults" provider/plugin/tests/c/faults.c -lrdmacm -libverbs -lpthread || exit 1
+cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/tests/c -o "$out/verbs_errors" provider/plugin/tests/c/verbs_errors.c -libverbs || exit 1
+cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/tests/c -o "$out/cm_edge" provider/plugin/src/cm/tests/cm_edge.c -lrdmacm -libverbs -lpthread || exit 1
+cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/tests/c -o "$out/wr_api" provider/plugin/tests/c/wr_api.c -lrdmacm -libverbs -lpthread || exit 1
+cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/tests/c -o "$out/cq_events" provider/plugin/tests/c/cq_events.c -lrdmacm -libverbs -lpthread || exit 1
+cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/tests/c -o "$out/faults" provider/plugin/tests/c/faults.c -lrdmacm -libverbs -lpthread || exit 1
 
 passed=0 failed=0
 pass() { passed=$((passed + 1)); echo "ok    $1"; }

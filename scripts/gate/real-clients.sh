@@ -168,7 +168,7 @@ c_program() {
     shift 3
     local t0 rc=0
     t0=$(now)
-    cc -Wall -Wextra -Werror -O1 -o "$out/$name" "$src" -lrdmacm -libverbs -lpthread \
+    cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/tests/c -o "$out/$name" "$src" -lrdmacm -libverbs -lpthread \
         >"$out/$name.build.log" 2>&1 || rc=1
     if ((rc == 0)); then
         timeout 120 "$STAG" run -- "$out/$name" "$@" >"$out/$name.run.log" 2>&1 || rc=$?

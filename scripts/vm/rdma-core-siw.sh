@@ -17,10 +17,10 @@ passed=0 failed=0
 
 source scripts/lib/common.sh
 
-# attempt NAME PORT SERVER_SIDE(stag|siw) 'SERVER ARGS' 'CLIENT ARGS' PATTERN:
+# run_pair NAME PORT SERVER_SIDE(stag|siw) 'SERVER ARGS' 'CLIENT ARGS' PATTERN:
 # one run of server and client; 0 when both exit 0 and the client's output
 # matches PATTERN.
-attempt() {
+run_pair() {
     local name=$1 port=$2 side=$3 server=$4 client=$5 pattern=$6
     local srun=() crun=()
     if [[ $side == stag ]]; then srun=("$STAG" run --); else crun=("$STAG" run --); fi
@@ -43,7 +43,7 @@ attempt() {
 case_() {
     local name=$1
     shift
-    if attempt "$name" "$@"; then
+    if run_pair "$name" "$@"; then
         passed=$((passed + 1))
         echo "ok    $name"
         return

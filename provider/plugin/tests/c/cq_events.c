@@ -29,64 +29,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#include <infiniband/verbs.h>
-#include <rdma/rdma_cma.h>
+#define TEST_NAME "cq_events"
+#include "stag_test.h"
 
 #define GROUPS 50
 #define PINGS 50
-
-static int passed, failed;
-static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-#define CHECK(cond, ...)                                               \
-	do {                                                           \
-		int ok_ = (cond);                                      \
-		pthread_mutex_lock(&lock);                             \
-		if (ok_) {                                             \
-			passed++;                                      \
-		} else {                                               \
-			failed++;                                      \
-			fprintf(stderr, "FAILED line %d: ", __LINE__); \
-			fprintf(stderr, __VA_ARGS__);                  \
-			fputc('\n', stderr);                           \
-		}                                                      \
-		pthread_mutex_unlock(&lock);                           \
-	} while (0)
-#define DIE(what)                                                         \
-	do {                                                              \
-		fprintf(stderr, "cq_events: %s: %s\n", what, strerror(errno)); \
-		exit(1);                                                  \
-	} while (0)
-
-static uint16_t port;
-
-static pthread_mutex_t plock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t pcond = PTHREAD_COND_INITIALIZER;
-
-static struct rdma_cm_event *expect(struct rdma_event_channel *ch, enum rdma_cm_event_type t)
-{
-	struct rdma_cm_event *ev;
-	if (rdma_get_cm_event(ch, &ev))
-		DIE("get_cm_event");
-	if (ev->event != t) {
-		fprintf(stderr, "cq_events: expected %s, got %s\n", rdma_event_str(t),
-			rdma_event_str(ev->event));
-		exit(1);
-	}
-	return ev;
-}
-
-/* Busy-poll n completions (the requester side only). */
-static int poll_n(struct ibv_cq *cq, struct ibv_wc *wc, int n)
-{
-	int got = 0;
-	for (long spins = 0; got < n && spins < 500000000L; spins++) {
-		int r = ibv_poll_cq(cq, n - got, wc + got);
-		if (r < 0)
-			DIE("poll_cq");
-		got += r;
-	}
-	return got;
-}
 
 static void post_recv(struct ibv_qp *qp, struct ibv_mr *mr, uint64_t id)
 {
@@ -135,22 +82,12 @@ static void drain(struct ibv_cq *cq, int *recvs, int *sends, int *bad)
 static void *responder(void *arg)
 {
 	(void)arg;
-	struct rdma_event_channel *ch = rdma_create_event_channel();
-	struct rdma_cm_id *lid, *id;
-	struct sockaddr_in sin = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7f000001) };
-	if (!ch || rdma_create_id(ch, &lid, NULL, RDMA_PS_TCP) ||
-	    rdma_bind_addr(lid, (struct sockaddr *)&sin) || rdma_listen(lid, 1))
-		DIE("listen");
-	pthread_mutex_lock(&plock);
-	port = ntohs(rdma_get_src_port(lid));
-	pthread_cond_signal(&pcond);
-	pthread_mutex_unlock(&plock);
-	struct rdma_cm_event *ev = expect(ch, RDMA_CM_EVENT_CONNECT_REQUEST);
-	id = ev->id;
-	rdma_ack_cm_event(ev);
-	struct ibv_pd *pd = ibv_alloc_pd(id->verbs);
+	struct test_conn c = { 0 };
+	test_conn_serve_one(&c);
+	struct rdma_cm_id *id = c.id;
+	struct ibv_pd *pd = c.pd = ibv_alloc_pd(id->verbs);
 	struct ibv_comp_channel *cc = ibv_create_comp_channel(id->verbs);
-	struct ibv_cq *cq = cc ? ibv_create_cq(id->verbs, 512, (void *)0x5e, cc, 0) : NULL;
+	struct ibv_cq *cq = c.cq = cc ? ibv_create_cq(id->verbs, 512, (void *)0x5e, cc, 0) : NULL;
 	struct ibv_qp_init_attr qa = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
 				       .cap = { 16, 4 * GROUPS + PINGS, 1, 1, 0 } };
 	if (!pd || !cq || rdma_create_qp(id, pd, &qa))
@@ -167,7 +104,7 @@ static void *responder(void *arg)
 	struct rdma_conn_param cp = { .responder_resources = 1, .initiator_depth = 1 };
 	if (rdma_accept(id, &cp))
 		DIE("accept");
-	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ESTABLISHED));
+	test_conn_established(&c, NULL, 0);
 
 	/* 1: solicited-only, sleeping in ibv_get_cq_event. */
 	int recvs = 0, sends = 0, bad = 0, wakes = 0, short_wakes = 0;
@@ -225,16 +162,14 @@ static void *responder(void *arg)
 	CHECK(missed == 0 && recvs == want && bad == 0,
 	      "any completion: %d of %d receives, %d missed wake-ups, %d errors", recvs, want,
 	      missed, bad);
-	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_DISCONNECTED));
+	rdma_ack_cm_event(expect_event(c.ch, RDMA_CM_EVENT_DISCONNECTED));
 	rdma_destroy_qp(id);
 	drain(cq, &recvs, &sends, &bad);
 	ibv_dereg_mr(mr);
 	ibv_destroy_cq(cq);
+	c.cq = NULL;
 	CHECK(ibv_destroy_comp_channel(cc) == 0, "destroy_comp_channel");
-	ibv_dealloc_pd(pd);
-	rdma_destroy_id(id);
-	rdma_destroy_id(lid);
-	rdma_destroy_event_channel(ch);
+	test_conn_destroy(&c);
 	free(buf);
 	return NULL;
 }
@@ -254,10 +189,7 @@ struct chan {
 
 static void chan_open(struct chan *c)
 {
-	struct ibv_device **l = ibv_get_device_list(NULL);
-	if (!l || !l[0] || !(c->ctx = ibv_open_device(l[0])))
-		DIE("open device");
-	ibv_free_device_list(l);
+	c->ctx = open_stag0();
 	c->pd = ibv_alloc_pd(c->ctx);
 	c->cc = ibv_create_comp_channel(c->ctx);
 	c->cq = c->cc ? ibv_create_cq(c->ctx, 16, (void *)0x5e, c->cc, 0) : NULL;
@@ -411,24 +343,11 @@ int main(void)
 	pthread_t t;
 	if (pthread_create(&t, NULL, responder, NULL))
 		DIE("thread");
-	pthread_mutex_lock(&plock);
-	while (!port)
-		pthread_cond_wait(&pcond, &plock);
-	pthread_mutex_unlock(&plock);
-
-	struct rdma_event_channel *ch = rdma_create_event_channel();
-	struct rdma_cm_id *id;
-	struct sockaddr_in sin = { .sin_family = AF_INET, .sin_port = htons(port),
-				   .sin_addr.s_addr = htonl(0x7f000001) };
-	if (!ch || rdma_create_id(ch, &id, NULL, RDMA_PS_TCP) ||
-	    rdma_resolve_addr(id, NULL, (struct sockaddr *)&sin, 2000))
-		DIE("resolve");
-	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED));
-	if (rdma_resolve_route(id, 2000))
-		DIE("route");
-	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ROUTE_RESOLVED));
-	struct ibv_pd *pd = ibv_alloc_pd(id->verbs);
-	struct ibv_cq *cq = ibv_create_cq(id->verbs, 512, NULL, NULL, 0);
+	struct test_conn c = { 0 };
+	test_conn_resolve(&c, wait_port());
+	struct rdma_cm_id *id = c.id;
+	struct ibv_pd *pd = c.pd = ibv_alloc_pd(id->verbs);
+	struct ibv_cq *cq = c.cq = ibv_create_cq(id->verbs, 512, NULL, NULL, 0);
 	struct ibv_qp_init_attr qa = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
 				       .cap = { 16, GROUPS + PINGS, 1, 1, 0 } };
 	if (!pd || !cq || rdma_create_qp(id, pd, &qa))
@@ -442,7 +361,7 @@ int main(void)
 	struct rdma_conn_param cp = { .responder_resources = 1, .initiator_depth = 1 };
 	if (rdma_connect(id, &cp))
 		DIE("connect");
-	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ESTABLISHED));
+	test_conn_established(&c, NULL, 0);
 
 	struct ibv_wc wc[8];
 	int ok = 1;
@@ -450,14 +369,14 @@ int main(void)
 		for (int k = 0; k < 4; k++)
 			post_send(id->qp, mr, 10 * g + k, k == 3 ? IBV_SEND_SOLICITED : 0);
 		/* Four send completions and the reply. */
-		ok = poll_n(cq, wc, 5) == 5;
+		ok = poll_cq_busy(cq, wc, 5, 30) == 5;
 		for (int i = 0; i < 5 && ok; i++)
 			ok = wc[i].status == IBV_WC_SUCCESS;
 	}
 	CHECK(ok, "solicited groups answered");
 	for (int p = 0; p < PINGS && ok; p++) {
 		post_send(id->qp, mr, 100000 + p, 0);
-		ok = poll_n(cq, wc, 2) == 2 && wc[0].status == IBV_WC_SUCCESS &&
+		ok = poll_cq_busy(cq, wc, 2, 30) == 2 && wc[0].status == IBV_WC_SUCCESS &&
 		     wc[1].status == IBV_WC_SUCCESS;
 	}
 	CHECK(ok, "pings answered");
@@ -466,13 +385,9 @@ int main(void)
 	pthread_join(t, NULL);
 	rdma_destroy_qp(id);
 	ibv_dereg_mr(mr);
-	ibv_destroy_cq(cq);
-	ibv_dealloc_pd(pd);
-	rdma_destroy_id(id);
-	rdma_destroy_event_channel(ch);
+	test_conn_destroy(&c);
 	free(buf);
 	destroy_waits_for_ack();
 	signal_during_wait();
-	printf("cq_events: %d passed, %d failed\n", passed, failed);
-	return failed ? 1 : 0;
+	return test_summary();
 }

@@ -78,26 +78,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include <infiniband/verbs.h>
-#include <rdma/rdma_cma.h>
-
-static int passed, failed;
-#define CHECK(cond, ...)                                                  \
-	do {                                                              \
-		if (cond) {                                               \
-			passed++;                                         \
-		} else {                                                  \
-			failed++;                                         \
-			fprintf(stderr, "FAILED line %d: ", __LINE__);    \
-			fprintf(stderr, __VA_ARGS__);                     \
-			fputc('\n', stderr);                              \
-		}                                                         \
-	} while (0)
-#define DIE(what)                                                          \
-	do {                                                               \
-		fprintf(stderr, "faults: %s: %s\n", what, strerror(errno)); \
-		exit(1);                                                   \
-	} while (0)
+#define TEST_NAME "faults"
+#include "stag_test.h"
 
 #define BIG (4u << 20) /* one large message */
 #define NBIG 16
@@ -110,10 +92,7 @@ struct offer {
 
 /* One end of a connection. */
 struct end {
-	struct rdma_event_channel *ch;
-	struct rdma_cm_id *listen, *id;
-	struct ibv_pd *pd;
-	struct ibv_cq *cq;
+	struct test_conn c; /* channel, ids, PD and CQ */
 	struct offer peer;
 	uint32_t sq_depth; /* max_send_wr as created */
 	int want_srq;	   /* make_qp: the QP receives from a new SRQ */
@@ -121,32 +100,12 @@ struct end {
 	struct ibv_srq *srq;
 };
 
-static struct rdma_cm_event *expect(struct rdma_event_channel *ch, enum rdma_cm_event_type t)
-{
-	struct rdma_cm_event *ev;
-	if (rdma_get_cm_event(ch, &ev))
-		DIE("get_cm_event");
-	if (ev->event != t) {
-		fprintf(stderr, "faults: expected %s, got %s\n", rdma_event_str(t),
-			rdma_event_str(ev->event));
-		exit(1);
-	}
-	return ev;
-}
-
-static double now(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
 /* Poll up to n completions, for at most `secs`. */
 static int poll_for(struct ibv_cq *cq, struct ibv_wc *wc, int n, double secs)
 {
 	int got = 0;
-	double end = now() + secs;
-	while (got < n && now() < end) {
+	double end = now_s() + secs;
+	while (got < n && now_s() < end) {
 		int r = ibv_poll_cq(cq, n - got, wc + got);
 		if (r < 0)
 			DIE("poll_cq");
@@ -159,17 +118,17 @@ static int poll_for(struct ibv_cq *cq, struct ibv_wc *wc, int n, double secs)
 
 static void make_qp(struct end *e, int depth)
 {
-	e->pd = ibv_alloc_pd(e->id->verbs);
-	e->cq = ibv_create_cq(e->id->verbs, e->cq_size ? e->cq_size : 4 * depth, NULL, NULL, 0);
-	if (e->want_srq && e->pd) {
+	e->c.pd = ibv_alloc_pd(e->c.id->verbs);
+	e->c.cq = ibv_create_cq(e->c.id->verbs, e->cq_size ? e->cq_size : 4 * depth, NULL, NULL, 0);
+	if (e->want_srq && e->c.pd) {
 		struct ibv_srq_init_attr sa = { .attr = { .max_wr = 16, .max_sge = 1 } };
-		e->srq = ibv_create_srq(e->pd, &sa);
+		e->srq = ibv_create_srq(e->c.pd, &sa);
 		if (!e->srq)
 			DIE("create srq");
 	}
-	struct ibv_qp_init_attr qa = { .send_cq = e->cq, .recv_cq = e->cq, .srq = e->srq,
+	struct ibv_qp_init_attr qa = { .send_cq = e->c.cq, .recv_cq = e->c.cq, .srq = e->srq,
 				       .qp_type = IBV_QPT_RC, .cap = { depth, depth, 1, 1, 0 } };
-	if (!e->pd || !e->cq || rdma_create_qp(e->id, e->pd, &qa))
+	if (!e->c.pd || !e->c.cq || rdma_create_qp(e->c.id, e->c.pd, &qa))
 		DIE("create qp");
 	e->sq_depth = qa.cap.max_send_wr;
 }
@@ -177,56 +136,35 @@ static void make_qp(struct end *e, int depth)
 /* Peer side: listen on an ephemeral port, print it, take one connection. */
 static void peer_listen(struct end *e)
 {
-	struct sockaddr_in sin = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	e->ch = rdma_create_event_channel();
-	if (!e->ch || rdma_create_id(e->ch, &e->listen, NULL, RDMA_PS_TCP) ||
-	    rdma_bind_addr(e->listen, (struct sockaddr *)&sin) || rdma_listen(e->listen, 1))
-		DIE("peer listen");
-	printf("port %u\n", ntohs(rdma_get_src_port(e->listen)));
+	printf("port %u\n", test_conn_listen(&e->c));
 	fflush(stdout);
-	struct rdma_cm_event *ev = expect(e->ch, RDMA_CM_EVENT_CONNECT_REQUEST);
-	e->id = ev->id;
-	if (ev->param.conn.private_data_len >= sizeof(struct offer))
-		memcpy(&e->peer, ev->param.conn.private_data, sizeof(struct offer));
-	rdma_ack_cm_event(ev);
+	test_conn_take_request(&e->c, &e->peer, sizeof e->peer);
 }
 
 static void peer_accept(struct end *e, struct offer o)
 {
 	struct rdma_conn_param cp = { .private_data = &o, .private_data_len = sizeof o,
 				      .responder_resources = 8, .initiator_depth = 8 };
-	if (rdma_accept(e->id, &cp))
+	if (rdma_accept(e->c.id, &cp))
 		DIE("accept");
-	rdma_ack_cm_event(expect(e->ch, RDMA_CM_EVENT_ESTABLISHED));
+	test_conn_established(&e->c, NULL, 0);
 }
 
 static void connect_to_offering(struct end *e, uint16_t port, int depth, struct ibv_mr *(*reg)(struct ibv_pd *))
 {
-	struct sockaddr_in sin = { .sin_family = AF_INET, .sin_port = htons(port),
-				   .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	e->ch = rdma_create_event_channel();
-	if (!e->ch || rdma_create_id(e->ch, &e->id, NULL, RDMA_PS_TCP) ||
-	    rdma_resolve_addr(e->id, NULL, (struct sockaddr *)&sin, 2000))
-		DIE("resolve");
-	rdma_ack_cm_event(expect(e->ch, RDMA_CM_EVENT_ADDR_RESOLVED));
-	if (rdma_resolve_route(e->id, 2000))
-		DIE("route");
-	rdma_ack_cm_event(expect(e->ch, RDMA_CM_EVENT_ROUTE_RESOLVED));
+	test_conn_resolve(&e->c, port);
 	make_qp(e, depth);
 	struct rdma_conn_param cp = { .responder_resources = 8, .initiator_depth = 8 };
 	struct offer o;
 	if (reg) {
-		struct ibv_mr *mr = reg(e->pd);
+		struct ibv_mr *mr = reg(e->c.pd);
 		o = (struct offer){ (uintptr_t)mr->addr, mr->rkey };
 		cp.private_data = &o;
 		cp.private_data_len = sizeof o;
 	}
-	if (rdma_connect(e->id, &cp))
+	if (rdma_connect(e->c.id, &cp))
 		DIE("connect");
-	struct rdma_cm_event *ev = expect(e->ch, RDMA_CM_EVENT_ESTABLISHED);
-	if (ev->param.conn.private_data_len >= sizeof(struct offer))
-		memcpy(&e->peer, ev->param.conn.private_data, sizeof(struct offer));
-	rdma_ack_cm_event(ev);
+	test_conn_established(&e->c, &e->peer, sizeof e->peer);
 }
 
 static void connect_to(struct end *e, uint16_t port, int depth)
@@ -245,20 +183,20 @@ static int peer_main(const char *cas)
 	char *buf = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 	if (buf == MAP_FAILED)
 		DIE("mmap");
-	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, len, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+	struct ibv_mr *mr = ibv_reg_mr(e.c.pd, buf, len, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
 	if (!mr)
 		DIE("peer reg_mr");
 	if (!strcmp(cas, "async_srq_limit")) {
 		struct ibv_sge s = { (uintptr_t)buf, 64, mr->lkey };
 		struct ibv_recv_wr w = { .wr_id = 100, .sg_list = &s, .num_sge = 1 }, *bad;
-		if (ibv_post_recv(e.id->qp, &w, &bad))
+		if (ibv_post_recv(e.c.id->qp, &w, &bad))
 			DIE("post_recv");
 	}
 	if (!strcmp(cas, "dereg_inflight")) {
 		for (int i = 0; i < NBIG; i++) {
 			struct ibv_sge s = { (uintptr_t)(buf + (size_t)i * BIG), BIG, mr->lkey };
 			struct ibv_recv_wr w = { .wr_id = i, .sg_list = &s, .num_sge = 1 }, *bad;
-			if (ibv_post_recv(e.id->qp, &w, &bad))
+			if (ibv_post_recv(e.c.id->qp, &w, &bad))
 				DIE("post_recv");
 		}
 	}
@@ -267,7 +205,7 @@ static int peer_main(const char *cas)
 		/* Every Receive completes; a successful one holds the whole
 		 * message, each octet (i + 1). */
 		struct ibv_wc wc[NBIG];
-		int n = poll_for(e.cq, wc, NBIG, 30), ok = 0, bad = 0;
+		int n = poll_for(e.c.cq, wc, NBIG, 30), ok = 0, bad = 0;
 		for (int i = 0; i < n; i++) {
 			if (wc[i].status != IBV_WC_SUCCESS) {
 				if (wc[i].status != IBV_WC_WR_FLUSH_ERR)
@@ -295,9 +233,9 @@ static int peer_main(const char *cas)
 						 .send_flags = IBV_SEND_SIGNALED,
 						 .wr.rdma = { e.peer.addr, e.peer.rkey } },
 					   *bad;
-			if (ibv_post_send(e.id->qp, &w, &bad) == 0) {
+			if (ibv_post_send(e.c.id->qp, &w, &bad) == 0) {
 				struct ibv_wc wc;
-				poll_for(e.cq, &wc, 1, 1);
+				poll_for(e.c.cq, &wc, 1, 1);
 			}
 		}
 	}
@@ -307,7 +245,7 @@ static int peer_main(const char *cas)
 		 * write fails with EPIPE, which raises SIGPIPE without
 		 * MSG_NOSIGNAL. */
 		usleep(100000);
-		rdma_disconnect(e.id);
+		rdma_disconnect(e.c.id);
 		usleep(100000);
 		_exit(0);
 	}
@@ -315,19 +253,19 @@ static int peer_main(const char *cas)
 		/* On the client's Send, five Sends back: its SRQ goes from 8
 		 * posted WRs to 3. */
 		struct ibv_wc wc[5];
-		if (poll_for(e.cq, wc, 1, 30) != 1 || wc[0].status != IBV_WC_SUCCESS)
+		if (poll_for(e.c.cq, wc, 1, 30) != 1 || wc[0].status != IBV_WC_SUCCESS)
 			return 1;
 		for (int i = 0; i < 5; i++) {
 			struct ibv_sge s = { (uintptr_t)buf, 64, mr->lkey };
 			struct ibv_send_wr w = { .wr_id = i, .sg_list = &s, .num_sge = 1,
 						 .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED },
 					   *bad;
-			if (ibv_post_send(e.id->qp, &w, &bad))
+			if (ibv_post_send(e.c.id->qp, &w, &bad))
 				return 1;
 		}
-		poll_for(e.cq, wc, 5, 10);
+		poll_for(e.c.cq, wc, 5, 10);
 		struct rdma_cm_event *ev;
-		while (rdma_get_cm_event(e.ch, &ev) == 0)
+		while (rdma_get_cm_event(e.c.ch, &ev) == 0)
 			rdma_ack_cm_event(ev);
 		return 0;
 	}
@@ -339,13 +277,13 @@ static int peer_main(const char *cas)
 	if (!strcmp(cas, "async_disconnect")) {
 		/* A clean disconnect from our side. */
 		usleep(100000);
-		rdma_disconnect(e.id);
-		rdma_ack_cm_event(expect(e.ch, RDMA_CM_EVENT_DISCONNECTED));
+		rdma_disconnect(e.c.id);
+		rdma_ack_cm_event(expect_event(e.c.ch, RDMA_CM_EVENT_DISCONNECTED));
 		return 0;
 	}
 	/* Otherwise: stay until killed or the client disconnects. */
 	struct rdma_cm_event *ev;
-	while (rdma_get_cm_event(e.ch, &ev) == 0) {
+	while (rdma_get_cm_event(e.c.ch, &ev) == 0) {
 		int done = ev->event == RDMA_CM_EVENT_DISCONNECTED;
 		rdma_ack_cm_event(ev);
 		if (done)
@@ -415,7 +353,7 @@ static int post_write(struct end *e, struct ibv_mr *mr, char *src, uint32_t len,
 				 .opcode = IBV_WR_RDMA_WRITE, .send_flags = IBV_SEND_SIGNALED,
 				 .wr.rdma = { e->peer.addr + remote_off, e->peer.rkey } },
 			   *bad;
-	return ibv_post_send(e->id->qp, &w, &bad);
+	return ibv_post_send(e->c.id->qp, &w, &bad);
 }
 
 static void case_peer_close(void)
@@ -425,15 +363,15 @@ static void case_peer_close(void)
 	connect_to(&e, p.port, NBIG);
 	size_t len = (size_t)BIG * NBIG;
 	char *buf = map_big(len, 0);
-	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, len, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *mr = ibv_reg_mr(e.c.pd, buf, len, IBV_ACCESS_LOCAL_WRITE);
 	if (!mr)
 		DIE("reg_mr");
 	/* Keep NBIG 1 MiB Writes in flight while the peer closes and exits,
 	 * until the QP fails. */
 	int inflight = 0, done = 0, errors = 0, post_failed = 0;
 	uint64_t next = 0;
-	double end = now() + 20;
-	while (!errors && now() < end) {
+	double end = now_s() + 20;
+	while (!errors && now_s() < end) {
 		while (inflight < NBIG) {
 			if (post_write(&e, mr, buf + (next % NBIG) * (1u << 20), 1u << 20, next,
 				       (next % NBIG) * (1u << 20))) {
@@ -444,7 +382,7 @@ static void case_peer_close(void)
 			inflight++;
 		}
 		struct ibv_wc wc[NBIG];
-		int n = ibv_poll_cq(e.cq, NBIG, wc);
+		int n = ibv_poll_cq(e.c.cq, NBIG, wc);
 		for (int i = 0; i < n; i++) {
 			inflight--;
 			if (wc[i].status == IBV_WC_SUCCESS)
@@ -460,20 +398,17 @@ static void case_peer_close(void)
 	CHECK(post_failed == 0, "peer_close: posts are accepted while the QP fails (%d refused)", post_failed);
 	/* Drain, then one more post: it flushes. */
 	struct ibv_wc wc[NBIG];
-	poll_for(e.cq, wc, inflight, 5);
+	poll_for(e.c.cq, wc, inflight, 5);
 	CHECK(post_write(&e, mr, buf, 4096, 999, 0) == 0, "peer_close: post after the error: %s",
 	      strerror(errno));
-	CHECK(poll_for(e.cq, wc, 1, 5) == 1 && wc[0].wr_id == 999 &&
+	CHECK(poll_for(e.c.cq, wc, 1, 5) == 1 && wc[0].wr_id == 999 &&
 		      wc[0].status == IBV_WC_WR_FLUSH_ERR,
 	      "peer_close: a post after the error completes with WR_FLUSH_ERR");
 	reap(&p);
-	rdma_destroy_qp(e.id);
+	rdma_destroy_qp(e.c.id);
 	CHECK(ibv_dereg_mr(mr) == 0, "peer_close: dereg_mr");
 	munmap(buf, len);
-	ibv_destroy_cq(e.cq);
-	ibv_dealloc_pd(e.pd);
-	rdma_destroy_id(e.id);
-	rdma_destroy_event_channel(e.ch);
+	test_conn_destroy(&e.c);
 }
 
 /* Whether process `pid` is stopped (state T in /proc/PID/stat). */
@@ -520,8 +455,8 @@ static void raw_peer_reset(uint16_t port, int ctl)
 	    read(ctl, &go, 1) != 1)
 		_exit(2);
 	kill(app, SIGSTOP);
-	double end = now() + 10;
-	while (!is_stopped(app) && now() < end)
+	double end = now_s() + 10;
+	while (!is_stopped(app) && now_s() < end)
 		usleep(1000);
 	/* FIN first: the application's end is in CLOSE_WAIT when the RST
 	 * arrives, so the kernel records EPIPE on it. */
@@ -538,12 +473,7 @@ static void raw_peer_reset(uint16_t port, int ctl)
 static void case_sigpipe(void)
 {
 	struct end e = { 0 };
-	struct sockaddr_in sin = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	e.ch = rdma_create_event_channel();
-	if (!e.ch || rdma_create_id(e.ch, &e.listen, NULL, RDMA_PS_TCP) ||
-	    rdma_bind_addr(e.listen, (struct sockaddr *)&sin) || rdma_listen(e.listen, 1))
-		DIE("listen");
-	uint16_t port = ntohs(rdma_get_src_port(e.listen));
+	uint16_t port = test_conn_listen(&e.c);
 	int sv[2];
 	if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv))
 		DIE("socketpair");
@@ -555,14 +485,12 @@ static void case_sigpipe(void)
 		raw_peer_reset(port, sv[1]);
 	}
 	close(sv[1]);
-	struct rdma_cm_event *ev = expect(e.ch, RDMA_CM_EVENT_CONNECT_REQUEST);
-	e.id = ev->id;
-	rdma_ack_cm_event(ev);
+	test_conn_take_request(&e.c, NULL, 0);
 	make_qp(&e, 8);
 	struct rdma_conn_param cp = { .responder_resources = 8, .initiator_depth = 8 };
-	if (rdma_accept(e.id, &cp))
+	if (rdma_accept(e.c.id, &cp))
 		DIE("accept");
-	rdma_ack_cm_event(expect(e.ch, RDMA_CM_EVENT_ESTABLISHED));
+	test_conn_established(&e.c, NULL, 0);
 	/* This thread sleeps in read() while the peer does its part. */
 	char r = 0;
 	CHECK(write(sv[0], "g", 1) == 1 && read(sv[0], &r, 1) == 1 && r == 'r',
@@ -574,16 +502,11 @@ static void case_sigpipe(void)
 	 * Posts now flush: the QP is in Error. */
 	struct ibv_wc wc;
 	struct ibv_recv_wr rw = { .wr_id = 5 }, *rbad;
-	CHECK(ibv_post_recv(e.id->qp, &rw, &rbad) == 0 && poll_for(e.cq, &wc, 1, 5) == 1 &&
+	CHECK(ibv_post_recv(e.c.id->qp, &rw, &rbad) == 0 && poll_for(e.c.cq, &wc, 1, 5) == 1 &&
 		      wc.wr_id == 5 && wc.status == IBV_WC_WR_FLUSH_ERR,
 	      "sigpipe: the QP is in Error: a Receive flushes");
 	close(sv[0]);
-	rdma_destroy_qp(e.id);
-	ibv_destroy_cq(e.cq);
-	ibv_dealloc_pd(e.pd);
-	rdma_destroy_id(e.id);
-	rdma_destroy_id(e.listen);
-	rdma_destroy_event_channel(e.ch);
+	test_conn_destroy(&e.c);
 }
 
 static char *kill_recv_buf;
@@ -603,33 +526,30 @@ static void case_kill_recv(void)
 	struct end e = { 0 };
 	connect_to_offering(&e, p.port, 8, kill_recv_reg);
 	char *rbuf = calloc(8, 4096);
-	struct ibv_mr *rmr = ibv_reg_mr(e.pd, rbuf, 8 * 4096, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *rmr = ibv_reg_mr(e.c.pd, rbuf, 8 * 4096, IBV_ACCESS_LOCAL_WRITE);
 	for (int i = 0; i < 8; i++) {
 		struct ibv_sge s = { (uintptr_t)(rbuf + 4096 * i), 4096, rmr->lkey };
 		struct ibv_recv_wr w = { .wr_id = i, .sg_list = &s, .num_sge = 1 }, *bad;
-		if (ibv_post_recv(e.id->qp, &w, &bad))
+		if (ibv_post_recv(e.c.id->qp, &w, &bad))
 			DIE("post_recv");
 	}
 	/* Wait until the peer's Writes land, let them stream, kill it. */
-	double end = now() + 10;
-	while (((volatile char *)kill_recv_buf)[(1 << 20) - 1] != (char)0xab && now() < end)
+	double end = now_s() + 10;
+	while (((volatile char *)kill_recv_buf)[(1 << 20) - 1] != (char)0xab && now_s() < end)
 		usleep(100);
 	usleep(50000);
 	kill(p.pid, SIGKILL);
 	struct ibv_wc wc[8];
-	int n = poll_for(e.cq, wc, 8, 10), flushed = 0;
+	int n = poll_for(e.c.cq, wc, 8, 10), flushed = 0;
 	for (int i = 0; i < n; i++)
 		flushed += wc[i].status == IBV_WC_WR_FLUSH_ERR;
 	CHECK(kill_recv_buf[(1 << 20) - 1] == (char)0xab && n == 8 && flushed == 8,
 	      "kill_recv: the peer's Writes arrived, then its death flushed our 8 Receives (%d completions, %d flushed)",
 	      n, flushed);
 	reap(&p);
-	rdma_destroy_qp(e.id);
+	rdma_destroy_qp(e.c.id);
 	ibv_dereg_mr(rmr);
-	ibv_destroy_cq(e.cq);
-	ibv_dealloc_pd(e.pd);
-	rdma_destroy_id(e.id);
-	rdma_destroy_event_channel(e.ch);
+	test_conn_destroy(&e.c);
 }
 
 static void case_dereg_inflight(void)
@@ -639,7 +559,7 @@ static void case_dereg_inflight(void)
 	connect_to(&e, p.port, NBIG);
 	size_t len = (size_t)BIG * NBIG;
 	char *buf = map_big(len, 1);
-	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, len, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *mr = ibv_reg_mr(e.c.pd, buf, len, IBV_ACCESS_LOCAL_WRITE);
 	if (!mr)
 		DIE("reg_mr");
 	/* The peer stops reading, so the Sends back up in our queue. */
@@ -649,7 +569,7 @@ static void case_dereg_inflight(void)
 		struct ibv_send_wr w = { .wr_id = i, .sg_list = &s, .num_sge = 1,
 					 .opcode = IBV_WR_SEND, .send_flags = IBV_SEND_SIGNALED },
 				   *bad;
-		if (ibv_post_send(e.id->qp, &w, &bad))
+		if (ibv_post_send(e.c.id->qp, &w, &bad))
 			DIE("post_send");
 	}
 	usleep(20000);
@@ -658,7 +578,7 @@ static void case_dereg_inflight(void)
 	munmap(buf, len);
 	kill(p.pid, SIGCONT);
 	struct ibv_wc wc[NBIG];
-	int n = poll_for(e.cq, wc, NBIG, 30), ok = 0, prot = 0, flush = 0, other = 0;
+	int n = poll_for(e.c.cq, wc, NBIG, 30), ok = 0, prot = 0, flush = 0, other = 0;
 	for (int i = 0; i < n; i++) {
 		switch (wc[i].status) {
 		case IBV_WC_SUCCESS: ok++; break;
@@ -676,11 +596,8 @@ static void case_dereg_inflight(void)
 	      "dereg_inflight: the peer got every message we saw succeed, intact (%d receives: %d intact, %d bad; we saw %d ok)",
 	      pn, pok, pbad, ok);
 	reap(&p);
-	rdma_destroy_qp(e.id);
-	ibv_destroy_cq(e.cq);
-	ibv_dealloc_pd(e.pd);
-	rdma_destroy_id(e.id);
-	rdma_destroy_event_channel(e.ch);
+	rdma_destroy_qp(e.c.id);
+	test_conn_destroy(&e.c);
 }
 
 static void case_full_sq(void)
@@ -689,7 +606,7 @@ static void case_full_sq(void)
 	struct end e = { 0 };
 	connect_to(&e, p.port, 8);
 	char *buf = map_big(BIG, 0);
-	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, BIG, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *mr = ibv_reg_mr(e.c.pd, buf, BIG, IBV_ACCESS_LOCAL_WRITE);
 	kill(p.pid, SIGSTOP); /* nothing drains: the Writes stay queued */
 	/* A WR leaves the queue once its octets are in the socket, which
 	 * takes a few MiB while the peer sleeps: the queue is full after
@@ -701,21 +618,18 @@ static void case_full_sq(void)
 	      "full_sq: ENOMEM once max_send_wr (%d) WRs are outstanding (after %d posts, rc %d)", d, k, rc);
 	kill(p.pid, SIGCONT);
 	struct ibv_wc wc[40];
-	int n = poll_for(e.cq, wc, k, 20), ok = 0;
+	int n = poll_for(e.c.cq, wc, k, 20), ok = 0;
 	for (int i = 0; i < n; i++)
 		ok += wc[i].status == IBV_WC_SUCCESS;
 	CHECK(n == k && ok == k, "full_sq: all %d complete once the peer reads (%d, %d ok)", k, n, ok);
-	CHECK(post_write(&e, mr, buf, 4096, 99, 0) == 0 && poll_for(e.cq, wc, 1, 5) == 1 &&
+	CHECK(post_write(&e, mr, buf, 4096, 99, 0) == 0 && poll_for(e.c.cq, wc, 1, 5) == 1 &&
 		      wc[0].status == IBV_WC_SUCCESS,
 	      "full_sq: room again after the completions");
-	rdma_disconnect(e.id);
+	rdma_disconnect(e.c.id);
 	reap(&p);
-	rdma_destroy_qp(e.id);
+	rdma_destroy_qp(e.c.id);
 	ibv_dereg_mr(mr);
-	ibv_destroy_cq(e.cq);
-	ibv_dealloc_pd(e.pd);
-	rdma_destroy_id(e.id);
-	rdma_destroy_event_channel(e.ch);
+	test_conn_destroy(&e.c);
 }
 
 static void case_post_error(void)
@@ -724,25 +638,22 @@ static void case_post_error(void)
 	struct end e = { 0 };
 	connect_to(&e, p.port, 8);
 	char *buf = map_big(4096, 0);
-	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, 4096, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *mr = ibv_reg_mr(e.c.pd, buf, 4096, IBV_ACCESS_LOCAL_WRITE);
 	struct ibv_qp_attr a = { .qp_state = IBV_QPS_ERR };
-	CHECK(ibv_modify_qp(e.id->qp, &a, IBV_QP_STATE) == 0, "post_error: modify to ERR");
+	CHECK(ibv_modify_qp(e.c.id->qp, &a, IBV_QP_STATE) == 0, "post_error: modify to ERR");
 	struct ibv_sge s = { (uintptr_t)buf, 64, mr->lkey };
 	struct ibv_recv_wr rw = { .wr_id = 7, .sg_list = &s, .num_sge = 1 }, *rbad;
-	CHECK(post_write(&e, mr, buf, 64, 6, 0) == 0 && ibv_post_recv(e.id->qp, &rw, &rbad) == 0,
+	CHECK(post_write(&e, mr, buf, 64, 6, 0) == 0 && ibv_post_recv(e.c.id->qp, &rw, &rbad) == 0,
 	      "post_error: posts are accepted in Error");
 	struct ibv_wc wc[2];
-	int n = poll_for(e.cq, wc, 2, 5);
+	int n = poll_for(e.c.cq, wc, 2, 5);
 	CHECK(n == 2 && wc[0].status == IBV_WC_WR_FLUSH_ERR && wc[1].status == IBV_WC_WR_FLUSH_ERR,
 	      "post_error: both complete with WR_FLUSH_ERR (%d completions)", n);
-	rdma_disconnect(e.id);
+	rdma_disconnect(e.c.id);
 	reap(&p);
-	rdma_destroy_qp(e.id);
+	rdma_destroy_qp(e.c.id);
 	ibv_dereg_mr(mr);
-	ibv_destroy_cq(e.cq);
-	ibv_dealloc_pd(e.pd);
-	rdma_destroy_id(e.id);
-	rdma_destroy_event_channel(e.ch);
+	test_conn_destroy(&e.c);
 }
 
 static void case_destroy_qp(void)
@@ -752,26 +663,26 @@ static void case_destroy_qp(void)
 	connect_to(&e, p.port, NBIG);
 	size_t len = (size_t)BIG * NBIG;
 	char *buf = map_big(len, 0);
-	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, len, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *mr = ibv_reg_mr(e.c.pd, buf, len, IBV_ACCESS_LOCAL_WRITE);
 	kill(p.pid, SIGSTOP);
 	int ok = 0;
 	for (int i = 0; i < NBIG; i++)
 		ok += post_write(&e, mr, buf + (size_t)i * BIG, BIG, i, 0) == 0;
 	CHECK(ok == NBIG, "destroy_qp: 16 x 4 MiB Writes posted");
 	/* ibv_destroy_qp directly (rdma_destroy_qp would too). */
-	CHECK(ibv_destroy_qp(e.id->qp) == 0, "destroy_qp: destroy with Writes in flight");
-	e.id->qp = NULL;
+	CHECK(ibv_destroy_qp(e.c.id->qp) == 0, "destroy_qp: destroy with Writes in flight");
+	e.c.id->qp = NULL;
 	CHECK(ibv_dereg_mr(mr) == 0, "destroy_qp: dereg after");
 	munmap(buf, len);
 	kill(p.pid, SIGCONT);
 	struct ibv_wc wc[NBIG];
-	CHECK(ibv_destroy_cq(e.cq) == 0 || errno == EBUSY, "destroy_qp: destroy_cq");
+	CHECK(ibv_destroy_cq(e.c.cq) == 0 || errno == EBUSY, "destroy_qp: destroy_cq");
 	(void)wc;
 	kill(p.pid, SIGKILL);
 	reap(&p);
-	ibv_dealloc_pd(e.pd);
-	rdma_destroy_id(e.id);
-	rdma_destroy_event_channel(e.ch);
+	ibv_dealloc_pd(e.c.pd);
+	rdma_destroy_id(e.c.id);
+	rdma_destroy_event_channel(e.c.ch);
 }
 
 /* The next async event of `ctx` of type `type`, waiting on async_fd with
@@ -788,6 +699,31 @@ static int next_async(struct ibv_context *ctx, enum ibv_event_type type,
 		if (ev->event_type == type)
 			return 0;
 		ibv_ack_async_event(ev);
+	}
+}
+
+/* Connect to a new peer running `cas`, and take the COMM_EST the
+ * connection raises if it comes within 5 s (the async cases that do not
+ * test COMM_EST itself). */
+static struct peer connect_past_comm_est(struct end *e, const char *cas)
+{
+	struct peer p = spawn_peer(cas);
+	connect_to(e, p.port, 8);
+	struct ibv_async_event ev;
+	if (next_async(e->c.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0)
+		ibv_ack_async_event(&ev);
+	return p;
+}
+
+/* Post n 64-byte Receives of buf (n x 64 bytes, registered as mr) to the
+ * SRQ when `srq` is set, else to the QP; wr_id i for the i-th. */
+static void post_recvs(struct end *e, char *buf, struct ibv_mr *mr, int n, struct ibv_srq *srq)
+{
+	for (int i = 0; i < n; i++) {
+		struct ibv_sge s = { (uintptr_t)(buf + 64 * i), 64, mr->lkey };
+		struct ibv_recv_wr w = { .wr_id = i, .sg_list = &s, .num_sge = 1 }, *bad;
+		if (srq ? ibv_post_srq_recv(srq, &w, &bad) : ibv_post_recv(e->c.id->qp, &w, &bad))
+			DIE("post_recv");
 	}
 }
 
@@ -810,25 +746,25 @@ static void case_destroy_clean(void)
 	struct end e = { 0 };
 	connect_to(&e, p.port, 8);
 	char *buf = map_big(4096, 0);
-	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, 4096, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *mr = ibv_reg_mr(e.c.pd, buf, 4096, IBV_ACCESS_LOCAL_WRITE);
 	int ok = 0;
 	for (int i = 0; i < 4; i++)
 		ok += post_write(&e, mr, buf, 64, 10 + i, 0) == 0;
 	struct ibv_sge s = { (uintptr_t)buf, 64, mr->lkey };
 	struct ibv_recv_wr rw = { .wr_id = 20, .sg_list = &s, .num_sge = 1 }, *rbad;
-	ok += ibv_post_recv(e.id->qp, &rw, &rbad) == 0;
+	ok += ibv_post_recv(e.c.id->qp, &rw, &rbad) == 0;
 	CHECK(ok == 5, "destroy_clean: 4 Writes and a Receive posted");
 	/* Let the Writes complete into the CQ, unpolled. */
 	usleep(300 * 1000);
-	CHECK(ibv_destroy_qp(e.id->qp) == 0, "destroy_clean: destroy with completions queued");
-	e.id->qp = NULL;
+	CHECK(ibv_destroy_qp(e.c.id->qp) == 0, "destroy_clean: destroy with completions queued");
+	e.c.id->qp = NULL;
 	/* As on mlx5: no completion of a destroyed QP is polled afterwards,
 	 * neither those queued before nor a flush of its Receive (libfabric's
 	 * rxm frees what their ids point at once the QP is gone). */
 	struct ibv_wc wc[8];
 	int n = 0;
 	for (int t = 0; t < 20; t++) {
-		n += ibv_poll_cq(e.cq, 8, wc);
+		n += ibv_poll_cq(e.c.cq, 8, wc);
 		usleep(10 * 1000);
 	}
 	CHECK(n == 0, "destroy_clean: no completion of the destroyed QP (%d polled)", n);
@@ -836,10 +772,7 @@ static void case_destroy_clean(void)
 	reap(&p);
 	ibv_dereg_mr(mr);
 	munmap(buf, 4096);
-	ibv_destroy_cq(e.cq);
-	ibv_dealloc_pd(e.pd);
-	rdma_destroy_id(e.id);
-	rdma_destroy_event_channel(e.ch);
+	test_conn_destroy(&e.c);
 }
 
 static void case_async_destroy(void)
@@ -848,50 +781,44 @@ static void case_async_destroy(void)
 	struct peer p = spawn_peer("async_destroy");
 	struct end e = { 0 };
 	connect_to(&e, p.port, 8);
-	struct ibv_context *ctx = e.id->verbs;
+	struct ibv_context *ctx = e.c.id->verbs;
 	struct ibv_async_event ev;
-	CHECK(next_async(ctx, IBV_EVENT_COMM_EST, &ev, 5000) == 0 && ev.element.qp == e.id->qp,
+	CHECK(next_async(ctx, IBV_EVENT_COMM_EST, &ev, 5000) == 0 && ev.element.qp == e.c.id->qp,
 	      "async_destroy: COMM_EST read");
-	struct destroyer d = { .qp = e.id->qp };
+	struct destroyer d = { .qp = e.c.id->qp };
 	pthread_t t;
 	if (pthread_create(&t, NULL, destroy_thread, &d))
 		DIE("pthread_create");
 	usleep(200000);
 	CHECK(!d.done, "async_destroy: ibv_destroy_qp waits while a read event is not acked");
 	ibv_ack_async_event(&ev);
-	double end = now() + 5;
-	while (!d.done && now() < end)
+	double end = now_s() + 5;
+	while (!d.done && now_s() < end)
 		usleep(1000);
 	CHECK(d.done && d.rc == 0, "async_destroy: the ack lets ibv_destroy_qp return (rc %d)", d.rc);
 	if (d.done)
 		pthread_join(t, NULL);
-	e.id->qp = NULL;
+	e.c.id->qp = NULL;
 	kill(p.pid, SIGKILL);
 	reap(&p);
-	ibv_destroy_cq(e.cq);
-	ibv_dealloc_pd(e.pd);
-	rdma_destroy_id(e.id);
-	rdma_destroy_event_channel(e.ch);
+	test_conn_destroy(&e.c);
 
 	/* An event not read yet: destroy drops it, and returns at once. */
 	p = spawn_peer("async_destroy");
 	memset(&e, 0, sizeof e);
 	connect_to(&e, p.port, 8);
-	ctx = e.id->verbs;
+	ctx = e.c.id->verbs;
 	struct pollfd pfd = { .fd = ctx->async_fd, .events = POLLIN };
 	CHECK(poll(&pfd, 1, 5000) == 1, "async_destroy: COMM_EST waiting on async_fd");
-	double t0 = now();
-	CHECK(ibv_destroy_qp(e.id->qp) == 0 && now() - t0 < 2,
+	double t0 = now_s();
+	CHECK(ibv_destroy_qp(e.c.id->qp) == 0 && now_s() - t0 < 2,
 	      "async_destroy: ibv_destroy_qp with an unread event returns");
-	e.id->qp = NULL;
+	e.c.id->qp = NULL;
 	pfd.revents = 0;
 	CHECK(poll(&pfd, 1, 200) == 0, "async_destroy: the destroyed QP's unread event is gone");
 	kill(p.pid, SIGKILL);
 	reap(&p);
-	ibv_destroy_cq(e.cq);
-	ibv_dealloc_pd(e.pd);
-	rdma_destroy_id(e.id);
-	rdma_destroy_event_channel(e.ch);
+	test_conn_destroy(&e.c);
 }
 
 static void case_async(void)
@@ -900,11 +827,11 @@ static void case_async(void)
 	struct end e = { 0 };
 	connect_to(&e, p.port, 8);
 	struct ibv_async_event ev;
-	CHECK(next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0 && ev.element.qp == e.id->qp,
+	CHECK(next_async(e.c.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0 && ev.element.qp == e.c.id->qp,
 	      "async: IBV_EVENT_COMM_EST for our QP once connected");
 	ibv_ack_async_event(&ev);
 	char *buf = map_big(4096, 0);
-	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, 4096, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *mr = ibv_reg_mr(e.c.pd, buf, 4096, IBV_ACCESS_LOCAL_WRITE);
 	/* A Write to an STag the peer never gave: it answers with a
 	 * Terminate, and our QP goes to Error. */
 	e.peer.rkey ^= 0x80;
@@ -912,18 +839,15 @@ static void case_async(void)
 	struct ibv_wc wc;
 	/* iWARP completes a Write once it is sent (success); the peer's
 	 * refusal comes after. */
-	CHECK(poll_for(e.cq, &wc, 1, 5) == 1, "async: the Write completes");
-	CHECK(next_async(e.id->verbs, IBV_EVENT_QP_FATAL, &ev, 5000) == 0 && ev.element.qp == e.id->qp,
+	CHECK(poll_for(e.c.cq, &wc, 1, 5) == 1, "async: the Write completes");
+	CHECK(next_async(e.c.id->verbs, IBV_EVENT_QP_FATAL, &ev, 5000) == 0 && ev.element.qp == e.c.id->qp,
 	      "async: the peer's Terminate raises IBV_EVENT_QP_FATAL on our QP");
 	ibv_ack_async_event(&ev);
 	kill(p.pid, SIGKILL);
 	reap(&p);
-	rdma_destroy_qp(e.id);
+	rdma_destroy_qp(e.c.id);
 	ibv_dereg_mr(mr);
-	ibv_destroy_cq(e.cq);
-	ibv_dealloc_pd(e.pd);
-	rdma_destroy_id(e.id);
-	rdma_destroy_event_channel(e.ch);
+	test_conn_destroy(&e.c);
 }
 
 /* Events of `type` on the object at `elem` (a QP, CQ or SRQ: the union's
@@ -931,9 +855,9 @@ static void case_async(void)
 static int count_async(struct ibv_context *ctx, const void *elem, enum ibv_event_type type, int ms)
 {
 	int n = 0;
-	double end = now() + ms / 1e3;
+	double end = now_s() + ms / 1e3;
 	struct ibv_async_event ev;
-	while (now() < end) {
+	while (now_s() < end) {
 		struct pollfd pfd = { .fd = ctx->async_fd, .events = POLLIN };
 		if (poll(&pfd, 1, 10) != 1 || ibv_get_async_event(ctx, &ev))
 			continue;
@@ -949,38 +873,32 @@ static void teardown(struct end *e, struct peer *p)
 		kill(p->pid, SIGKILL);
 		reap(p);
 	}
-	rdma_destroy_qp(e->id);
+	rdma_destroy_qp(e->c.id);
 	if (e->srq)
 		ibv_destroy_srq(e->srq);
-	ibv_destroy_cq(e->cq);
-	ibv_dealloc_pd(e->pd);
-	rdma_destroy_id(e->id);
-	rdma_destroy_event_channel(e->ch);
+	test_conn_destroy(&e->c);
 }
 
 static void case_async_reset(void)
 {
-	struct peer p = spawn_peer("async");
 	struct end e = { 0 };
-	connect_to(&e, p.port, 8);
+	struct peer p = connect_past_comm_est(&e, "async");
 	struct ibv_async_event ev;
-	if (next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0)
-		ibv_ack_async_event(&ev);
 	char *buf = map_big(1 << 16, 0);
-	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, 1 << 16, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *mr = ibv_reg_mr(e.c.pd, buf, 1 << 16, IBV_ACCESS_LOCAL_WRITE);
 	/* The peer never reads this Write: killed with it unread, its kernel
 	 * resets the connection (RST), as for any process killed mid-stream. */
 	kill(p.pid, SIGSTOP);
-	double end = now() + 5;
-	while (!is_stopped(p.pid) && now() < end)
+	double end = now_s() + 5;
+	while (!is_stopped(p.pid) && now_s() < end)
 		usleep(1000);
 	struct ibv_wc wc;
-	CHECK(post_write(&e, mr, buf, 1 << 16, 1, 0) == 0 && poll_for(e.cq, &wc, 1, 5) == 1 &&
+	CHECK(post_write(&e, mr, buf, 1 << 16, 1, 0) == 0 && poll_for(e.c.cq, &wc, 1, 5) == 1 &&
 		      wc.status == IBV_WC_SUCCESS,
 	      "async_reset: a Write sent to the stopped peer");
 	kill(p.pid, SIGKILL);
 	reap(&p);
-	CHECK(next_async(e.id->verbs, IBV_EVENT_QP_FATAL, &ev, 5000) == 0 && ev.element.qp == e.id->qp,
+	CHECK(next_async(e.c.id->verbs, IBV_EVENT_QP_FATAL, &ev, 5000) == 0 && ev.element.qp == e.c.id->qp,
 	      "async_reset: the peer's reset raises IBV_EVENT_QP_FATAL");
 	ibv_ack_async_event(&ev);
 	ibv_dereg_mr(mr);
@@ -994,10 +912,10 @@ static void case_async_disconnect(void)
 	struct end e = { 0 };
 	connect_to(&e, p.port, 8);
 	struct ibv_async_event ev;
-	CHECK(next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0, "async_disconnect: COMM_EST");
+	CHECK(next_async(e.c.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0, "async_disconnect: COMM_EST");
 	ibv_ack_async_event(&ev);
-	rdma_ack_cm_event(expect(e.ch, RDMA_CM_EVENT_DISCONNECTED));
-	CHECK(count_async(e.id->verbs, e.id->qp, IBV_EVENT_QP_FATAL, 300) == 0,
+	rdma_ack_cm_event(expect_event(e.c.ch, RDMA_CM_EVENT_DISCONNECTED));
+	CHECK(count_async(e.c.id->verbs, e.c.id->qp, IBV_EVENT_QP_FATAL, 300) == 0,
 	      "async_disconnect: the peer's clean disconnect raises no QP_FATAL");
 	reap(&p);
 	teardown(&e, NULL);
@@ -1005,110 +923,74 @@ static void case_async_disconnect(void)
 
 static void case_async_last_wqe(void)
 {
-	struct peer p = spawn_peer("async");
 	struct end e = { .want_srq = 1 };
-	connect_to(&e, p.port, 8);
+	struct peer p = connect_past_comm_est(&e, "async");
 	struct ibv_async_event ev;
-	if (next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0)
-		ibv_ack_async_event(&ev);
-	CHECK(count_async(e.id->verbs, e.id->qp, IBV_EVENT_QP_LAST_WQE_REACHED, 100) == 0,
+	CHECK(count_async(e.c.id->verbs, e.c.id->qp, IBV_EVENT_QP_LAST_WQE_REACHED, 100) == 0,
 	      "async_last_wqe: none while the QP runs");
 	struct ibv_qp_attr a = { .qp_state = IBV_QPS_ERR };
-	CHECK(ibv_modify_qp(e.id->qp, &a, IBV_QP_STATE) == 0, "async_last_wqe: modify to ERR");
-	CHECK(next_async(e.id->verbs, IBV_EVENT_QP_LAST_WQE_REACHED, &ev, 5000) == 0 &&
-		      ev.element.qp == e.id->qp,
+	CHECK(ibv_modify_qp(e.c.id->qp, &a, IBV_QP_STATE) == 0, "async_last_wqe: modify to ERR");
+	CHECK(next_async(e.c.id->verbs, IBV_EVENT_QP_LAST_WQE_REACHED, &ev, 5000) == 0 &&
+		      ev.element.qp == e.c.id->qp,
 	      "async_last_wqe: an SRQ QP in Error raises IBV_EVENT_QP_LAST_WQE_REACHED");
 	ibv_ack_async_event(&ev);
-	CHECK(count_async(e.id->verbs, e.id->qp, IBV_EVENT_QP_LAST_WQE_REACHED, 300) == 0,
+	CHECK(count_async(e.c.id->verbs, e.c.id->qp, IBV_EVENT_QP_LAST_WQE_REACHED, 300) == 0,
 	      "async_last_wqe: once");
 	teardown(&e, &p);
 }
 
 static void case_async_cq_err(void)
 {
-	struct peer p = spawn_peer("async");
 	struct end e = { .cq_size = 2 };
-	connect_to(&e, p.port, 8);
+	struct peer p = connect_past_comm_est(&e, "async");
 	struct ibv_async_event ev;
-	if (next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0)
-		ibv_ack_async_event(&ev);
 	static char rbuf[4 * 64];
-	struct ibv_mr *mr = ibv_reg_mr(e.pd, rbuf, sizeof rbuf, IBV_ACCESS_LOCAL_WRITE);
-	for (int i = 0; i < 4; i++) {
-		struct ibv_sge s = { (uintptr_t)(rbuf + 64 * i), 64, mr->lkey };
-		struct ibv_recv_wr w = { .wr_id = i, .sg_list = &s, .num_sge = 1 }, *bad;
-		if (ibv_post_recv(e.id->qp, &w, &bad))
-			DIE("post_recv");
-	}
+	struct ibv_mr *mr = ibv_reg_mr(e.c.pd, rbuf, sizeof rbuf, IBV_ACCESS_LOCAL_WRITE);
+	post_recvs(&e, rbuf, mr, 4, NULL);
 	/* Four flushed Receives into a CQ of two: an overrun. */
 	struct ibv_qp_attr a = { .qp_state = IBV_QPS_ERR };
-	CHECK(ibv_modify_qp(e.id->qp, &a, IBV_QP_STATE) == 0, "async_cq_err: modify to ERR");
-	CHECK(next_async(e.id->verbs, IBV_EVENT_CQ_ERR, &ev, 5000) == 0 && ev.element.cq == e.cq,
+	CHECK(ibv_modify_qp(e.c.id->qp, &a, IBV_QP_STATE) == 0, "async_cq_err: modify to ERR");
+	CHECK(next_async(e.c.id->verbs, IBV_EVENT_CQ_ERR, &ev, 5000) == 0 && ev.element.cq == e.c.cq,
 	      "async_cq_err: the overrun raises IBV_EVENT_CQ_ERR on our CQ");
 	ibv_ack_async_event(&ev);
 	struct ibv_wc wc[4];
-	poll_for(e.cq, wc, 4, 1);
+	poll_for(e.c.cq, wc, 4, 1);
 	ibv_dereg_mr(mr);
 	teardown(&e, &p);
 }
 
 static void case_async_srq_limit(void)
 {
-	struct peer p = spawn_peer("async_srq_limit");
 	struct end e = { .want_srq = 1 };
-	connect_to(&e, p.port, 8);
+	struct peer p = connect_past_comm_est(&e, "async_srq_limit");
 	struct ibv_async_event ev;
-	if (next_async(e.id->verbs, IBV_EVENT_COMM_EST, &ev, 5000) == 0)
-		ibv_ack_async_event(&ev);
 	static char rbuf[8 * 64];
-	struct ibv_mr *mr = ibv_reg_mr(e.pd, rbuf, sizeof rbuf, IBV_ACCESS_LOCAL_WRITE);
-	for (int i = 0; i < 8; i++) {
-		struct ibv_sge s = { (uintptr_t)(rbuf + 64 * i), 64, mr->lkey };
-		struct ibv_recv_wr w = { .wr_id = i, .sg_list = &s, .num_sge = 1 }, *bad;
-		if (ibv_post_srq_recv(e.srq, &w, &bad))
-			DIE("post_srq_recv");
-	}
+	struct ibv_mr *mr = ibv_reg_mr(e.c.pd, rbuf, sizeof rbuf, IBV_ACCESS_LOCAL_WRITE);
+	post_recvs(&e, rbuf, mr, 8, e.srq);
 	struct ibv_srq_attr sa = { .srq_limit = 4 };
 	CHECK(ibv_modify_srq(e.srq, &sa, IBV_SRQ_LIMIT) == 0, "async_srq_limit: arm the limit at 4");
 	sa.srq_limit = 17;
 	CHECK(ibv_modify_srq(e.srq, &sa, IBV_SRQ_LIMIT) == EINVAL,
 	      "async_srq_limit: a limit above max_wr is EINVAL");
 	CHECK(ibv_query_srq(e.srq, &sa) == 0 && sa.srq_limit == 4, "async_srq_limit: armed at 4");
-	CHECK(count_async(e.id->verbs, e.srq, IBV_EVENT_SRQ_LIMIT_REACHED, 100) == 0,
+	CHECK(count_async(e.c.id->verbs, e.srq, IBV_EVENT_SRQ_LIMIT_REACHED, 100) == 0,
 	      "async_srq_limit: nothing while 8 are posted");
 	/* Our Send tells the peer to send five: 3 WRs left. */
 	struct ibv_sge s = { (uintptr_t)rbuf, 8, mr->lkey };
 	struct ibv_send_wr w = { .wr_id = 50, .sg_list = &s, .num_sge = 1, .opcode = IBV_WR_SEND,
 				 .send_flags = IBV_SEND_SIGNALED },
 			   *bad;
-	CHECK(ibv_post_send(e.id->qp, &w, &bad) == 0, "async_srq_limit: post the go Send");
+	CHECK(ibv_post_send(e.c.id->qp, &w, &bad) == 0, "async_srq_limit: post the go Send");
 	struct ibv_wc wc[6];
-	int n = poll_for(e.cq, wc, 6, 10);
+	int n = poll_for(e.c.cq, wc, 6, 10);
 	CHECK(n == 6, "async_srq_limit: our Send and the peer's five complete (%d)", n);
-	CHECK(next_async(e.id->verbs, IBV_EVENT_SRQ_LIMIT_REACHED, &ev, 5000) == 0 &&
+	CHECK(next_async(e.c.id->verbs, IBV_EVENT_SRQ_LIMIT_REACHED, &ev, 5000) == 0 &&
 		      ev.element.srq == e.srq,
 	      "async_srq_limit: below the limit: IBV_EVENT_SRQ_LIMIT_REACHED on our SRQ");
 	ibv_ack_async_event(&ev);
 	CHECK(ibv_query_srq(e.srq, &sa) == 0 && sa.srq_limit == 0, "async_srq_limit: then disarmed");
 	ibv_dereg_mr(mr);
 	teardown(&e, &p);
-}
-
-/* stag0's context, opened directly (no rdma_cm). */
-
-static struct ibv_context *open_stag0(void)
-{
-	int n = 0;
-	struct ibv_device **list = ibv_get_device_list(&n);
-	struct ibv_context *ctx = NULL;
-	for (int i = 0; list && i < n && !ctx; i++)
-		if (!strcmp(ibv_get_device_name(list[i]), "stag0"))
-			ctx = ibv_open_device(list[i]);
-	if (list)
-		ibv_free_device_list(list);
-	if (!ctx)
-		DIE("open stag0");
-	return ctx;
 }
 
 static void case_busy(void)
@@ -1148,10 +1030,10 @@ static int flood_main(void)
 	struct ibv_cq *cq = ibv_create_cq(ctx, 16, NULL, NULL, 0);
 	if (!cq)
 		DIE("flood: create_cq");
-	double t0 = now();
+	double t0 = now_s();
 	for (int i = 0; i < 1000; i++)
 		ibv_resize_cq(cq, 32); /* unsupported: a warning each time */
-	double took = now() - t0;
+	double took = now_s() - t0;
 	usleep(1100000);
 	ibv_resize_cq(cq, 32);
 	ibv_destroy_cq(cq);
@@ -1216,9 +1098,9 @@ static void case_log_flood(void)
 /* Wait at most `secs` for `pid` to exit; its status, or -1 if it did not. */
 static int wait_exit(pid_t pid, double secs)
 {
-	double end = now() + secs;
+	double end = now_s() + secs;
 	int st;
-	while (now() < end) {
+	while (now_s() < end) {
 		if (waitpid(pid, &st, WNOHANG) == pid)
 			return st;
 		usleep(1000);
@@ -1238,9 +1120,9 @@ static int fork_run(int fork_init)
 	connect_to(&e, p.port, 8);
 	size_t len = 1 << 16;
 	char *buf = map_big(len, 0);
-	struct ibv_mr *mr = ibv_reg_mr(e.pd, buf, len, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *mr = ibv_reg_mr(e.c.pd, buf, len, IBV_ACCESS_LOCAL_WRITE);
 	struct ibv_wc wc;
-	CHECK(mr && post_write(&e, mr, buf, len, 1, 0) == 0 && poll_for(e.cq, &wc, 1, 5) == 1 &&
+	CHECK(mr && post_write(&e, mr, buf, len, 1, 0) == 0 && poll_for(e.c.cq, &wc, 1, 5) == 1 &&
 		      wc.status == IBV_WC_SUCCESS,
 	      "%s: a Write before the fork", how);
 	/* Writes in flight across the fork. */
@@ -1277,12 +1159,12 @@ static int fork_run(int fork_init)
 		intact &= buf[i] == (char)i;
 	CHECK(intact, "%s: the parent's registered memory is untouched by the child", how);
 	struct ibv_wc w4[4];
-	int n = poll_for(e.cq, w4, posted, 10), ok = 0;
+	int n = poll_for(e.c.cq, w4, posted, 10), ok = 0;
 	for (int i = 0; i < n; i++)
 		ok += w4[i].status == IBV_WC_SUCCESS;
 	CHECK(posted == 4 && ok == 4, "%s: the Writes in flight across the fork complete (%d of %d)", how,
 	      ok, posted);
-	CHECK(post_write(&e, mr, buf, len, 20, 0) == 0 && poll_for(e.cq, &wc, 1, 5) == 1 &&
+	CHECK(post_write(&e, mr, buf, len, 20, 0) == 0 && poll_for(e.c.cq, &wc, 1, 5) == 1 &&
 		      wc.status == IBV_WC_SUCCESS,
 	      "%s: the connection works after the child exited", how);
 	ibv_dereg_mr(mr);
@@ -1330,17 +1212,17 @@ static void case_exit_dirty(void)
 	struct end e = { 0 };
 	connect_to(&e, p.port, 8);
 	static char rbuf[4096];
-	struct ibv_mr *mr = ibv_reg_mr(e.pd, rbuf, sizeof rbuf, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *mr = ibv_reg_mr(e.c.pd, rbuf, sizeof rbuf, IBV_ACCESS_LOCAL_WRITE);
 	struct ibv_sge s = { (uintptr_t)rbuf, 64, mr->lkey };
 	struct ibv_recv_wr w = { .wr_id = 3, .sg_list = &s, .num_sge = 1 }, *bad;
-	CHECK(ibv_post_recv(e.id->qp, &w, &bad) == 0, "exit_dirty: post a Receive");
+	CHECK(ibv_post_recv(e.c.id->qp, &w, &bad) == 0, "exit_dirty: post a Receive");
 	int st = wait_exit(p.pid, 10);
 	CHECK(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0,
 	      "exit_dirty: the peer exits with everything open, promptly (status %#x)", st);
 	fclose(p.out);
-	rdma_ack_cm_event(expect(e.ch, RDMA_CM_EVENT_DISCONNECTED));
+	rdma_ack_cm_event(expect_event(e.c.ch, RDMA_CM_EVENT_DISCONNECTED));
 	struct ibv_wc wc;
-	CHECK(poll_for(e.cq, &wc, 1, 5) == 1 && wc.wr_id == 3 && wc.status == IBV_WC_WR_FLUSH_ERR,
+	CHECK(poll_for(e.c.cq, &wc, 1, 5) == 1 && wc.wr_id == 3 && wc.status == IBV_WC_WR_FLUSH_ERR,
 	      "exit_dirty: we see DISCONNECTED and our Receive flushed");
 	ibv_dereg_mr(mr);
 	teardown(&e, NULL);
@@ -1354,8 +1236,8 @@ static int device_fatal_main(void)
 	struct ibv_context *ctx = open_stag0();
 	int n = 0;
 	struct ibv_async_event ev;
-	double end = now() + 5;
-	while (now() < end && !n) {
+	double end = now_s() + 5;
+	while (now_s() < end && !n) {
 		struct pollfd pfd = { .fd = ctx->async_fd, .events = POLLIN };
 		if (poll(&pfd, 1, 100) != 1 || ibv_get_async_event(ctx, &ev))
 			continue;
@@ -1441,6 +1323,5 @@ int main(int argc, char **argv)
 		cases[i].run();
 		printf("%s %s\n", failed == before ? "ok  " : "FAIL", cases[i].name);
 	}
-	printf("faults: %d passed, %d failed\n", passed, failed);
-	return failed != 0;
+	return test_summary();
 }

@@ -12,20 +12,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include <infiniband/verbs.h>
-
-static int passed, failed;
-#define CHECK(cond, ...)                                                  \
-	do {                                                              \
-		if (cond) {                                               \
-			passed++;                                         \
-		} else {                                                  \
-			failed++;                                         \
-			fprintf(stderr, "FAILED line %d: ", __LINE__);    \
-			fprintf(stderr, __VA_ARGS__);                     \
-			fputc('\n', stderr);                              \
-		}                                                         \
-	} while (0)
+#define TEST_NAME "verbs_errors"
+#include "stag_test.h"
 
 int main(void)
 {
@@ -156,6 +144,5 @@ int main(void)
 	CHECK(ibv_close_device(ctx) == 0, "close_device");
 	ibv_free_device_list(list);
 	free(buf);
-	printf("verbs_errors: %d passed, %d failed\n", passed, failed);
-	return failed ? 1 : 0;
+	return test_summary();
 }

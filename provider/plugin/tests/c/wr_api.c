@@ -16,81 +16,22 @@
 #include <string.h>
 #include <unistd.h>
 
-#include <infiniband/verbs.h>
-#include <rdma/rdma_cma.h>
-
-static int passed, failed;
-static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-#define CHECK(cond, ...)                                               \
-	do {                                                           \
-		int ok_ = (cond);                                      \
-		pthread_mutex_lock(&lock);                             \
-		if (ok_) {                                             \
-			passed++;                                      \
-		} else {                                               \
-			failed++;                                      \
-			fprintf(stderr, "FAILED line %d: ", __LINE__); \
-			fprintf(stderr, __VA_ARGS__);                  \
-			fputc('\n', stderr);                           \
-		}                                                      \
-		pthread_mutex_unlock(&lock);                           \
-	} while (0)
-#define DIE(what)                                                      \
-	do {                                                           \
-		fprintf(stderr, "wr_api: %s: %s\n", what, strerror(errno)); \
-		exit(1);                                               \
-	} while (0)
+#define TEST_NAME "wr_api"
+#include "stag_test.h"
 
 struct offer {
 	uint64_t addr;
 	uint32_t rkey;
 };
-static uint16_t port;
-static pthread_mutex_t plock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t pcond = PTHREAD_COND_INITIALIZER;
-
-static struct rdma_cm_event *expect(struct rdma_event_channel *ch, enum rdma_cm_event_type t)
-{
-	struct rdma_cm_event *ev;
-	if (rdma_get_cm_event(ch, &ev))
-		DIE("get_cm_event");
-	if (ev->event != t) {
-		fprintf(stderr, "wr_api: expected %s, got %s\n", rdma_event_str(t), rdma_event_str(ev->event));
-		exit(1);
-	}
-	return ev;
-}
-
-static int poll_n(struct ibv_cq *cq, struct ibv_wc *wc, int n)
-{
-	int got = 0;
-	for (long spins = 0; got < n && spins < 200000000L; spins++) {
-		int r = ibv_poll_cq(cq, n - got, wc + got);
-		if (r < 0)
-			DIE("poll_cq");
-		got += r;
-	}
-	return got;
-}
 
 static void *responder(void *arg)
 {
 	(void)arg;
-	struct rdma_event_channel *ch = rdma_create_event_channel();
-	struct rdma_cm_id *lid, *id;
-	struct sockaddr_in sin = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7f000001) };
-	if (!ch || rdma_create_id(ch, &lid, NULL, RDMA_PS_TCP) ||
-	    rdma_bind_addr(lid, (struct sockaddr *)&sin) || rdma_listen(lid, 1))
-		DIE("listen");
-	pthread_mutex_lock(&plock);
-	port = ntohs(rdma_get_src_port(lid));
-	pthread_cond_signal(&pcond);
-	pthread_mutex_unlock(&plock);
-	struct rdma_cm_event *ev = expect(ch, RDMA_CM_EVENT_CONNECT_REQUEST);
-	id = ev->id;
-	rdma_ack_cm_event(ev);
-	struct ibv_pd *pd = ibv_alloc_pd(id->verbs);
-	struct ibv_cq *cq = ibv_create_cq(id->verbs, 16, NULL, NULL, 0);
+	struct test_conn c = { 0 };
+	test_conn_serve_one(&c);
+	struct rdma_cm_id *id = c.id;
+	struct ibv_pd *pd = c.pd = ibv_alloc_pd(id->verbs);
+	struct ibv_cq *cq = c.cq = ibv_create_cq(id->verbs, 16, NULL, NULL, 0);
 	struct ibv_qp_init_attr qa = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
 				       .cap = { 4, 4, 1, 1, 0 } };
 	if (!pd || !cq || rdma_create_qp(id, pd, &qa))
@@ -114,22 +55,18 @@ static void *responder(void *arg)
 				      .responder_resources = 8, .initiator_depth = 8 };
 	if (rdma_accept(id, &cp))
 		DIE("accept");
-	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ESTABLISHED));
+	test_conn_established(&c, NULL, 0);
 	struct ibv_wc wc[2];
-	CHECK(poll_n(cq, wc, 2) == 2 && wc[0].status == IBV_WC_SUCCESS && wc[1].status == IBV_WC_SUCCESS,
+	CHECK(poll_cq_busy(cq, wc, 2, 20) == 2 && wc[0].status == IBV_WC_SUCCESS && wc[1].status == IBV_WC_SUCCESS,
 	      "two Sends arrive");
 	CHECK(wc[0].byte_len == 3 && !memcmp(rbuf, "bye", 3), "ibv_wr_send with inline data");
 	CHECK(wc[1].byte_len == 11 && !memcmp(rbuf + 64, "legacy text", 11),
 	      "legacy IBV_SEND_INLINE from unregistered memory");
-	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_DISCONNECTED));
+	rdma_ack_cm_event(expect_event(c.ch, RDMA_CM_EVENT_DISCONNECTED));
 	rdma_destroy_qp(id);
 	ibv_dereg_mr(tmr);
 	ibv_dereg_mr(rmr);
-	ibv_destroy_cq(cq);
-	ibv_dealloc_pd(pd);
-	rdma_destroy_id(id);
-	rdma_destroy_id(lid);
-	rdma_destroy_event_channel(ch);
+	test_conn_destroy(&c);
 	free(target);
 	free(rbuf);
 	return NULL;
@@ -140,24 +77,11 @@ int main(void)
 	pthread_t t;
 	if (pthread_create(&t, NULL, responder, NULL))
 		DIE("thread");
-	pthread_mutex_lock(&plock);
-	while (!port)
-		pthread_cond_wait(&pcond, &plock);
-	pthread_mutex_unlock(&plock);
-
-	struct rdma_event_channel *ch = rdma_create_event_channel();
-	struct rdma_cm_id *id;
-	struct sockaddr_in sin = { .sin_family = AF_INET, .sin_port = htons(port),
-				   .sin_addr.s_addr = htonl(0x7f000001) };
-	if (!ch || rdma_create_id(ch, &id, NULL, RDMA_PS_TCP) ||
-	    rdma_resolve_addr(id, NULL, (struct sockaddr *)&sin, 2000))
-		DIE("resolve");
-	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED));
-	if (rdma_resolve_route(id, 2000))
-		DIE("route");
-	rdma_ack_cm_event(expect(ch, RDMA_CM_EVENT_ROUTE_RESOLVED));
-	struct ibv_pd *pd = ibv_alloc_pd(id->verbs);
-	struct ibv_cq *cq = ibv_create_cq(id->verbs, 32, NULL, NULL, 0);
+	struct test_conn c = { 0 };
+	test_conn_resolve(&c, wait_port());
+	struct rdma_cm_id *id = c.id;
+	struct ibv_pd *pd = c.pd = ibv_alloc_pd(id->verbs);
+	struct ibv_cq *cq = c.cq = ibv_create_cq(id->verbs, 32, NULL, NULL, 0);
 	struct ibv_qp_init_attr_ex qa = {
 		.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC, .sq_sig_all = 1, .pd = pd,
 		.cap = { .max_send_wr = 16, .max_recv_wr = 1, .max_send_sge = 2, .max_recv_sge = 1,
@@ -179,10 +103,8 @@ int main(void)
 	struct rdma_conn_param cp = { .responder_resources = 8, .initiator_depth = 8 };
 	if (!mr || rdma_connect(id, &cp))
 		DIE("connect");
-	struct rdma_cm_event *ev = expect(ch, RDMA_CM_EVENT_ESTABLISHED);
-	struct offer o;
-	memcpy(&o, ev->param.conn.private_data, sizeof o);
-	rdma_ack_cm_event(ev);
+	struct offer o = { 0 };
+	test_conn_established(&c, &o, sizeof o);
 
 	memcpy(local, "hello wr api", 12);
 	uint64_t aw = 0x0123456789abcdefULL;
@@ -210,7 +132,7 @@ int main(void)
 	ibv_wr_set_inline_data(qx, "bye", 3);
 	CHECK(ibv_wr_complete(qx) == 0, "wr_complete posts the batch");
 	struct ibv_wc wc[8];
-	int n = poll_n(cq, wc, 7);
+	int n = poll_cq_busy(cq, wc, 7, 20);
 	CHECK(n == 7, "seven completions: %d", n);
 	for (int i = 0; i < n; i++)
 		CHECK(wc[i].status == IBV_WC_SUCCESS && wc[i].wr_id == (uint64_t)i + 1,
@@ -252,7 +174,7 @@ int main(void)
 				 .send_flags = IBV_SEND_INLINE | IBV_SEND_SIGNALED }, *bad;
 	CHECK(ibv_post_send(id->qp, &w, &bad) == 0, "post inline Send");
 	memset(text, 'X', sizeof text); /* reusable at once */
-	CHECK(poll_n(cq, wc, 1) == 1 && wc[0].wr_id == 70 && wc[0].status == IBV_WC_SUCCESS,
+	CHECK(poll_cq_busy(cq, wc, 1, 20) == 1 && wc[0].wr_id == 70 && wc[0].status == IBV_WC_SUCCESS,
 	      "inline Send completes");
 	/* As on siw, inline data may go up to the device's maximum (256),
 	 * whatever the QP asked for; past it: EINVAL. */
@@ -267,11 +189,7 @@ int main(void)
 	pthread_join(t, NULL);
 	rdma_destroy_qp(id);
 	ibv_dereg_mr(mr);
-	ibv_destroy_cq(cq);
-	ibv_dealloc_pd(pd);
-	rdma_destroy_id(id);
-	rdma_destroy_event_channel(ch);
+	test_conn_destroy(&c);
 	free(local);
-	printf("wr_api: %d passed, %d failed\n", passed, failed);
-	return failed ? 1 : 0;
+	return test_summary();
 }

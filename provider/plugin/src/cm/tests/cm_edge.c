@@ -22,58 +22,14 @@
 #include <unistd.h>
 #include <rdma/rdma_cma.h>
 
-static int passed, failed;
-
-#define CHECK(cond, what)                                                   \
-	do {                                                                \
-		if (cond) {                                                 \
-			passed++;                                           \
-		} else {                                                    \
-			failed++;                                           \
-			fprintf(stderr, "FAIL %s (line %d, errno %d)\n", what, \
-				__LINE__, errno);                           \
-		}                                                           \
-	} while (0)
+#define TEST_NAME "cm_edge"
+#define CM_EVENT_TIMEOUT_MS 5000
+#include "stag_test.h"
 
 static void nonblock(struct rdma_event_channel *ch)
 {
 	int fl = fcntl(ch->fd, F_GETFL);
 	fcntl(ch->fd, F_SETFL, fl | O_NONBLOCK);
-}
-
-/* The next event of `ch` within 5 s, or NULL. */
-static struct rdma_cm_event *next_event(struct rdma_event_channel *ch)
-{
-	struct pollfd pfd = { .fd = ch->fd, .events = POLLIN };
-	struct rdma_cm_event *ev;
-
-	if (poll(&pfd, 1, 5000) != 1)
-		return NULL;
-	if (rdma_get_cm_event(ch, &ev))
-		return NULL;
-	return ev;
-}
-
-static int expect(struct rdma_event_channel *ch, enum rdma_cm_event_type type,
-		  struct rdma_cm_event **out)
-{
-	struct rdma_cm_event *ev = next_event(ch);
-
-	if (!ev) {
-		fprintf(stderr, "no event (wanted %s)\n", rdma_event_str(type));
-		return 0;
-	}
-	if (ev->event != type) {
-		fprintf(stderr, "got %s (status %d), wanted %s\n",
-			rdma_event_str(ev->event), ev->status, rdma_event_str(type));
-		rdma_ack_cm_event(ev);
-		return 0;
-	}
-	if (out)
-		*out = ev;
-	else
-		rdma_ack_cm_event(ev);
-	return 1;
 }
 
 static double now_us(void)
@@ -104,14 +60,14 @@ static struct rdma_cm_id *client(struct rdma_event_channel *ch,
 	if (rdma_create_id(ch, &id, NULL, RDMA_PS_TCP))
 		return NULL;
 	if (rdma_resolve_addr(id, NULL, dst, 2000) ||
-	    !expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED, NULL))
+	    !check_event(ch, RDMA_CM_EVENT_ADDR_RESOLVED, NULL))
 		return NULL;
 	CHECK(id->verbs != NULL, "resolve_addr sets id->verbs");
 	CHECK(rdma_get_local_addr(id)->sa_family == AF_INET, "local address");
 	CHECK(rdma_get_dst_port(id) == ((struct sockaddr_in *)dst)->sin_port,
 	      "rdma_get_dst_port");
 	if (rdma_resolve_route(id, 2000) ||
-	    !expect(ch, RDMA_CM_EVENT_ROUTE_RESOLVED, NULL))
+	    !check_event(ch, RDMA_CM_EVENT_ROUTE_RESOLVED, NULL))
 		return NULL;
 	if (rdma_create_qp(id, NULL, &attr))
 		return NULL;
@@ -161,8 +117,7 @@ static int resolve_timeout(const char *addr)
 	}
 	rdma_destroy_id(id);
 	rdma_destroy_event_channel(ch);
-	printf("cm_edge: %d passed, %d failed\n", passed, failed);
-	return failed ? 1 : 0;
+	return test_summary();
 }
 
 int main(int argc, char **argv)
@@ -224,7 +179,7 @@ int main(int argc, char **argv)
 	c1 = client(cch, (struct sockaddr *)&dst);
 	CHECK(c1 != NULL, "client 1 set up");
 	CHECK(rdma_connect(c1, &cp) == 0, "connect 1");
-	if (expect(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
+	if (check_event(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
 		CHECK(ev->listen_id == listen, "request's listen_id");
 		CHECK(ev->param.conn.private_data_len >= 6 &&
 		      !memcmp(ev->param.conn.private_data, "hello", 6),
@@ -236,7 +191,7 @@ int main(int argc, char **argv)
 		rdma_ack_cm_event(ev);
 		rdma_destroy_id(child);
 	}
-	if (expect(cch, RDMA_CM_EVENT_REJECTED, &ev)) {
+	if (check_event(cch, RDMA_CM_EVENT_REJECTED, &ev)) {
 		CHECK(ev->status == -ECONNREFUSED, "rejected status");
 		CHECK(ev->param.conn.private_data_len >= 5 &&
 		      !memcmp(ev->param.conn.private_data, "busy", 5),
@@ -251,7 +206,7 @@ int main(int argc, char **argv)
 	CHECK(c2 != NULL, "client 2 set up");
 	CHECK(rdma_connect(c2, &cp) == 0, "connect 2");
 	child = NULL;
-	if (expect(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
+	if (check_event(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
 		struct rdma_conn_param ap = { .responder_resources = 1,
 					      .initiator_depth = 1,
 					      .private_data = "ok",
@@ -265,8 +220,8 @@ int main(int argc, char **argv)
 		CHECK(rdma_accept(child, &ap) == 0, "accept");
 		CHECK(child->qp->state == IBV_QPS_RTS, "accepted QP in RTS");
 	}
-	CHECK(expect(sch, RDMA_CM_EVENT_ESTABLISHED, NULL), "server ESTABLISHED");
-	if (expect(cch, RDMA_CM_EVENT_ESTABLISHED, &ev)) {
+	CHECK(check_event(sch, RDMA_CM_EVENT_ESTABLISHED, NULL), "server ESTABLISHED");
+	if (check_event(cch, RDMA_CM_EVENT_ESTABLISHED, &ev)) {
 		CHECK(ev->param.conn.private_data_len >= 3 &&
 		      !memcmp(ev->param.conn.private_data, "ok", 3),
 		      "accept's private data");
@@ -279,9 +234,9 @@ int main(int argc, char **argv)
 	nonblock(cch2);
 	CHECK(rdma_migrate_id(c2, cch2) == 0 && c2->channel == cch2, "migrate");
 	CHECK(rdma_disconnect(c2) == 0, "disconnect");
-	CHECK(expect(cch2, RDMA_CM_EVENT_DISCONNECTED, NULL),
+	CHECK(check_event(cch2, RDMA_CM_EVENT_DISCONNECTED, NULL),
 	      "DISCONNECTED on the new channel");
-	CHECK(expect(sch, RDMA_CM_EVENT_DISCONNECTED, NULL), "peer DISCONNECTED");
+	CHECK(check_event(sch, RDMA_CM_EVENT_DISCONNECTED, NULL), "peer DISCONNECTED");
 	CHECK(rdma_disconnect(child) == 0, "second side's disconnect");
 
 	rdma_destroy_qp(c2);
@@ -295,20 +250,20 @@ int main(int argc, char **argv)
 	c2 = client(cch, (struct sockaddr *)&dst);
 	CHECK(c2 != NULL && rdma_connect(c2, NULL) == 0, "connect 3");
 	child = NULL;
-	if (expect(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
+	if (check_event(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
 		child = ev->id;
 		rdma_ack_cm_event(ev);
 		attr.send_cq = attr.recv_cq = NULL;
 		CHECK(rdma_create_qp(child, NULL, &attr) == 0, "child QP 3");
 		CHECK(rdma_accept(child, NULL) == 0, "accept with no conn_param");
 	}
-	CHECK(expect(sch, RDMA_CM_EVENT_ESTABLISHED, NULL), "server ESTABLISHED 3");
-	CHECK(expect(cch, RDMA_CM_EVENT_ESTABLISHED, NULL), "client ESTABLISHED 3");
+	CHECK(check_event(sch, RDMA_CM_EVENT_ESTABLISHED, NULL), "server ESTABLISHED 3");
+	CHECK(check_event(cch, RDMA_CM_EVENT_ESTABLISHED, NULL), "client ESTABLISHED 3");
 	rdma_destroy_qp(c2);
 	CHECK(c2->qp == NULL, "rdma_destroy_qp clears id->qp");
-	CHECK(expect(sch, RDMA_CM_EVENT_DISCONNECTED, NULL),
+	CHECK(check_event(sch, RDMA_CM_EVENT_DISCONNECTED, NULL),
 	      "peer DISCONNECTED after ibv_destroy_qp");
-	CHECK(expect(cch, RDMA_CM_EVENT_DISCONNECTED, NULL),
+	CHECK(check_event(cch, RDMA_CM_EVENT_DISCONNECTED, NULL),
 	      "own DISCONNECTED after ibv_destroy_qp");
 	rdma_destroy_id(c2);
 	if (child) {
@@ -331,22 +286,22 @@ int main(int argc, char **argv)
 
 			if (!c || rdma_connect(c, NULL))
 				break;
-			if (expect(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
+			if (check_event(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
 				s = ev->id;
 				rdma_ack_cm_event(ev);
 				attr.send_cq = attr.recv_cq = NULL;
 				if (rdma_create_qp(s, NULL, &attr) || rdma_accept(s, NULL))
 					s = NULL;
 			}
-			if (!s || !expect(sch, RDMA_CM_EVENT_ESTABLISHED, NULL) ||
-			    !expect(cch, RDMA_CM_EVENT_ESTABLISHED, NULL))
+			if (!s || !check_event(sch, RDMA_CM_EVENT_ESTABLISHED, NULL) ||
+			    !check_event(cch, RDMA_CM_EVENT_ESTABLISHED, NULL))
 				break;
 			t0 = now_us();
 			rdma_disconnect(c);
-			if (!expect(sch, RDMA_CM_EVENT_DISCONNECTED, NULL))
+			if (!check_event(sch, RDMA_CM_EVENT_DISCONNECTED, NULL))
 				break;
 			took[n++] = now_us() - t0;
-			expect(cch, RDMA_CM_EVENT_DISCONNECTED, NULL);
+			check_event(cch, RDMA_CM_EVENT_DISCONNECTED, NULL);
 			rdma_disconnect(s);
 			rdma_destroy_qp(s);
 			rdma_destroy_id(s);
@@ -365,12 +320,12 @@ int main(int argc, char **argv)
 	/* A request destroyed without an answer is refused. */
 	c2 = client(cch, (struct sockaddr *)&dst);
 	CHECK(c2 != NULL && rdma_connect(c2, NULL) == 0, "connect 4");
-	if (expect(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
+	if (check_event(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
 		child = ev->id;
 		rdma_ack_cm_event(ev);
 		CHECK(rdma_destroy_id(child) == 0, "destroy unanswered child");
 	}
-	CHECK(expect(cch, RDMA_CM_EVENT_REJECTED, NULL),
+	CHECK(check_event(cch, RDMA_CM_EVENT_REJECTED, NULL),
 	      "REJECTED for a request destroyed unanswered");
 	rdma_destroy_qp(c2);
 	rdma_destroy_id(c2);
@@ -397,17 +352,17 @@ int main(int argc, char **argv)
 		CHECK(rdma_bind_addr(c, (struct sockaddr *)&src) == 0,
 		      "bind the client to a named port");
 		CHECK(rdma_resolve_addr(c, NULL, (struct sockaddr *)&dst, 2000) == 0 &&
-		      expect(cch, RDMA_CM_EVENT_ADDR_RESOLVED, NULL) &&
+		      check_event(cch, RDMA_CM_EVENT_ADDR_RESOLVED, NULL) &&
 		      rdma_get_src_port(c) == port,
 		      "resolved, source port kept");
 		CHECK(rdma_resolve_route(c, 2000) == 0 &&
-		      expect(cch, RDMA_CM_EVENT_ROUTE_RESOLVED, NULL),
+		      check_event(cch, RDMA_CM_EVENT_ROUTE_RESOLVED, NULL),
 		      "route resolved");
 		attr.send_cq = attr.recv_cq = NULL;
 		CHECK(rdma_create_qp(c, NULL, &attr) == 0 && rdma_connect(c, NULL) == 0,
 		      "connect from the bound port");
 		child = NULL;
-		if (expect(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
+		if (check_event(sch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev)) {
 			child = ev->id;
 			CHECK(rdma_get_dst_port(child) == port,
 			      "the listener sees the bound source port");
@@ -416,13 +371,13 @@ int main(int argc, char **argv)
 			CHECK(rdma_create_qp(child, NULL, &attr) == 0 &&
 			      rdma_accept(child, NULL) == 0, "accept the bound-port client");
 		}
-		CHECK(expect(cch, RDMA_CM_EVENT_ESTABLISHED, NULL),
+		CHECK(check_event(cch, RDMA_CM_EVENT_ESTABLISHED, NULL),
 		      "bound-port client ESTABLISHED");
-		CHECK(expect(sch, RDMA_CM_EVENT_ESTABLISHED, NULL),
+		CHECK(check_event(sch, RDMA_CM_EVENT_ESTABLISHED, NULL),
 		      "bound-port server ESTABLISHED");
 		rdma_disconnect(c);
-		CHECK(expect(cch, RDMA_CM_EVENT_DISCONNECTED, NULL) &&
-		      expect(sch, RDMA_CM_EVENT_DISCONNECTED, NULL),
+		CHECK(check_event(cch, RDMA_CM_EVENT_DISCONNECTED, NULL) &&
+		      check_event(sch, RDMA_CM_EVENT_DISCONNECTED, NULL),
 		      "bound-port connection disconnected");
 		rdma_destroy_qp(c);
 		rdma_destroy_id(c);
@@ -465,6 +420,5 @@ int main(int argc, char **argv)
 	CHECK(!strcmp(rdma_event_str(RDMA_CM_EVENT_ESTABLISHED),
 		      "RDMA_CM_EVENT_ESTABLISHED"), "rdma_event_str");
 
-	printf("cm_edge: %d passed, %d failed\n", passed, failed);
-	return failed != 0;
+	return test_summary();
 }

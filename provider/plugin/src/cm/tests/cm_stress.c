@@ -40,66 +40,8 @@
  * provider/plugin/src/cm/listen.rs). */
 #define GRACE_US 3000000L
 
-static int passed, failed;
-
-#define CHECK(cond, what)                                                   \
-	do {                                                                \
-		if (cond) {                                                 \
-			passed++;                                           \
-		} else {                                                    \
-			failed++;                                           \
-			fprintf(stderr, "FAIL %s (line %d, errno %d)\n", what, \
-				__LINE__, errno);                           \
-		}                                                           \
-	} while (0)
-
-static double now_s(void)
-{
-	struct timespec t;
-
-	clock_gettime(CLOCK_MONOTONIC, &t);
-	return t.tv_sec + t.tv_nsec / 1e9;
-}
-
-/* The next event of `ch` within 10 s, or NULL. */
-static struct rdma_cm_event *next_event(struct rdma_event_channel *ch)
-{
-	struct pollfd pfd = { .fd = ch->fd, .events = POLLIN };
-	struct rdma_cm_event *ev;
-
-	if (poll(&pfd, 1, 10000) != 1) {
-		fprintf(stderr, "no event within 10 s\n");
-		return NULL;
-	}
-	if (rdma_get_cm_event(ch, &ev))
-		return NULL;
-	return ev;
-}
-
-/* Take the next event of `ch`; it must be `type`. Returns it unacked in
- * *out when `out` is set. */
-static int expect(struct rdma_event_channel *ch, enum rdma_cm_event_type type,
-		  struct rdma_cm_event **out)
-{
-	struct rdma_cm_event *ev = next_event(ch);
-
-	if (!ev) {
-		fprintf(stderr, "no event (wanted %s)\n", rdma_event_str(type));
-		return 0;
-	}
-	if (ev->event != type) {
-		fprintf(stderr, "got %s (status %d), wanted %s\n",
-			rdma_event_str(ev->event), ev->status,
-			rdma_event_str(type));
-		rdma_ack_cm_event(ev);
-		return 0;
-	}
-	if (out)
-		*out = ev;
-	else
-		rdma_ack_cm_event(ev);
-	return 1;
-}
+#define TEST_NAME "cm_stress"
+#include "stag_test.h"
 
 static struct ibv_qp_init_attr qp_attr(void)
 {
@@ -128,9 +70,9 @@ static struct rdma_cm_id *client_id(struct rdma_event_channel *ch,
 	if (rdma_create_id(ch, &id, NULL, RDMA_PS_TCP))
 		return NULL;
 	if (rdma_resolve_addr(id, NULL, (struct sockaddr *)dst, 2000) ||
-	    !expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED, NULL) ||
+	    !check_event(ch, RDMA_CM_EVENT_ADDR_RESOLVED, NULL) ||
 	    rdma_resolve_route(id, 2000) ||
-	    !expect(ch, RDMA_CM_EVENT_ROUTE_RESOLVED, NULL) ||
+	    !check_event(ch, RDMA_CM_EVENT_ROUTE_RESOLVED, NULL) ||
 	    rdma_create_qp(id, NULL, &attr)) {
 		rdma_destroy_id(id);
 		return NULL;
@@ -193,14 +135,14 @@ static int cycle(struct rdma_event_channel *lch, struct rdma_event_channel *cch,
 		return 0;
 	if (rdma_connect(c, &p))
 		goto out;
-	if (!expect(lch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev))
+	if (!check_event(lch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev))
 		goto out;
 	s = accept_request(ev);
-	if (!s || !expect(cch, RDMA_CM_EVENT_ESTABLISHED, NULL) ||
-	    !expect(lch, RDMA_CM_EVENT_ESTABLISHED, NULL))
+	if (!s || !check_event(cch, RDMA_CM_EVENT_ESTABLISHED, NULL) ||
+	    !check_event(lch, RDMA_CM_EVENT_ESTABLISHED, NULL))
 		goto out;
-	if (rdma_disconnect(c) || !expect(cch, RDMA_CM_EVENT_DISCONNECTED, NULL) ||
-	    !expect(lch, RDMA_CM_EVENT_DISCONNECTED, NULL))
+	if (rdma_disconnect(c) || !check_event(cch, RDMA_CM_EVENT_DISCONNECTED, NULL) ||
+	    !check_event(lch, RDMA_CM_EVENT_DISCONNECTED, NULL))
 		goto out;
 	ok = 1;
 out:
@@ -227,7 +169,7 @@ static int refused(struct rdma_event_channel *cch, struct sockaddr_in *dst,
 		goto out;
 	if (lch) {
 		/* The listener rejects with private data. */
-		if (!expect(lch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev))
+		if (!check_event(lch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev))
 			goto out;
 		struct rdma_cm_id *child = ev->id;
 		int r = rdma_reject(child, data, len);
@@ -237,7 +179,7 @@ static int refused(struct rdma_event_channel *cch, struct sockaddr_in *dst,
 		if (r)
 			goto out;
 	}
-	if (!expect(cch, RDMA_CM_EVENT_REJECTED, &ev))
+	if (!check_event(cch, RDMA_CM_EVENT_REJECTED, &ev))
 		goto out;
 	ok = ev->status == -ECONNREFUSED;
 	if (!ok)
@@ -280,14 +222,14 @@ static int connect_before_listen(struct rdma_event_channel *lch,
 	/* Let the connect reach the port first. */
 	nanosleep(&pause, NULL);
 	if (rdma_listen(l, 0) ||
-	    !expect(lch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev))
+	    !check_event(lch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev))
 		goto out;
 	s = accept_request(ev);
-	ok = s && expect(cch, RDMA_CM_EVENT_ESTABLISHED, NULL) &&
-	     expect(lch, RDMA_CM_EVENT_ESTABLISHED, NULL) &&
+	ok = s && check_event(cch, RDMA_CM_EVENT_ESTABLISHED, NULL) &&
+	     check_event(lch, RDMA_CM_EVENT_ESTABLISHED, NULL) &&
 	     !rdma_disconnect(c) &&
-	     expect(cch, RDMA_CM_EVENT_DISCONNECTED, NULL) &&
-	     expect(lch, RDMA_CM_EVENT_DISCONNECTED, NULL);
+	     check_event(cch, RDMA_CM_EVENT_DISCONNECTED, NULL) &&
+	     check_event(lch, RDMA_CM_EVENT_DISCONNECTED, NULL);
 out:
 	if (s)
 		destroy(s);
@@ -364,7 +306,7 @@ static int concurrent(struct rdma_event_channel *lch,
 	while (ok && (c_disc < n || s_disc < n)) {
 		struct rdma_event_channel *ch = c_disc < n ? cch : lch;
 
-		ok = expect(ch, RDMA_CM_EVENT_DISCONNECTED, NULL);
+		ok = check_event(ch, RDMA_CM_EVENT_DISCONNECTED, NULL);
 		if (ch == cch)
 			c_disc++;
 		else
@@ -479,13 +421,13 @@ int main(int argc, char **argv)
 			destroy(c);
 			break;
 		}
-		if (expect(lch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev))
+		if (check_event(lch, RDMA_CM_EVENT_CONNECT_REQUEST, &ev))
 			s = accept_request(ev);
-		rok += s && expect(cch, RDMA_CM_EVENT_ESTABLISHED, NULL) &&
-		       expect(lch, RDMA_CM_EVENT_ESTABLISHED, NULL) &&
+		rok += s && check_event(cch, RDMA_CM_EVENT_ESTABLISHED, NULL) &&
+		       check_event(lch, RDMA_CM_EVENT_ESTABLISHED, NULL) &&
 		       !rdma_disconnect(c) &&
-		       expect(cch, RDMA_CM_EVENT_DISCONNECTED, NULL) &&
-		       expect(lch, RDMA_CM_EVENT_DISCONNECTED, NULL);
+		       check_event(cch, RDMA_CM_EVENT_DISCONNECTED, NULL) &&
+		       check_event(lch, RDMA_CM_EVENT_DISCONNECTED, NULL);
 		if (s)
 			destroy(s);
 		destroy(c);
@@ -559,6 +501,5 @@ int main(int argc, char **argv)
 
 	rdma_destroy_event_channel(cch);
 	rdma_destroy_event_channel(lch);
-	printf("cm_stress: %d passed, %d failed\n", passed, failed);
-	return failed != 0;
+	return test_summary();
 }
