@@ -1042,6 +1042,31 @@ static int flood_main(void)
 	return 0;
 }
 
+/* This program re-executed as `self_exe MODE` with ENV=VALUE set: its
+ * stdout comes back as *out, its stderr goes to err_fd (-1: ours). */
+static pid_t spawn_self(const char *mode, const char *env, const char *value, int err_fd, FILE **out)
+{
+	int fds[2];
+	if (pipe(fds))
+		DIE("pipe");
+	pid_t pid = fork();
+	if (pid < 0)
+		DIE("fork");
+	if (pid == 0) {
+		if (err_fd >= 0)
+			dup2(err_fd, 2);
+		dup2(fds[1], 1);
+		close(fds[0]);
+		close(fds[1]);
+		setenv(env, value, 1);
+		execl(self_exe, self_exe, mode, (char *)NULL);
+		_exit(127);
+	}
+	close(fds[1]);
+	*out = fdopen(fds[0], "r");
+	return pid;
+}
+
 static void case_log_flood(void)
 {
 	char path[] = "/tmp/faults-flood-XXXXXX";
@@ -1049,21 +1074,8 @@ static void case_log_flood(void)
 	if (fd < 0)
 		DIE("mkstemp");
 	unlink(path);
-	int out[2];
-	if (pipe(out))
-		DIE("pipe");
-	pid_t pid = fork();
-	if (pid < 0)
-		DIE("fork");
-	if (pid == 0) {
-		dup2(fd, 2);
-		dup2(out[1], 1);
-		setenv("STAG_LOG", "warn", 1);
-		execl(self_exe, self_exe, "--flood", (char *)NULL);
-		_exit(127);
-	}
-	close(out[1]);
-	FILE *o = fdopen(out[0], "r");
+	FILE *o;
+	pid_t pid = spawn_self("--flood", "STAG_LOG", "warn", fd, &o);
 	double took = -1;
 	if (!o || fscanf(o, "flood %lf", &took) != 1)
 		took = -1;
@@ -1250,22 +1262,8 @@ static int device_fatal_main(void)
 
 static void case_async_device_fatal(void)
 {
-	int out[2];
-	if (pipe(out))
-		DIE("pipe");
-	pid_t pid = fork();
-	if (pid < 0)
-		DIE("fork");
-	if (pid == 0) {
-		dup2(out[1], 1);
-		close(out[0]);
-		close(out[1]);
-		setenv("STAG_FAULT_INJECT", "engine-panic", 1);
-		execl(self_exe, self_exe, "--device-fatal", (char *)NULL);
-		_exit(127);
-	}
-	close(out[1]);
-	FILE *o = fdopen(out[0], "r");
+	FILE *o;
+	pid_t pid = spawn_self("--device-fatal", "STAG_FAULT_INJECT", "engine-panic", -1, &o);
 	int n = -1;
 	if (!o || fscanf(o, "fatal %d", &n) != 1)
 		n = -1;
