@@ -369,14 +369,14 @@ int main(void)
 		for (int k = 0; k < 4; k++)
 			post_send(id->qp, mr, 10 * g + k, k == 3 ? IBV_SEND_SOLICITED : 0);
 		/* Four send completions and the reply. */
-		ok = poll_cq_busy(cq, wc, 5, 30) == 5;
+		ok = poll_cq_for(cq, wc, 5, 30, 0) == 5;
 		for (int i = 0; i < 5 && ok; i++)
 			ok = wc[i].status == IBV_WC_SUCCESS;
 	}
 	CHECK(ok, "solicited groups answered");
 	for (int p = 0; p < PINGS && ok; p++) {
 		post_send(id->qp, mr, 100000 + p, 0);
-		ok = poll_cq_busy(cq, wc, 2, 30) == 2 && wc[0].status == IBV_WC_SUCCESS &&
+		ok = poll_cq_for(cq, wc, 2, 30, 0) == 2 && wc[0].status == IBV_WC_SUCCESS &&
 		     wc[1].status == IBV_WC_SUCCESS;
 	}
 	CHECK(ok, "pings answered");

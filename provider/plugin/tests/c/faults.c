@@ -100,22 +100,6 @@ struct end {
 	struct ibv_srq *srq;
 };
 
-/* Poll up to n completions, for at most `secs`. */
-static int poll_for(struct ibv_cq *cq, struct ibv_wc *wc, int n, double secs)
-{
-	int got = 0;
-	double end = now_s() + secs;
-	while (got < n && now_s() < end) {
-		int r = ibv_poll_cq(cq, n - got, wc + got);
-		if (r < 0)
-			DIE("poll_cq");
-		got += r;
-		if (!r)
-			usleep(100);
-	}
-	return got;
-}
-
 static void make_qp(struct end *e, int depth)
 {
 	e->c.pd = ibv_alloc_pd(e->c.id->verbs);
@@ -205,7 +189,7 @@ static int peer_main(const char *cas)
 		/* Every Receive completes; a successful one holds the whole
 		 * message, each octet (i + 1). */
 		struct ibv_wc wc[NBIG];
-		int n = poll_for(e.c.cq, wc, NBIG, 30), ok = 0, bad = 0;
+		int n = poll_cq_for(e.c.cq, wc, NBIG, 30, 100), ok = 0, bad = 0;
 		for (int i = 0; i < n; i++) {
 			if (wc[i].status != IBV_WC_SUCCESS) {
 				if (wc[i].status != IBV_WC_WR_FLUSH_ERR)
@@ -235,7 +219,7 @@ static int peer_main(const char *cas)
 					   *bad;
 			if (ibv_post_send(e.c.id->qp, &w, &bad) == 0) {
 				struct ibv_wc wc;
-				poll_for(e.c.cq, &wc, 1, 1);
+				poll_cq_for(e.c.cq, &wc, 1, 1, 100);
 			}
 		}
 	}
@@ -253,7 +237,7 @@ static int peer_main(const char *cas)
 		/* On the client's Send, five Sends back: its SRQ goes from 8
 		 * posted WRs to 3. */
 		struct ibv_wc wc[5];
-		if (poll_for(e.c.cq, wc, 1, 30) != 1 || wc[0].status != IBV_WC_SUCCESS)
+		if (poll_cq_for(e.c.cq, wc, 1, 30, 100) != 1 || wc[0].status != IBV_WC_SUCCESS)
 			return 1;
 		for (int i = 0; i < 5; i++) {
 			struct ibv_sge s = { (uintptr_t)buf, 64, mr->lkey };
@@ -263,7 +247,7 @@ static int peer_main(const char *cas)
 			if (ibv_post_send(e.c.id->qp, &w, &bad))
 				return 1;
 		}
-		poll_for(e.c.cq, wc, 5, 10);
+		poll_cq_for(e.c.cq, wc, 5, 10, 100);
 		struct rdma_cm_event *ev;
 		while (rdma_get_cm_event(e.c.ch, &ev) == 0)
 			rdma_ack_cm_event(ev);
@@ -398,10 +382,10 @@ static void case_peer_close(void)
 	CHECK(post_failed == 0, "peer_close: posts are accepted while the QP fails (%d refused)", post_failed);
 	/* Drain, then one more post: it flushes. */
 	struct ibv_wc wc[NBIG];
-	poll_for(e.c.cq, wc, inflight, 5);
+	poll_cq_for(e.c.cq, wc, inflight, 5, 100);
 	CHECK(post_write(&e, mr, buf, 4096, 999, 0) == 0, "peer_close: post after the error: %s",
 	      strerror(errno));
-	CHECK(poll_for(e.c.cq, wc, 1, 5) == 1 && wc[0].wr_id == 999 &&
+	CHECK(poll_cq_for(e.c.cq, wc, 1, 5, 100) == 1 && wc[0].wr_id == 999 &&
 		      wc[0].status == IBV_WC_WR_FLUSH_ERR,
 	      "peer_close: a post after the error completes with WR_FLUSH_ERR");
 	reap(&p);
@@ -502,7 +486,7 @@ static void case_sigpipe(void)
 	 * Posts now flush: the QP is in Error. */
 	struct ibv_wc wc;
 	struct ibv_recv_wr rw = { .wr_id = 5 }, *rbad;
-	CHECK(ibv_post_recv(e.c.id->qp, &rw, &rbad) == 0 && poll_for(e.c.cq, &wc, 1, 5) == 1 &&
+	CHECK(ibv_post_recv(e.c.id->qp, &rw, &rbad) == 0 && poll_cq_for(e.c.cq, &wc, 1, 5, 100) == 1 &&
 		      wc.wr_id == 5 && wc.status == IBV_WC_WR_FLUSH_ERR,
 	      "sigpipe: the QP is in Error: a Receive flushes");
 	close(sv[0]);
@@ -540,7 +524,7 @@ static void case_kill_recv(void)
 	usleep(50000);
 	kill(p.pid, SIGKILL);
 	struct ibv_wc wc[8];
-	int n = poll_for(e.c.cq, wc, 8, 10), flushed = 0;
+	int n = poll_cq_for(e.c.cq, wc, 8, 10, 100), flushed = 0;
 	for (int i = 0; i < n; i++)
 		flushed += wc[i].status == IBV_WC_WR_FLUSH_ERR;
 	CHECK(kill_recv_buf[(1 << 20) - 1] == (char)0xab && n == 8 && flushed == 8,
@@ -578,7 +562,7 @@ static void case_dereg_inflight(void)
 	munmap(buf, len);
 	kill(p.pid, SIGCONT);
 	struct ibv_wc wc[NBIG];
-	int n = poll_for(e.c.cq, wc, NBIG, 30), ok = 0, prot = 0, flush = 0, other = 0;
+	int n = poll_cq_for(e.c.cq, wc, NBIG, 30, 100), ok = 0, prot = 0, flush = 0, other = 0;
 	for (int i = 0; i < n; i++) {
 		switch (wc[i].status) {
 		case IBV_WC_SUCCESS: ok++; break;
@@ -618,11 +602,11 @@ static void case_full_sq(void)
 	      "full_sq: ENOMEM once max_send_wr (%d) WRs are outstanding (after %d posts, rc %d)", d, k, rc);
 	kill(p.pid, SIGCONT);
 	struct ibv_wc wc[40];
-	int n = poll_for(e.c.cq, wc, k, 20), ok = 0;
+	int n = poll_cq_for(e.c.cq, wc, k, 20, 100), ok = 0;
 	for (int i = 0; i < n; i++)
 		ok += wc[i].status == IBV_WC_SUCCESS;
 	CHECK(n == k && ok == k, "full_sq: all %d complete once the peer reads (%d, %d ok)", k, n, ok);
-	CHECK(post_write(&e, mr, buf, 4096, 99, 0) == 0 && poll_for(e.c.cq, wc, 1, 5) == 1 &&
+	CHECK(post_write(&e, mr, buf, 4096, 99, 0) == 0 && poll_cq_for(e.c.cq, wc, 1, 5, 100) == 1 &&
 		      wc[0].status == IBV_WC_SUCCESS,
 	      "full_sq: room again after the completions");
 	rdma_disconnect(e.c.id);
@@ -646,7 +630,7 @@ static void case_post_error(void)
 	CHECK(post_write(&e, mr, buf, 64, 6, 0) == 0 && ibv_post_recv(e.c.id->qp, &rw, &rbad) == 0,
 	      "post_error: posts are accepted in Error");
 	struct ibv_wc wc[2];
-	int n = poll_for(e.c.cq, wc, 2, 5);
+	int n = poll_cq_for(e.c.cq, wc, 2, 5, 100);
 	CHECK(n == 2 && wc[0].status == IBV_WC_WR_FLUSH_ERR && wc[1].status == IBV_WC_WR_FLUSH_ERR,
 	      "post_error: both complete with WR_FLUSH_ERR (%d completions)", n);
 	rdma_disconnect(e.c.id);
@@ -839,7 +823,7 @@ static void case_async(void)
 	struct ibv_wc wc;
 	/* iWARP completes a Write once it is sent (success); the peer's
 	 * refusal comes after. */
-	CHECK(poll_for(e.c.cq, &wc, 1, 5) == 1, "async: the Write completes");
+	CHECK(poll_cq_for(e.c.cq, &wc, 1, 5, 100) == 1, "async: the Write completes");
 	CHECK(next_async(e.c.id->verbs, IBV_EVENT_QP_FATAL, &ev, 5000) == 0 && ev.element.qp == e.c.id->qp,
 	      "async: the peer's Terminate raises IBV_EVENT_QP_FATAL on our QP");
 	ibv_ack_async_event(&ev);
@@ -893,7 +877,7 @@ static void case_async_reset(void)
 	while (!is_stopped(p.pid) && now_s() < end)
 		usleep(1000);
 	struct ibv_wc wc;
-	CHECK(post_write(&e, mr, buf, 1 << 16, 1, 0) == 0 && poll_for(e.c.cq, &wc, 1, 5) == 1 &&
+	CHECK(post_write(&e, mr, buf, 1 << 16, 1, 0) == 0 && poll_cq_for(e.c.cq, &wc, 1, 5, 100) == 1 &&
 		      wc.status == IBV_WC_SUCCESS,
 	      "async_reset: a Write sent to the stopped peer");
 	kill(p.pid, SIGKILL);
@@ -954,7 +938,7 @@ static void case_async_cq_err(void)
 	      "async_cq_err: the overrun raises IBV_EVENT_CQ_ERR on our CQ");
 	ibv_ack_async_event(&ev);
 	struct ibv_wc wc[4];
-	poll_for(e.c.cq, wc, 4, 1);
+	poll_cq_for(e.c.cq, wc, 4, 1, 100);
 	ibv_dereg_mr(mr);
 	teardown(&e, &p);
 }
@@ -982,7 +966,7 @@ static void case_async_srq_limit(void)
 			   *bad;
 	CHECK(ibv_post_send(e.c.id->qp, &w, &bad) == 0, "async_srq_limit: post the go Send");
 	struct ibv_wc wc[6];
-	int n = poll_for(e.c.cq, wc, 6, 10);
+	int n = poll_cq_for(e.c.cq, wc, 6, 10, 100);
 	CHECK(n == 6, "async_srq_limit: our Send and the peer's five complete (%d)", n);
 	CHECK(next_async(e.c.id->verbs, IBV_EVENT_SRQ_LIMIT_REACHED, &ev, 5000) == 0 &&
 		      ev.element.srq == e.srq,
@@ -1134,7 +1118,7 @@ static int fork_run(int fork_init)
 	char *buf = map_big(len, 0);
 	struct ibv_mr *mr = ibv_reg_mr(e.c.pd, buf, len, IBV_ACCESS_LOCAL_WRITE);
 	struct ibv_wc wc;
-	CHECK(mr && post_write(&e, mr, buf, len, 1, 0) == 0 && poll_for(e.c.cq, &wc, 1, 5) == 1 &&
+	CHECK(mr && post_write(&e, mr, buf, len, 1, 0) == 0 && poll_cq_for(e.c.cq, &wc, 1, 5, 100) == 1 &&
 		      wc.status == IBV_WC_SUCCESS,
 	      "%s: a Write before the fork", how);
 	/* Writes in flight across the fork. */
@@ -1171,12 +1155,12 @@ static int fork_run(int fork_init)
 		intact &= buf[i] == (char)i;
 	CHECK(intact, "%s: the parent's registered memory is untouched by the child", how);
 	struct ibv_wc w4[4];
-	int n = poll_for(e.c.cq, w4, posted, 10), ok = 0;
+	int n = poll_cq_for(e.c.cq, w4, posted, 10, 100), ok = 0;
 	for (int i = 0; i < n; i++)
 		ok += w4[i].status == IBV_WC_SUCCESS;
 	CHECK(posted == 4 && ok == 4, "%s: the Writes in flight across the fork complete (%d of %d)", how,
 	      ok, posted);
-	CHECK(post_write(&e, mr, buf, len, 20, 0) == 0 && poll_for(e.c.cq, &wc, 1, 5) == 1 &&
+	CHECK(post_write(&e, mr, buf, len, 20, 0) == 0 && poll_cq_for(e.c.cq, &wc, 1, 5, 100) == 1 &&
 		      wc.status == IBV_WC_SUCCESS,
 	      "%s: the connection works after the child exited", how);
 	ibv_dereg_mr(mr);
@@ -1234,7 +1218,7 @@ static void case_exit_dirty(void)
 	fclose(p.out);
 	rdma_ack_cm_event(expect_event(e.c.ch, RDMA_CM_EVENT_DISCONNECTED));
 	struct ibv_wc wc;
-	CHECK(poll_for(e.c.cq, &wc, 1, 5) == 1 && wc.wr_id == 3 && wc.status == IBV_WC_WR_FLUSH_ERR,
+	CHECK(poll_cq_for(e.c.cq, &wc, 1, 5, 100) == 1 && wc.wr_id == 3 && wc.status == IBV_WC_WR_FLUSH_ERR,
 	      "exit_dirty: we see DISCONNECTED and our Receive flushed");
 	ibv_dereg_mr(mr);
 	teardown(&e, NULL);

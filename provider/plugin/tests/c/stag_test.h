@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
@@ -277,9 +278,11 @@ static inline void test_conn_destroy(struct test_conn *c)
 
 /* ---- completions ---- */
 
-/* Busy-poll `cq` (never sleeping) until n completions are in wc or `secs`
- * have passed; returns how many. A poll error is fatal. */
-static inline int poll_cq_busy(struct ibv_cq *cq, struct ibv_wc *wc, int n, double secs)
+/* Poll `cq` until n completions are in wc or `secs` have passed; returns
+ * how many. idle_us = 0 polls busy (a requester measuring nothing else);
+ * otherwise it sleeps idle_us whenever the CQ is empty (long waits for a
+ * peer). A poll error is fatal. */
+static inline int poll_cq_for(struct ibv_cq *cq, struct ibv_wc *wc, int n, double secs, unsigned idle_us)
 {
 	int got = 0;
 	double end = now_s() + secs;
@@ -288,6 +291,8 @@ static inline int poll_cq_busy(struct ibv_cq *cq, struct ibv_wc *wc, int n, doub
 		if (r < 0)
 			DIE("ibv_poll_cq");
 		got += r;
+		if (!r && idle_us)
+			usleep(idle_us);
 	}
 	return got;
 }

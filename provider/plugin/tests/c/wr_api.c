@@ -57,7 +57,7 @@ static void *responder(void *arg)
 		DIE("accept");
 	test_conn_established(&c, NULL, 0);
 	struct ibv_wc wc[2];
-	CHECK(poll_cq_busy(cq, wc, 2, 20) == 2 && wc[0].status == IBV_WC_SUCCESS && wc[1].status == IBV_WC_SUCCESS,
+	CHECK(poll_cq_for(cq, wc, 2, 20, 0) == 2 && wc[0].status == IBV_WC_SUCCESS && wc[1].status == IBV_WC_SUCCESS,
 	      "two Sends arrive");
 	CHECK(wc[0].byte_len == 3 && !memcmp(rbuf, "bye", 3), "ibv_wr_send with inline data");
 	CHECK(wc[1].byte_len == 11 && !memcmp(rbuf + 64, "legacy text", 11),
@@ -132,7 +132,7 @@ int main(void)
 	ibv_wr_set_inline_data(qx, "bye", 3);
 	CHECK(ibv_wr_complete(qx) == 0, "wr_complete posts the batch");
 	struct ibv_wc wc[8];
-	int n = poll_cq_busy(cq, wc, 7, 20);
+	int n = poll_cq_for(cq, wc, 7, 20, 0);
 	CHECK(n == 7, "seven completions: %d", n);
 	for (int i = 0; i < n; i++)
 		CHECK(wc[i].status == IBV_WC_SUCCESS && wc[i].wr_id == (uint64_t)i + 1,
@@ -174,7 +174,7 @@ int main(void)
 				 .send_flags = IBV_SEND_INLINE | IBV_SEND_SIGNALED }, *bad;
 	CHECK(ibv_post_send(id->qp, &w, &bad) == 0, "post inline Send");
 	memset(text, 'X', sizeof text); /* reusable at once */
-	CHECK(poll_cq_busy(cq, wc, 1, 20) == 1 && wc[0].wr_id == 70 && wc[0].status == IBV_WC_SUCCESS,
+	CHECK(poll_cq_for(cq, wc, 1, 20, 0) == 1 && wc[0].wr_id == 70 && wc[0].status == IBV_WC_SUCCESS,
 	      "inline Send completes");
 	/* As on siw, inline data may go up to the device's maximum (256),
 	 * whatever the QP asked for; past it: EINVAL. */
