@@ -4,7 +4,8 @@
  * threads (responder and requester), over 127.0.0.1.
  *
  *   cc -Iprovider/plugin/include -Iprovider/plugin/tests/c -o stagdv_demo \
- *      examples/c/stagdv_demo.c -Ltarget/debug -lstag_rdmav34 -lrdmacm -libverbs
+ *      examples/c/stagdv_demo.c -Ltarget/debug -Wl,-rpath,$PWD/target/debug \
+ *      -lstag_rdmav34 -lrdmacm -libverbs
  *   stag run -- ./stagdv_demo        # prints "stagdv_demo: N passed, 0 failed"
  *
  * The responder offers a 64-byte target region (atomics, Writes) and a
