@@ -127,7 +127,7 @@ fn hide_netlink() -> bool {
 #[no_mangle]
 pub unsafe extern "C" fn ibv_create_comp_channel(ctx: *mut ibv_context) -> *mut ibv_comp_channel {
     type F = unsafe extern "C" fn(*mut ibv_context) -> *mut ibv_comp_channel;
-    if !crate::context::is_stag_context(ctx) {
+    if !crate::handle::is_stag_context(ctx) {
         return match next!("ibv_create_comp_channel", F) {
             // SAFETY: libibverbs' own, for its own devices.
             Some(real) => unsafe { real(ctx) },

@@ -17,8 +17,9 @@ use super::channel::{Channel, Incoming, Pending};
 use super::event::complete;
 use super::id::{Id, IdState, Op, Phase};
 use super::verbs::{self, Stag};
-use super::{lock, qp_handle, CmResult};
+use super::{lock, CmResult, StagQp};
 use crate::ffi;
+use crate::handle::from_raw;
 use provider::thread::SpawnMasked;
 
 /// How long the watcher sleeps at most between two looks at the connected
@@ -116,8 +117,8 @@ fn mirror_state(id: &Id, st: &IdState, state: ffi::ibv_qp_state, set_error: bool
     }
     // SAFETY: application thread inside a cm call on `id`.
     let c = unsafe { id.c() };
-    // SAFETY: id->qp is NULL or the application's QP; qp_handle checks.
-    if let Some(h) = unsafe { qp_handle(c.qp) } {
+    // SAFETY: id->qp is NULL or the application's QP; from_raw checks.
+    if let Some(h) = unsafe { from_raw::<StagQp>(c.qp) }.map(StagQp::handle) {
         if Arc::ptr_eq(h.provider(), &qp) {
             h.set_state(state);
         }
@@ -247,8 +248,8 @@ pub(crate) fn make_child(
 fn id_qp(id: &Id, call: &str) -> CmResult<super::QpHandle> {
     // SAFETY: application thread inside a cm call on `id`.
     let qp = unsafe { id.c() }.qp;
-    // SAFETY: id->qp is NULL or the application's QP; qp_handle checks.
-    match unsafe { qp_handle(qp) } {
+    // SAFETY: id->qp is NULL or the application's QP; from_raw checks.
+    match unsafe { from_raw::<StagQp>(qp) }.map(StagQp::handle) {
         Some(h) => Ok(h),
         None => {
             error!(

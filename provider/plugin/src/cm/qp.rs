@@ -10,8 +10,9 @@ use tracing::{error, warn};
 use super::event::{ack_held, get_event};
 use super::id::Id;
 use super::verbs::{self, create_cqs, destroy_cqs};
-use super::{is_stag_context, ops, qp_handle, CmResult};
+use super::{is_stag_context, ops, CmResult, StagQp};
 use crate::ffi;
+use crate::handle::from_raw;
 
 /// The QP access rights the cm gives a connected QP (iWARP's cm grants
 /// remote read and write; stag adds RFC 7306 atomics).
@@ -64,7 +65,7 @@ unsafe fn init_conn_qp(id: &Id, qp: *mut ffi::ibv_qp) -> CmResult<()> {
     }
     // The QP is stag0's; record INIT through the verbs half directly.
     // SAFETY: live QP (caller).
-    match unsafe { qp_handle(qp) } {
+    match unsafe { from_raw::<StagQp>(qp) }.map(StagQp::handle) {
         Some(h) => {
             warn!(
                 rc,
