@@ -13,9 +13,11 @@ use provider::setup::MpaParams;
 use tracing::{debug, error, warn};
 
 use super::addr::{set_dst, set_src};
-use super::channel::{Channel, Incoming, Pending};
-use super::event::complete;
-use super::id::{Id, IdState, Op, Phase};
+use super::channel::Channel;
+use super::event::{self, Delivery};
+use super::id::EventQueue;
+use super::id::{Id, IdState, Op, Pending, Phase};
+use super::listener::Incoming;
 use super::verbs::{self, Stag};
 use super::{lock, CmResult, StagQp};
 use crate::ffi;
@@ -128,8 +130,36 @@ fn mirror_state(id: &Id, st: &IdState, state: ffi::ibv_qp_state, set_error: bool
     }
 }
 
+/// The connections' part in handing out events ([`Delivery`]).
+pub(crate) struct ConnDelivery;
+
+impl Delivery for ConnDelivery {
+    fn make_child(
+        listen: &Arc<Id>,
+        incoming: Incoming,
+        peer_ird: u8,
+        peer_ord: u8,
+    ) -> Option<Arc<Id>> {
+        make_child(listen, incoming, peer_ird, peer_ord)
+    }
+    fn on_deliver(id: &Arc<Id>, kind: ffi::rdma_cm_event_type) {
+        on_deliver(id, kind)
+    }
+}
+
+/// `rdma_get_cm_event` on `channel`.
+pub(crate) fn get_event(channel: &dyn EventQueue) -> CmResult<*mut ffi::rdma_cm_event> {
+    event::get_event::<ConnDelivery>(channel)
+}
+
+/// A synchronous id's wait for its own event (librdmacm's
+/// `ucma_complete`, [`event::complete`]).
+pub(crate) fn complete(id: &Arc<Id>) -> CmResult<()> {
+    event::complete::<ConnDelivery>(id)
+}
+
 /// Hook run when the application takes an event (its thread).
-pub(crate) fn on_deliver(id: &Arc<Id>, kind: ffi::rdma_cm_event_type) {
+fn on_deliver(id: &Arc<Id>, kind: ffi::rdma_cm_event_type) {
     let st = id.state();
     match kind {
         ffi::RDMA_CM_EVENT_ESTABLISHED => mirror_state(id, &st, ffi::IBV_QPS_RTS, false),
@@ -169,27 +199,13 @@ fn timewait_exit_wanted() -> bool {
     *WANTED.get_or_init(|| std::env::var_os("STAG_CM_TIMEWAIT_EXIT").is_some_and(|v| v == "1"))
 }
 
-/// Refuse a connection request nobody will answer (its listener or child
-/// id went away): an MPA reject, which the peer reports as REJECTED, as the
-/// kernel's cm does.
-pub(crate) fn refuse(incoming: Incoming) {
-    if let Err(e) = incoming.req.reject(&[]) {
-        debug!(error = %e, "rdma_cm: refusing a connection request failed");
-    }
-}
-
 /// The child id of a connection request, made on the application's thread
 /// when it takes the CONNECT_REQUEST event.
-pub(crate) fn make_child(
-    listen: &Arc<Id>,
-    incoming: Incoming,
-    peer_ird: u8,
-    peer_ord: u8,
-) -> Option<Arc<Id>> {
+fn make_child(listen: &Arc<Id>, incoming: Incoming, peer_ird: u8, peer_ord: u8) -> Option<Arc<Id>> {
     let (sync, channel, ps, qp_type, options) = {
         let st = listen.state();
         if st.destroyed {
-            refuse(incoming);
+            incoming.refuse();
             return None;
         }
         (st.sync, st.channel.clone(), st.ps, st.qp_type, st.options)
@@ -198,7 +214,7 @@ pub(crate) fn make_child(
         Ok(s) => s,
         Err(_) => {
             error!("rdma_cm: connection request refused: stag0 cannot be opened");
-            refuse(incoming);
+            incoming.refuse();
             return None;
         }
     };
@@ -210,7 +226,7 @@ pub(crate) fn make_child(
                 c
             }
             Err(_) => {
-                refuse(incoming);
+                incoming.refuse();
                 return None;
             }
         }
@@ -477,7 +493,7 @@ pub(crate) fn teardown(id: &Arc<Id>) {
     let channel = st.channel.clone();
     drop(st);
     if let Some(h) = listener {
-        super::listen::retire(h);
+        super::listener::retire(h);
     }
     if let Some(req) = request {
         // Destroyed without an answer: refused.
@@ -485,9 +501,9 @@ pub(crate) fn teardown(id: &Arc<Id>) {
             debug!(error = %e, "rdma_cm: refusing a connection request failed");
         }
     }
-    for p in channel.withdraw(|p| Arc::ptr_eq(&p.id, id)) {
+    for p in channel.withdraw(&mut |p: &Pending| Arc::ptr_eq(&p.id, id)) {
         if let Some(inc) = p.incoming {
-            refuse(inc);
+            inc.refuse();
         }
     }
 }

@@ -94,7 +94,7 @@ pub unsafe extern "C" fn stag_cm_rdma_get_cm_event(
             },
             Err(e) => return Err(e),
         };
-        let e = event::get_event(&ch)?;
+        let e = conn::get_event(&*ch)?;
         // SAFETY: non-NULL out-pointer from the application.
         unsafe { *ev = e };
         Ok(())

@@ -52,6 +52,7 @@ mod event;
 mod exports;
 mod id;
 mod listen;
+mod listener;
 mod neigh;
 mod ops;
 mod qp;

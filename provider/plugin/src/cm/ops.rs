@@ -10,9 +10,10 @@ use provider::thread::SpawnMasked;
 use tracing::{debug, error};
 
 use super::addr::{from_c, local_ip_for, set_dst, set_src, unmap, Reservation};
-use super::channel::{Channel, Pending};
-use super::event::{ack_held, complete};
-use super::id::{Id, Op, Phase};
+use super::channel::Channel;
+use super::conn::complete;
+use super::event::ack_held;
+use super::id::{Id, Op, Pending, Phase};
 use super::{conn, neigh, verbs, CmResult};
 use crate::ffi;
 
@@ -255,7 +256,7 @@ pub(crate) fn migrate(id: &Arc<Id>, channel: *mut ffi::rdma_event_channel) -> Cm
         Channel::unregister(old.raw());
     }
     st.sync = sync;
-    for p in old.withdraw(|p| Arc::ptr_eq(&p.id, id)) {
+    for p in old.withdraw(&mut |p: &Pending| Arc::ptr_eq(&p.id, id)) {
         new.push(p);
     }
     drop(st);

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use tracing::{error, warn};
 
-use super::event::{ack_held, get_event};
+use super::conn::get_event;
+use super::event::ack_held;
 use super::id::Id;
 use super::verbs::{self, create_cqs, destroy_cqs};
 use super::{is_stag_context, ops, CmResult, StagQp};
@@ -302,7 +303,7 @@ pub(crate) fn get_request(listen: &Arc<Id>) -> CmResult<*mut ffi::rdma_cm_id> {
         return Err(libc::EINVAL);
     }
     ack_held(listen);
-    let ev = get_event(&channel)?;
+    let ev = get_event(&*channel)?;
     // SAFETY: a live event we just made.
     let e = unsafe { &*ev };
     let fail = |err| {
