@@ -24,6 +24,7 @@ cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/include -o "$out/stagdv_demo" \
     -lstag_rdmav34 -lrdmacm -libverbs -lpthread || exit 1
 cc -Wall -Wextra -Werror -O1 -o "$out/verbs_errors" provider/plugin/tests/c/verbs_errors.c -libverbs || exit 1
 cc -Wall -Wextra -Werror -O1 -o "$out/cm_edge" provider/plugin/src/cm/tests/cm_edge.c -lrdmacm -libverbs -lpthread || exit 1
+cc -Wall -Wextra -Werror -O1 -o "$out/cm_gaps" provider/plugin/src/cm/tests/cm_gaps.c -lrdmacm -libverbs || exit 1
 cc -Wall -Wextra -Werror -O1 -o "$out/wr_api" provider/plugin/tests/c/wr_api.c -lrdmacm -libverbs -lpthread || exit 1
 cc -Wall -Wextra -Werror -O1 -o "$out/cq_events" provider/plugin/tests/c/cq_events.c -lrdmacm -libverbs -lpthread || exit 1
 cc -Wall -Wextra -Werror -O1 -o "$out/faults" provider/plugin/tests/c/faults.c -lrdmacm -libverbs -lpthread || exit 1
@@ -116,6 +117,8 @@ suite() {
         "fi_pingpong -p verbs -e msg -P $port -I 100 127.0.0.1" 'bytes'
     single "$tag-verbs_errors" "$user" 'verbs_errors: [1-9][0-9]* passed, 0 failed' "$out/verbs_errors"
     single "$tag-cm_edge" "$user" 'cm_edge: [1-9][0-9]* passed, 0 failed' "$out/cm_edge"
+    # conn_param->qp_num, rdma_disconnect before the peer answers (#19).
+    single "$tag-cm_gaps" "$user" 'cm_gaps: [1-9][0-9]* passed, 0 failed' "$out/cm_gaps"
     single "$tag-wr_api" "$user" 'wr_api: [1-9][0-9]* passed, 0 failed' "$out/wr_api"
     single "$tag-cq_events" "$user" 'cq_events: [1-9][0-9]* passed, 0 failed' "$out/cq_events"
     # Peer death, teardown with work in flight, SIGPIPE, dereg in flight.

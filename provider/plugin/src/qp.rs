@@ -6,10 +6,11 @@
 //! RNIC's QP and moves the QP to RTS. Until then receives may be posted and
 //! sends fail with `ENOTCONN`, as on siw.
 
+use std::collections::HashMap;
 use std::ffi::{c_int, c_uint};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use provider::device::{PostGuard, ProtectionDomain, QueuePair};
 use provider::mem::Access;
@@ -116,6 +117,24 @@ unsafe impl Sync for QpShared {}
 /// A handle the connection manager keeps on a QP.
 #[derive(Clone)]
 pub(crate) struct QpHandle(Arc<QpShared>);
+
+/// The live QPs by number: the connection manager finds a QP the
+/// application made with `ibv_create_qp` by its `conn_param->qp_num`.
+fn by_num_table() -> std::sync::MutexGuard<'static, HashMap<u32, Weak<QpShared>>> {
+    static BY_NUM: OnceLock<Mutex<HashMap<u32, Weak<QpShared>>>> = OnceLock::new();
+    BY_NUM
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+/// The QP numbered `qpn`, if it is live.
+pub(crate) fn by_num(qpn: u32) -> Option<QpHandle> {
+    by_num_table()
+        .get(&qpn)
+        .and_then(Weak::upgrade)
+        .map(QpHandle)
+}
 
 impl QpHandle {
     /// The userspace RNIC's QP behind the ibv_qp.
@@ -371,6 +390,7 @@ unsafe fn try_create(
     if max_inline > 0 && shared.ring().is_none() {
         return Err(libc::ENOMEM);
     }
+    by_num_table().insert(qpn, Arc::downgrade(&shared));
     // SAFETY: all-zero is valid for the C part (pointers NULL, counters 0);
     // the mutex and cond are initialised in place below, once boxed.
     let mut qpx: ibv_qp_ex = unsafe { std::mem::zeroed() };
@@ -503,6 +523,7 @@ pub(crate) unsafe extern "C" fn destroy_qp(qp: *mut ibv_qp) -> c_int {
             };
         }
         *sh.ibv.lock().unwrap_or_else(|p| p.into_inner()) = ptr::null_mut();
+        by_num_table().remove(&sh.prov.qp_num());
         // The stream closes now, even while the connection manager still
         // holds a handle for the length of a call, and the QP's
         // completions leave its CQs (mlx5's CQ clean): verbs has no

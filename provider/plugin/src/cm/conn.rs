@@ -260,19 +260,45 @@ fn make_child(listen: &Arc<Id>, incoming: Incoming, peer_ird: u8, peer_ord: u8) 
     Some(child)
 }
 
-/// The stag QP behind `id->qp`, or EINVAL (with why).
-fn id_qp(id: &Id, call: &str) -> CmResult<super::QpHandle> {
+/// The QP a connect or accept is for.
+struct CallQp {
+    handle: super::QpHandle,
+    /// It is `id->qp` (`rdma_create_qp`), whose state the cm moves; else
+    /// the application made it and names it by `conn_param->qp_num`, and
+    /// moves it through INIT/RTR/RTS itself, as with the kernel's cm.
+    owned_by_id: bool,
+}
+
+/// The stag QP behind `id->qp`, or when that is NULL the one
+/// `conn_param->qp_num` names; EINVAL (with why) if neither is one.
+fn id_qp(id: &Id, call: &str, param: Option<&ffi::rdma_conn_param>) -> CmResult<CallQp> {
     // SAFETY: application thread inside a cm call on `id`.
     let qp = unsafe { id.c() }.qp;
-    // SAFETY: id->qp is NULL or the application's QP; from_raw checks.
-    match unsafe { from_raw::<StagQp>(qp) }.map(StagQp::handle) {
-        Some(h) => Ok(h),
+    if !qp.is_null() {
+        // SAFETY: id->qp is the application's QP; from_raw checks.
+        return match unsafe { from_raw::<StagQp>(qp) } {
+            Some(q) => Ok(CallQp {
+                handle: q.handle(),
+                owned_by_id: true,
+            }),
+            None => {
+                error!(call, "rdma_cm: id->qp is not a stag0 QP");
+                Err(libc::EINVAL)
+            }
+        };
+    }
+    let qpn = param.map(|p| p.qp_num);
+    match qpn.and_then(crate::qp::by_num) {
+        Some(handle) => Ok(CallQp {
+            handle,
+            owned_by_id: false,
+        }),
         None => {
             error!(
                 call,
-                "rdma_cm: the id has no stag0 QP: create it with rdma_create_qp first \
-                 (stag's cm connects the id's own QP; a QP passed only as conn_param->qp_num \
-                 is not supported)"
+                ?qpn,
+                "rdma_cm: the id has no QP and conn_param->qp_num names no stag0 QP \
+                 (create one with rdma_create_qp or ibv_create_qp)"
             );
             Err(libc::EINVAL)
         }
@@ -284,7 +310,7 @@ pub(crate) fn connect(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmR
     if !id.state().phase.allows(Op::Connect) {
         return Err(libc::EINVAL);
     }
-    let h = id_qp(id, "rdma_connect")?;
+    let h = id_qp(id, "rdma_connect", param)?.handle;
     let stag = verbs::stag()?;
     let qp = h.provider().clone();
     let mut st = id.state();
@@ -386,7 +412,10 @@ pub(crate) fn accept(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmRe
     if !id.state().phase.allows(Op::Accept) {
         return Err(libc::EINVAL);
     }
-    let h = id_qp(id, "rdma_accept")?;
+    let CallQp {
+        handle: h,
+        owned_by_id,
+    } = id_qp(id, "rdma_accept", param)?;
     let stag = verbs::stag()?;
     let qp = h.provider().clone();
     let mut st = id.state();
@@ -408,7 +437,9 @@ pub(crate) fn accept(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmRe
     }
     st.phase = Phase::Connected;
     st.qp = Some(Arc::downgrade(&qp));
-    h.set_state(ffi::IBV_QPS_RTS);
+    if owned_by_id {
+        h.set_state(ffi::IBV_QPS_RTS);
+    }
     let mut p = Pending::new(id.clone(), ffi::RDMA_CM_EVENT_ESTABLISHED, 0);
     if let Some(n) = qp.negotiated() {
         p.responder_resources = n.ird.min(u8::MAX as u16) as u8;
@@ -452,12 +483,23 @@ pub(crate) fn disconnect(id: &Arc<Id>) -> CmResult<()> {
             complete(id)
         }
         Phase::Connecting => {
-            // The connect thread finds the phase changed and closes.
+            // The peer has not answered the MPA Request (it may never:
+            // a listener that does not speak MPA, a stopped process). The
+            // connect is abandoned and DISCONNECTED reported now: the
+            // application asked for the end of a connection it does not
+            // have, and waiting for the connect's own deadline
+            // (SETUP_TIMEOUT, 10 s, as siw's MPA timeout) would tell it
+            // nothing more. The connect thread finds the phase changed
+            // when that deadline or the reply comes, and drops the stream
+            // without an event.
             st.phase = Phase::Disconnected;
             if let Some(qp) = live_qp(&st) {
                 qp.set_error();
             }
-            Ok(())
+            st.channel
+                .push(Pending::new(id.clone(), ffi::RDMA_CM_EVENT_DISCONNECTED, 0));
+            drop(st);
+            complete(id)
         }
         _ => {
             // Already disconnected (the peer's close was seen): the event

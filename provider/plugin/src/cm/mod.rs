@@ -41,9 +41,10 @@
 //! DISCONNECTED.
 //!
 //! Not provided: AF_IB addresses, UD port spaces (UDP/IPoIB) and
-//! multicast, which need UD QPs (ENOSYS/EPROTONOSUPPORT); connecting a QP
-//! the application made itself and names only by `conn_param->qp_num`
-//! (`rdma_establish`); the rsocket API (ENOSYS).
+//! multicast, which need UD QPs (ENOSYS/EPROTONOSUPPORT); the rsocket API
+//! (ENOSYS). A QP the application made itself (`ibv_create_qp`) is
+//! connected by its `conn_param->qp_num`, and the application moves it
+//! through INIT/RTR/RTS, as with the kernel's cm.
 
 mod addr;
 mod channel;
