@@ -139,6 +139,19 @@ if unshare -n bash -c 'ip link set lo up && ip link add v0 type veth peer name v
 else
     fail root-cm_resolve_timeout root-cm_resolve_timeout
 fi
+# rdma_resolve_route when the next hop's neighbour entry went away after
+# address resolution and nobody answers ARP: ROUTE_ERROR with -ETIMEDOUT
+# once the call's timeout passes (cm_gaps.c route-timeout).
+if unshare -n bash -c 'ip link set lo up && ip link add v0 type veth peer name v1 &&
+        ip addr add 10.77.0.1/24 dev v0 && ip link set v0 up && ip link set v1 up &&
+        ip neigh replace 10.77.0.2 lladdr 02:00:00:00:77:02 dev v0 nud permanent &&
+        exec "$0" run -- "$1" route-timeout 10.77.0.2 "ip neigh del 10.77.0.2 dev v0"' \
+        "$STAG" "$out/cm_gaps" >"$out/root-cm_route_timeout.run.log" 2>&1 &&
+    grep -Eq 'cm_gaps: [1-9][0-9]* passed, 0 failed' "$out/root-cm_route_timeout.run.log"; then
+    pass root-cm_route_timeout
+else
+    fail root-cm_route_timeout root-cm_route_timeout
+fi
 if ((!QUICK)); then
     id stagtest >/dev/null 2>&1 || useradd --system --no-create-home stagtest
     suite stagtest user

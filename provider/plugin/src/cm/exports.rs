@@ -171,10 +171,11 @@ pub unsafe extern "C" fn stag_cm_rdma_resolve_addr(
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_resolve_route(
     id: *mut ffi::rdma_cm_id,
-    _timeout_ms: c_int,
+    timeout_ms: c_int,
 ) -> c_int {
     cm_int("rdma_resolve_route", || {
-        ops::resolve_route(&Id::lookup(id)?)
+        let timeout = std::time::Duration::from_millis(timeout_ms.max(0) as u64);
+        ops::resolve_route(&Id::lookup(id)?, timeout)
     })
 }
 

@@ -389,7 +389,7 @@ unsafe fn setup_ep(
     let dst = unsafe { ops::opt_addr(res.ai_dst_addr) }?.ok_or(libc::EINVAL)?;
     // librdmacm's rdma_create_ep resolves with 2000 ms.
     ops::resolve_addr(id, src, dst, std::time::Duration::from_millis(2000))?;
-    ops::resolve_route(id)?;
+    ops::resolve_route(id, std::time::Duration::from_millis(2000))?;
     if !init.is_null() {
         // SAFETY: valid (caller).
         let a = unsafe { &mut *init };

@@ -13,6 +13,12 @@
  *   the connect (a TCP listener that never speaks MPA): DISCONNECTED still
  *   arrives, at once, and nothing else after it.
  *
+ * `cm_gaps route-timeout ADDR CMD`: ADDR's next hop resolves (a
+ * permanent neighbour entry) and never answers ARP; CMD, run between
+ * rdma_resolve_addr and rdma_resolve_route, deletes the entry: route
+ * resolution then waits for ARP and ends in ROUTE_ERROR (-ETIMEDOUT) once
+ * its timeout passes (root, in a network namespace of its own).
+ *
  * Prints "cm_gaps: N passed, M failed".
  */
 #include <errno.h>
@@ -332,8 +338,56 @@ out:
 		close(mute);
 }
 
-int main(void)
+static int route_timeout(const char *addr, const char *cmd)
 {
+	struct rdma_event_channel *ch = channel();
+	struct rdma_cm_id *id = NULL;
+	struct sockaddr_in dst = { .sin_family = AF_INET, .sin_port = htons(7471) };
+	struct rdma_cm_event *ev;
+	double t0, took;
+
+	if (!ch || inet_pton(AF_INET, addr, &dst.sin_addr) != 1 ||
+	    rdma_create_id(ch, &id, NULL, RDMA_PS_TCP)) {
+		CHECK(0, "route-timeout: id");
+		goto out;
+	}
+	CHECK(rdma_resolve_addr(id, NULL, (struct sockaddr *)&dst, 2000) == 0 &&
+		      expect(ch, RDMA_CM_EVENT_ADDR_RESOLVED, NULL) == 0,
+	      "route-timeout: the address resolves (its neighbour entry is valid)");
+	CHECK(system(cmd) == 0, "route-timeout: the neighbour entry goes");
+	t0 = now_ms();
+	CHECK(rdma_resolve_route(id, 300) == 0, "route-timeout: rdma_resolve_route returns");
+	ev = next_event(ch, 5000);
+	took = now_ms() - t0;
+	CHECK(ev && ev->event == RDMA_CM_EVENT_ROUTE_ERROR && ev->status == -ETIMEDOUT,
+	      "route-timeout: ROUTE_ERROR with -ETIMEDOUT");
+	CHECK(ev && took >= 290 && took < 3000, "route-timeout: once the timeout passed");
+	if (ev) {
+		if (ev->event != RDMA_CM_EVENT_ROUTE_ERROR)
+			fprintf(stderr, "got %s (status %d) after %.0f ms\n",
+				rdma_event_str(ev->event), ev->status, took);
+		rdma_ack_cm_event(ev);
+	}
+	/* Back to address-resolved, as the kernel's id: a retry is allowed. */
+	errno = 0;
+	CHECK(rdma_resolve_route(id, 100) == 0, "route-timeout: a retry is allowed");
+	ev = next_event(ch, 5000);
+	CHECK(ev && ev->event == RDMA_CM_EVENT_ROUTE_ERROR, "route-timeout: and fails again");
+	if (ev)
+		rdma_ack_cm_event(ev);
+out:
+	if (id)
+		rdma_destroy_id(id);
+	if (ch)
+		rdma_destroy_event_channel(ch);
+	printf("cm_gaps: %d passed, %d failed\n", passed, failed);
+	return failed ? 1 : 0;
+}
+
+int main(int argc, char **argv)
+{
+	if (argc == 4 && !strcmp(argv[1], "route-timeout"))
+		return route_timeout(argv[2], argv[3]);
 	qp_num();
 	disconnect_connecting();
 	printf("cm_gaps: %d passed, %d failed\n", passed, failed);
