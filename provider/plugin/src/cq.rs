@@ -135,7 +135,7 @@ pub(crate) unsafe fn get_cq_event(
     out_ctx: *mut *mut std::ffi::c_void,
 ) -> Option<c_int> {
     if ch.is_null()
-        || !channels()
+        || !handle::comp_channels()
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .contains_key(&(ch as usize))
@@ -197,7 +197,7 @@ pub(crate) unsafe fn get_cq_event(
                 let desc = token.to_ne_bytes();
                 // SAFETY: writes 8 bytes from a local buffer to our pipe;
                 // the write end is the channel's, kept in `channels`.
-                if let Some(tx) = channels()
+                if let Some(tx) = handle::comp_channels()
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .get(&(ch as usize))
@@ -240,13 +240,6 @@ fn restarts_after_signal() -> bool {
     })
 }
 
-/// The completion channels this plugin made: channel address → the pipe's
-/// write end.
-pub(crate) fn channels() -> &'static Mutex<HashMap<usize, OwnedFd>> {
-    static CHANNELS: OnceLock<Mutex<HashMap<usize, OwnedFd>>> = OnceLock::new();
-    CHANNELS.get_or_init(Default::default)
-}
-
 pub(crate) unsafe extern "C" fn create_cq(
     ctx: *mut ibv_context,
     cqe: c_int,
@@ -261,7 +254,9 @@ pub(crate) unsafe extern "C" fn create_cq(
         let chan_fd = if channel.is_null() {
             None
         } else {
-            let chans = channels().lock().unwrap_or_else(|p| p.into_inner());
+            let chans = handle::comp_channels()
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             match chans.get(&(channel as usize)).map(|fd| fd.try_clone()) {
                 Some(Ok(fd)) => Some(fd),
                 Some(Err(e)) => {

@@ -7,16 +7,21 @@
 //! struct that starts with the C struct libibverbs knows ([`Object`]);
 //! [`from_raw`] turns a C pointer into it after checking that the object
 //! lives on a stag context, and [`context`] does the same for a context.
-//! rdma_cm ids and event channels are librdmacm's own objects, not
-//! libibverbs': their one check is the registry lookup
-//! (`cm::id::Id::lookup`, `cm::channel::Channel::lookup`).
+//! Completion channels are allocated by the plugin itself (`stag run`
+//! interposes `ibv_create_comp_channel`), so they have no struct of ours
+//! around them: they are ours when [`comp_channels`] holds them. rdma_cm
+//! ids and event channels are librdmacm's objects, not libibverbs': their
+//! one check is the registry lookup (`cm::id::Id::lookup`,
+//! `cm::channel::Channel::lookup`).
 //!
 //! This module names no verb and no ops table: every other module may
 //! use it.
 
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
 use std::ptr;
 use std::sync::atomic::{AtomicPtr, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use provider::device::Device;
 
@@ -146,4 +151,11 @@ pub(crate) unsafe fn from_raw<'a, T: Object>(c: *const T::C) -> Option<&'a T> {
     }
     // SAFETY: ours (checked), and T starts with its T::C (Object).
     Some(unsafe { &*c.cast::<T>() })
+}
+
+/// The completion channels this plugin made: channel address → the write
+/// end of its pipe. A channel not in here is libibverbs' own.
+pub(crate) fn comp_channels() -> &'static Mutex<HashMap<usize, OwnedFd>> {
+    static CHANNELS: OnceLock<Mutex<HashMap<usize, OwnedFd>>> = OnceLock::new();
+    CHANNELS.get_or_init(Default::default)
 }
