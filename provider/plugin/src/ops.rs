@@ -30,7 +30,7 @@ use crate::handle::{self, ContextState, StagContext};
 /// Its engine and connection threads live in the process that started it:
 /// a child made by `fork()` has none of them, so there stag0 does not open
 /// (`ENODEV`); a child that wants RDMA execs first.
-pub(crate) fn device() -> Result<Device, provider::device::DeviceError> {
+fn device() -> Result<Device, provider::device::DeviceError> {
     static DEVICE: OnceLock<(u32, Device)> = OnceLock::new();
     let pid = std::process::id();
     let (owner, dev) = match DEVICE.get() {
