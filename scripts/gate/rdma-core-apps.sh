@@ -24,6 +24,7 @@ cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/include -Iprovider/plugin/tests/c
     -lstag_rdmav34 -lrdmacm -libverbs -lpthread || exit 1
 cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/tests/c -o "$out/verbs_errors" provider/plugin/tests/c/verbs_errors.c -libverbs || exit 1
 cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/tests/c -o "$out/cm_edge" provider/plugin/src/cm/tests/cm_edge.c -lrdmacm -libverbs -lpthread || exit 1
+cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/tests/c -o "$out/cm_gaps" provider/plugin/src/cm/tests/cm_gaps.c -lrdmacm -libverbs || exit 1
 cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/tests/c -o "$out/wr_api" provider/plugin/tests/c/wr_api.c -lrdmacm -libverbs -lpthread || exit 1
 cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/tests/c -o "$out/cq_events" provider/plugin/tests/c/cq_events.c -lrdmacm -libverbs -lpthread || exit 1
 cc -Wall -Wextra -Werror -O1 -Iprovider/plugin/tests/c -o "$out/faults" provider/plugin/tests/c/faults.c -lrdmacm -libverbs -lpthread || exit 1
@@ -116,6 +117,8 @@ suite() {
         "fi_pingpong -p verbs -e msg -P $port -I 100 127.0.0.1" 'bytes'
     single "$tag-verbs_errors" "$user" 'verbs_errors: [1-9][0-9]* passed, 0 failed' "$out/verbs_errors"
     single "$tag-cm_edge" "$user" 'cm_edge: [1-9][0-9]* passed, 0 failed' "$out/cm_edge"
+    # conn_param->qp_num, rdma_disconnect before the peer answers (#19).
+    single "$tag-cm_gaps" "$user" 'cm_gaps: [1-9][0-9]* passed, 0 failed' "$out/cm_gaps"
     single "$tag-wr_api" "$user" 'wr_api: [1-9][0-9]* passed, 0 failed' "$out/wr_api"
     single "$tag-cq_events" "$user" 'cq_events: [1-9][0-9]* passed, 0 failed' "$out/cq_events"
     # Peer death, teardown with work in flight, SIGPIPE, dereg in flight.
@@ -135,6 +138,19 @@ if unshare -n bash -c 'ip link set lo up && ip link add v0 type veth peer name v
     pass root-cm_resolve_timeout
 else
     fail root-cm_resolve_timeout root-cm_resolve_timeout
+fi
+# rdma_resolve_route when the next hop's neighbour entry went away after
+# address resolution and nobody answers ARP: ROUTE_ERROR with -ETIMEDOUT
+# once the call's timeout passes (cm_gaps.c route-timeout).
+if unshare -n bash -c 'ip link set lo up && ip link add v0 type veth peer name v1 &&
+        ip addr add 10.77.0.1/24 dev v0 && ip link set v0 up && ip link set v1 up &&
+        ip neigh replace 10.77.0.2 lladdr 02:00:00:00:77:02 dev v0 nud permanent &&
+        exec "$0" run -- "$1" route-timeout 10.77.0.2 "ip neigh del 10.77.0.2 dev v0"' \
+        "$STAG" "$out/cm_gaps" >"$out/root-cm_route_timeout.run.log" 2>&1 &&
+    grep -Eq 'cm_gaps: [1-9][0-9]* passed, 0 failed' "$out/root-cm_route_timeout.run.log"; then
+    pass root-cm_route_timeout
+else
+    fail root-cm_route_timeout root-cm_route_timeout
 fi
 if ((!QUICK)); then
     id stagtest >/dev/null 2>&1 || useradd --system --no-create-home stagtest

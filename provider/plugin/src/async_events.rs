@@ -55,7 +55,7 @@ const DESC_LEN: usize = std::mem::size_of::<ib_uverbs_async_event_desc>();
 
 /// Whether events of `event_type` name an object (QP, CQ, SRQ, WQ) rather
 /// than a port or the device.
-fn names_object(event_type: u32) -> bool {
+pub(crate) fn names_object(event_type: u32) -> bool {
     !matches!(
         event_type,
         IBV_EVENT_DEVICE_FATAL
@@ -215,26 +215,6 @@ impl Drop for AsyncSource {
             self.events.counts().remove(&self.element);
         }
     }
-}
-
-/// The `async_event` op: libibverbs read `event` from `ctx`'s `async_fd`.
-pub(crate) unsafe extern "C" fn async_event(ctx: *mut ibv_context, event: *mut ibv_async_event) {
-    crate::errno::guard("async_event", (), || {
-        if event.is_null() {
-            return;
-        }
-        // SAFETY: libibverbs passes its live context and the event it filled.
-        let (Some(st), ev) = (unsafe { crate::context::state(ctx) }, unsafe { &*event }) else {
-            return;
-        };
-        if !names_object(ev.event_type) {
-            return;
-        }
-        // SAFETY: for these types libibverbs stored the object pointer;
-        // the QP, CQ, SRQ and WQ members are pointers in the same place.
-        let element = unsafe { ev.element.qp } as usize as u64;
-        st.async_events.note_read(element, ev.event_type);
-    })
 }
 
 /// Wait until `*completed` (an object's `events_completed`, which

@@ -21,6 +21,7 @@ use provider::wr::{WcOpcode, WcStatus, WorkCompletion};
 
 use crate::errno::{self, guard};
 use crate::ffi::*;
+use crate::handle::{self, from_raw, Object};
 use crate::sweep::{self, PollMark};
 use provider::identity::LIMITS;
 
@@ -43,18 +44,21 @@ pub(crate) struct StagCq {
     comp_reported: AtomicU32,
 }
 
+// SAFETY: repr(C), starts with its ibv_cq; create_cq makes every ibv_cq
+// of a stag context.
+unsafe impl Object for StagCq {
+    type C = ibv_cq;
+}
+
 /// One completion event of `cq` read by the application (libibverbs'
 /// `ibv_get_cq_event` calls the `cq_event` op; ours counts here itself).
 ///
 /// # Safety
-/// As [`cq`].
+/// `cq` must be NULL or a live `ibv_cq`.
 pub(crate) unsafe fn count_event(cq: *mut ibv_cq) {
-    // SAFETY: forwarded; `cq` checked it is ours.
-    if unsafe { self::cq(cq) }.is_some() {
-        // SAFETY: ours (checked); StagCq starts with the ibv_cq.
-        unsafe { &*cq.cast::<StagCq>() }
-            .comp_reported
-            .fetch_add(1, Ordering::AcqRel);
+    // SAFETY: forwarded.
+    if let Some(sc) = unsafe { from_raw::<StagCq>(cq) } {
+        sc.comp_reported.fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -106,28 +110,6 @@ impl ChannelWriter {
     }
 }
 
-/// The RNIC CQ behind one of our `ibv_cq`s.
-///
-/// # Safety
-/// `cq` must be NULL or a live `ibv_cq`.
-pub(crate) unsafe fn cq<'a>(cq: *const ibv_cq) -> Option<&'a Arc<CompletionQueue>> {
-    // SAFETY: a live ibv_cq has a live context; ours are StagCqs.
-    if cq.is_null() || !crate::context::is_stag_context(unsafe { (*cq).context }) {
-        return None;
-    }
-    // SAFETY: ours (checked); StagCq starts with the ibv_cq.
-    Some(unsafe { &(*cq.cast::<StagCq>()).inner })
-}
-
-/// The poll count of one of our `ibv_cq`s.
-///
-/// # Safety
-/// As [`cq`].
-pub(crate) unsafe fn mark(cq: *const ibv_cq) -> Option<Arc<PollMark>> {
-    // SAFETY: forwarded; `cq` checked it is ours.
-    unsafe { self::cq(cq) }.map(|_| unsafe { (*cq.cast::<StagCq>()).mark.clone() })
-}
-
 /// The CQs of each completion channel: channel address → (`ibv_cq`
 /// address, its RNIC CQ).
 type ChannelCqs = HashMap<usize, Vec<(usize, Weak<CompletionQueue>)>>;
@@ -153,7 +135,7 @@ pub(crate) unsafe fn get_cq_event(
     out_ctx: *mut *mut std::ffi::c_void,
 ) -> Option<c_int> {
     if ch.is_null()
-        || !channels()
+        || !handle::comp_channels()
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .contains_key(&(ch as usize))
@@ -215,7 +197,7 @@ pub(crate) unsafe fn get_cq_event(
                 let desc = token.to_ne_bytes();
                 // SAFETY: writes 8 bytes from a local buffer to our pipe;
                 // the write end is the channel's, kept in `channels`.
-                if let Some(tx) = channels()
+                if let Some(tx) = handle::comp_channels()
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .get(&(ch as usize))
@@ -258,22 +240,6 @@ fn restarts_after_signal() -> bool {
     })
 }
 
-/// What uses one of our `ibv_cq`s.
-///
-/// # Safety
-/// As [`cq`].
-pub(crate) unsafe fn users<'a>(cq: *const ibv_cq) -> Option<&'a Arc<crate::users::Users>> {
-    // SAFETY: forwarded; `cq` checked it is ours.
-    unsafe { self::cq(cq) }.map(|_| unsafe { &(*cq.cast::<StagCq>()).users })
-}
-
-/// The completion channels this plugin made: channel address → the pipe's
-/// write end.
-pub(crate) fn channels() -> &'static Mutex<HashMap<usize, OwnedFd>> {
-    static CHANNELS: OnceLock<Mutex<HashMap<usize, OwnedFd>>> = OnceLock::new();
-    CHANNELS.get_or_init(Default::default)
-}
-
 pub(crate) unsafe extern "C" fn create_cq(
     ctx: *mut ibv_context,
     cqe: c_int,
@@ -281,14 +247,16 @@ pub(crate) unsafe extern "C" fn create_cq(
     _comp_vector: c_int,
 ) -> *mut ibv_cq {
     guard("create_cq", ptr::null_mut(), || {
-        if !crate::context::is_stag_context(ctx) || !(1..=(LIMITS.max_cqe as i32)).contains(&cqe) {
+        if !handle::is_stag_context(ctx) || !(1..=(LIMITS.max_cqe as i32)).contains(&cqe) {
             errno::set(libc::EINVAL);
             return ptr::null_mut();
         }
         let chan_fd = if channel.is_null() {
             None
         } else {
-            let chans = channels().lock().unwrap_or_else(|p| p.into_inner());
+            let chans = handle::comp_channels()
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
             match chans.get(&(channel as usize)).map(|fd| fd.try_clone()) {
                 Some(Ok(fd)) => Some(fd),
                 Some(Err(e)) => {
@@ -324,7 +292,7 @@ pub(crate) unsafe extern "C" fn create_cq(
             comp_reported: AtomicU32::new(0),
         }));
         // SAFETY: ctx is live (checked ours above).
-        if let Some(st) = unsafe { crate::context::state(ctx) } {
+        if let Some(st) = unsafe { handle::context(ctx) } {
             // The kernel's user handle for a CQ is the ibv_cq pointer.
             let source = crate::async_events::AsyncSource::new(st.async_events.clone(), raw as u64);
             let s = source.clone();
@@ -370,12 +338,10 @@ pub(crate) unsafe extern "C" fn create_cq(
 pub(crate) unsafe extern "C" fn destroy_cq(cq: *mut ibv_cq) -> c_int {
     guard("destroy_cq", libc::EIO, || {
         // SAFETY: libibverbs passes a cq of this context.
-        if unsafe { self::cq(cq) }.is_none() {
+        let Some(sc) = (unsafe { from_raw::<StagCq>(cq) }) else {
             return libc::EINVAL;
-        }
+        };
         let raw = cq.cast::<StagCq>();
-        // SAFETY: ours (checked).
-        let sc = unsafe { &*raw };
         if sc.users.in_use() {
             return libc::EBUSY;
         }
@@ -426,7 +392,9 @@ pub(crate) unsafe extern "C" fn destroy_cq(cq: *mut ibv_cq) -> c_int {
 pub(crate) unsafe extern "C" fn resize_cq(cq: *mut ibv_cq, cqe: c_int) -> c_int {
     guard("resize_cq", libc::EIO, || {
         // SAFETY: libibverbs passes a cq of this context.
-        if unsafe { self::cq(cq) }.is_none() || !(1..=(LIMITS.max_cqe as i32)).contains(&cqe) {
+        if unsafe { from_raw::<StagCq>(cq) }.is_none()
+            || !(1..=(LIMITS.max_cqe as i32)).contains(&cqe)
+        {
             return libc::EINVAL;
         }
         tracing::warn!("stag0: ibv_resize_cq is not supported");
@@ -437,10 +405,10 @@ pub(crate) unsafe extern "C" fn resize_cq(cq: *mut ibv_cq, cqe: c_int) -> c_int 
 pub(crate) unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, solicited_only: c_int) -> c_int {
     guard("req_notify_cq", libc::EIO, || {
         // SAFETY: libibverbs passes a cq of this context.
-        let Some(inner) = (unsafe { self::cq(cq) }) else {
+        let Some(sc) = (unsafe { from_raw::<StagCq>(cq) }) else {
             return libc::EINVAL;
         };
-        inner.req_notify(solicited_only != 0);
+        sc.inner.req_notify(solicited_only != 0);
         0
     })
 }
@@ -451,12 +419,10 @@ const POLL_BATCH: usize = 32;
 pub(crate) unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, num: c_int, wc: *mut ibv_wc) -> c_int {
     guard("poll_cq", -1, || {
         // SAFETY: libibverbs passes a cq of this context.
-        let Some(inner) = (unsafe { self::cq(cq) }) else {
+        let Some(StagCq { inner, mark, .. }) = (unsafe { from_raw::<StagCq>(cq) }) else {
             errno::set(libc::EINVAL);
             return -1;
         };
-        // SAFETY: ours (checked above).
-        let mark = unsafe { &(*cq.cast::<StagCq>()).mark };
         mark.bump();
         if num <= 0 {
             return 0;

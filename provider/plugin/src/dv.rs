@@ -5,8 +5,11 @@ use std::ffi::{c_int, c_uint};
 
 use provider::wr::{Remote, SendOp, Sge, WorkCompletion};
 
+use crate::cq::StagCq;
 use crate::errno::guard;
 use crate::ffi::*;
+use crate::handle::from_raw;
+use crate::qp::StagQp;
 
 /// `struct stagdv_wc_ext`.
 #[repr(C)]
@@ -20,7 +23,7 @@ pub struct StagdvWcExt {
 fn post(qp: *mut ibv_qp, wr_id: u64, flags: c_uint, op: SendOp, sges: Vec<Sge>) -> c_int {
     guard("stagdv_post", libc::EIO, || {
         // SAFETY: the caller's QP, NULL-checked and checked to be ours.
-        match unsafe { crate::qp::shared_of(qp) } {
+        match unsafe { from_raw::<StagQp>(qp).map(StagQp::shared) } {
             Some(sh) => sh.post_dv(wr_id, flags, op, sges),
             None => libc::EINVAL,
         }
@@ -47,7 +50,7 @@ unsafe fn post_atomic(
 
 #[no_mangle]
 pub extern "C" fn stagdv_is_stag_context(ctx: *mut ibv_context) -> c_int {
-    crate::context::is_stag_context(ctx) as c_int
+    crate::handle::is_stag_context(ctx) as c_int
 }
 
 /// # Safety
@@ -217,7 +220,7 @@ pub unsafe extern "C" fn stagdv_poll_cq(
 ) -> c_int {
     guard("stagdv_poll_cq", -1, || {
         // SAFETY: the caller's CQ, checked to be ours.
-        let Some(inner) = (unsafe { crate::cq::cq(cq) }) else {
+        let Some(StagCq { inner, .. }) = (unsafe { from_raw::<StagCq>(cq) }) else {
             crate::errno::set(libc::EINVAL);
             return -1;
         };

@@ -1,11 +1,25 @@
-//! errno and the C boundary: every entry point runs inside [`guard`], so a
-//! bug becomes an errno and a failed call, never an unwind into C.
+//! errno and the C boundary: every entry point runs inside one of the
+//! guards below, so a bug becomes an errno and a failed call, never an
+//! unwind into C. Two conventions, one map:
+//!
+//! - a verb (`ibv_*` op) returns its errno, or sets it and returns NULL
+//!   ([`guard`]);
+//! - an rdma_cm call returns -1 (or NULL) and sets errno ([`cm_int`],
+//!   [`cm_ptr`]; [`guard`] for the calls that return a value).
+//!
+//! A `DeviceError` becomes an errno in one place ([`of_device`],
+//! [`of_cm`]).
+
+use std::ffi::c_int;
 
 use provider::device::DeviceError;
 use provider::qp::PostError;
 
+/// An errno value.
+pub(crate) type Errno = c_int;
+
 /// Set the calling thread's `errno`.
-pub(crate) fn set(code: i32) {
+pub(crate) fn set(code: Errno) {
     // SAFETY: __errno_location returns the calling thread's errno slot.
     unsafe { *libc::__errno_location() = code };
 }
@@ -16,12 +30,36 @@ pub(crate) fn guard<R>(what: &'static str, on_panic: R, body: impl FnOnce() -> R
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
         Ok(r) => r,
         Err(_) => {
-            tracing::error!(
-                verb = what,
-                "internal error (panic) in stag's rdma-core plugin"
-            );
+            tracing::error!(function = what, "internal error (panic) in stag's plugin");
             set(libc::EIO);
             on_panic
+        }
+    }
+}
+
+/// An rdma_cm call returning `int`: 0, or -1 with errno set.
+pub(crate) fn cm_int(what: &'static str, body: impl FnOnce() -> Result<(), Errno>) -> c_int {
+    crate::log::init();
+    match guard(what, Err(libc::EIO), body) {
+        Ok(()) => 0,
+        Err(e) => {
+            set(e);
+            -1
+        }
+    }
+}
+
+/// An rdma_cm call returning a pointer: it, or NULL with errno set.
+pub(crate) fn cm_ptr<T>(
+    what: &'static str,
+    body: impl FnOnce() -> Result<*mut T, Errno>,
+) -> *mut T {
+    crate::log::init();
+    match guard(what, Err(libc::EIO), body) {
+        Ok(p) => p,
+        Err(e) => {
+            set(e);
+            std::ptr::null_mut()
         }
     }
 }

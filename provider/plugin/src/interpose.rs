@@ -22,8 +22,8 @@ use std::ffi::{c_char, c_int, CStr};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::OnceLock;
 
-use crate::cq::channels;
 use crate::ffi::{ibv_comp_channel, ibv_context, ibv_cq};
+use crate::handle::comp_channels;
 
 /// `dlsym(RTLD_NEXT, name)`, cached per call site.
 macro_rules! next {
@@ -127,7 +127,7 @@ fn hide_netlink() -> bool {
 #[no_mangle]
 pub unsafe extern "C" fn ibv_create_comp_channel(ctx: *mut ibv_context) -> *mut ibv_comp_channel {
     type F = unsafe extern "C" fn(*mut ibv_context) -> *mut ibv_comp_channel;
-    if !crate::context::is_stag_context(ctx) {
+    if !crate::handle::is_stag_context(ctx) {
         return match next!("ibv_create_comp_channel", F) {
             // SAFETY: libibverbs' own, for its own devices.
             Some(real) => unsafe { real(ctx) },
@@ -151,7 +151,7 @@ pub unsafe extern "C" fn ibv_create_comp_channel(ctx: *mut ibv_context) -> *mut 
             refcnt: 0,
         }));
         std::mem::forget(rx); // closed by ibv_destroy_comp_channel
-        channels()
+        comp_channels()
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(ch as usize, tx);
@@ -162,27 +162,37 @@ pub unsafe extern "C" fn ibv_create_comp_channel(ctx: *mut ibv_context) -> *mut 
 #[no_mangle]
 pub unsafe extern "C" fn ibv_destroy_comp_channel(ch: *mut ibv_comp_channel) -> c_int {
     type F = unsafe extern "C" fn(*mut ibv_comp_channel) -> c_int;
-    let mut chans = channels().lock().unwrap_or_else(|p| p.into_inner());
-    if ch.is_null() || !chans.contains_key(&(ch as usize)) {
-        drop(chans);
+    let ours = !ch.is_null()
+        && comp_channels()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(&(ch as usize));
+    if !ours {
         return match next!("ibv_destroy_comp_channel", F) {
             // SAFETY: libibverbs' own channel.
             Some(real) => unsafe { real(ch) },
             None => libc::ENOSYS,
         };
     }
-    // SAFETY: ours (registered), alive until now.
-    if unsafe { (*ch).refcnt } != 0 {
-        return libc::EBUSY;
-    }
-    chans.remove(&(ch as usize));
-    // SAFETY: ours; the read end was forgotten at creation and is closed
-    // here, once.
-    unsafe {
-        libc::close((*ch).fd);
-        drop(Box::from_raw(ch));
-    }
-    0
+    crate::errno::guard("ibv_destroy_comp_channel", libc::EIO, || {
+        let mut chans = comp_channels().lock().unwrap_or_else(|p| p.into_inner());
+        if !chans.contains_key(&(ch as usize)) {
+            // Destroyed meanwhile by another thread.
+            return libc::EINVAL;
+        }
+        // SAFETY: ours (registered), alive until now.
+        if unsafe { (*ch).refcnt } != 0 {
+            return libc::EBUSY;
+        }
+        chans.remove(&(ch as usize));
+        // SAFETY: ours; the read end was forgotten at creation and is
+        // closed here, once.
+        unsafe {
+            libc::close((*ch).fd);
+            drop(Box::from_raw(ch));
+        }
+        0
+    })
 }
 
 #[no_mangle]

@@ -14,6 +14,7 @@ use provider::mem::Access;
 
 use crate::errno::{self, guard};
 use crate::ffi::*;
+use crate::handle::{self, from_raw, Object};
 use crate::users::{Use, Users};
 
 /// `ibv_pd` first, then the RNIC's PD.
@@ -22,35 +23,19 @@ pub(crate) struct StagPd {
     pd: ibv_pd,
     pub(crate) inner: ProtectionDomain,
     /// MRs, QPs and SRQs on this PD.
-    users: Arc<Users>,
+    pub(crate) users: Arc<Users>,
 }
 
-/// The RNIC PD behind one of our `ibv_pd`s.
-///
-/// # Safety
-/// `pd` must be NULL or a live `ibv_pd`.
-pub(crate) unsafe fn pd<'a>(pd: *const ibv_pd) -> Option<&'a ProtectionDomain> {
-    // SAFETY: a live ibv_pd has a live context; ours are StagPds.
-    if pd.is_null() || !crate::context::is_stag_context(unsafe { (*pd).context }) {
-        return None;
-    }
-    // SAFETY: checked it is ours; StagPd starts with the ibv_pd.
-    Some(unsafe { &(*pd.cast::<StagPd>()).inner })
-}
-
-/// What uses one of our `ibv_pd`s.
-///
-/// # Safety
-/// As [`pd`].
-pub(crate) unsafe fn users<'a>(pd: *const ibv_pd) -> Option<&'a Arc<Users>> {
-    // SAFETY: forwarded; `pd` checked it is ours.
-    unsafe { self::pd(pd) }.map(|_| unsafe { &(*pd.cast::<StagPd>()).users })
+// SAFETY: repr(C), starts with its ibv_pd; alloc_pd makes every ibv_pd
+// of a stag context.
+unsafe impl Object for StagPd {
+    type C = ibv_pd;
 }
 
 pub(crate) unsafe extern "C" fn alloc_pd(ctx: *mut ibv_context) -> *mut ibv_pd {
     guard("alloc_pd", ptr::null_mut(), || {
         // SAFETY: libibverbs passes its context.
-        let Some(st) = (unsafe { crate::context::state(ctx) }) else {
+        let Some(st) = (unsafe { handle::context(ctx) }) else {
             errno::set(libc::EINVAL);
             return ptr::null_mut();
         };
@@ -70,10 +55,10 @@ pub(crate) unsafe extern "C" fn alloc_pd(ctx: *mut ibv_context) -> *mut ibv_pd {
 pub(crate) unsafe extern "C" fn dealloc_pd(pd: *mut ibv_pd) -> c_int {
     guard("dealloc_pd", libc::EIO, || {
         // SAFETY: libibverbs passes the pd it got from alloc_pd.
-        let Some(users) = (unsafe { self::users(pd) }) else {
+        let Some(spd) = (unsafe { from_raw::<StagPd>(pd) }) else {
             return libc::EINVAL;
         };
-        if users.in_use() {
+        if spd.users.in_use() {
             return libc::EBUSY;
         }
         // SAFETY: ours (checked), freed once.
@@ -89,6 +74,12 @@ struct StagMr {
     pd: ProtectionDomain,
     /// Keeps the PD from being deallocated while the MR lives.
     _on_pd: Use,
+}
+
+// SAFETY: repr(C), starts with its verbs_mr, whose first member is the
+// ibv_mr; reg_mr makes every ibv_mr of a stag context.
+unsafe impl Object for StagMr {
+    type C = ibv_mr;
 }
 
 /// libibverbs access bits the RNIC understands; the rest (zero-based,
@@ -114,8 +105,7 @@ pub(crate) unsafe extern "C" fn reg_mr(
 ) -> *mut ibv_mr {
     guard("reg_mr", ptr::null_mut(), || {
         // SAFETY: libibverbs passes a pd of this context.
-        let (Some(inner), Some(users)) = (unsafe { self::pd(pd) }, unsafe { self::users(pd) })
-        else {
+        let Some(StagPd { inner, users, .. }) = (unsafe { from_raw::<StagPd>(pd) }) else {
             errno::set(libc::EINVAL);
             return ptr::null_mut();
         };
@@ -179,12 +169,11 @@ pub(crate) unsafe extern "C" fn reg_mr(
 
 pub(crate) unsafe extern "C" fn dereg_mr(vmr: *mut verbs_mr) -> c_int {
     guard("dereg_mr", libc::EIO, || {
-        if vmr.is_null() {
+        // SAFETY: libibverbs passes a verbs_mr, whose first member is its
+        // ibv_mr.
+        let Some(mr) = (unsafe { from_raw::<StagMr>(vmr.cast::<ibv_mr>()) }) else {
             return libc::EINVAL;
-        }
-        // SAFETY: libibverbs passes a verbs_mr of ours (from reg_mr): the
-        // first member of a StagMr.
-        let mr = unsafe { &*vmr.cast::<StagMr>() };
+        };
         if let Err(e) = mr.pd.dereg_mr(mr.vmr.ibv_mr.lkey) {
             tracing::warn!("stag0: ibv_dereg_mr: {e}");
             return libc::EINVAL;

@@ -6,10 +6,11 @@
 //! RNIC's QP and moves the QP to RTS. Until then receives may be posted and
 //! sends fail with `ENOTCONN`, as on siw.
 
+use std::collections::HashMap;
 use std::ffi::{c_int, c_uint};
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use provider::device::{PostGuard, ProtectionDomain, QueuePair};
 use provider::mem::Access;
@@ -18,8 +19,13 @@ use provider::wr::{RecvWr, Remote, SendOp, SendWr, Sge};
 
 use crate::async_events::AsyncSource;
 use crate::c_list::{post_chain, sge_list};
+use crate::cq::StagCq;
 use crate::errno::{self, guard};
 use crate::ffi::*;
+use crate::handle::{self, from_raw, Object};
+use crate::mr::StagPd;
+use crate::srq::StagSrq;
+use crate::wr::{HasBatch, WrBatch};
 use provider::identity::LIMITS;
 
 /// `verbs_qp` as libibverbs lays it out (`ibv_qp_ex` first, then
@@ -109,21 +115,27 @@ unsafe impl Send for QpShared {}
 unsafe impl Sync for QpShared {}
 
 /// A handle the connection manager keeps on a QP.
-#[allow(dead_code)] // used by crate::cm
 #[derive(Clone)]
 pub(crate) struct QpHandle(Arc<QpShared>);
 
-/// The handle of one of our QPs.
-#[allow(dead_code)] // used by crate::cm
-///
-/// # Safety
-/// `qp` must be NULL or a live `ibv_qp`.
-pub(crate) unsafe fn qp_handle(qp: *mut ibv_qp) -> Option<QpHandle> {
-    // SAFETY: forwarded.
-    unsafe { shared(qp) }.map(|s| QpHandle(s.clone()))
+/// The live QPs by number: the connection manager finds a QP the
+/// application made with `ibv_create_qp` by its `conn_param->qp_num`.
+fn by_num_table() -> std::sync::MutexGuard<'static, HashMap<u32, Weak<QpShared>>> {
+    static BY_NUM: OnceLock<Mutex<HashMap<u32, Weak<QpShared>>>> = OnceLock::new();
+    BY_NUM
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
 }
 
-#[allow(dead_code)] // used by crate::cm
+/// The QP numbered `qpn`, if it is live.
+pub(crate) fn by_num(qpn: u32) -> Option<QpHandle> {
+    by_num_table()
+        .get(&qpn)
+        .and_then(Weak::upgrade)
+        .map(QpHandle)
+}
+
 impl QpHandle {
     /// The userspace RNIC's QP behind the ibv_qp.
     pub(crate) fn provider(&self) -> &Arc<QueuePair> {
@@ -175,15 +187,22 @@ impl QpShared {
     }
 }
 
-/// # Safety
-/// `qp` must be NULL or a live `ibv_qp`.
-unsafe fn shared<'a>(qp: *const ibv_qp) -> Option<&'a Arc<QpShared>> {
-    // SAFETY: a live ibv_qp has a live context; ours are StagQps.
-    if qp.is_null() || !crate::context::is_stag_context(unsafe { (*qp).context }) {
-        return None;
+// SAFETY: repr(C), starts with its ibv_qp_ex, whose first member is the
+// ibv_qp; create makes every ibv_qp of a stag context.
+unsafe impl Object for StagQp {
+    type C = ibv_qp;
+}
+
+impl StagQp {
+    /// What the QP's posts and the connection manager share.
+    pub(crate) fn shared(&self) -> &Arc<QpShared> {
+        &self.shared
     }
-    // SAFETY: ours (checked); StagQp starts with the ibv_qp.
-    Some(unsafe { &(*qp.cast::<StagQp>()).shared })
+
+    /// A handle for the connection manager, which may outlive the call.
+    pub(crate) fn handle(&self) -> QpHandle {
+        QpHandle(self.shared.clone())
+    }
 }
 
 /// Bounce buffers for `IBV_SEND_INLINE`: the data is copied at post time,
@@ -311,45 +330,35 @@ unsafe fn try_create(
     let (sq_sig_all, qp_context) = (init.sq_sig_all != 0, init.qp_context);
     let cap = &mut init.cap;
     // SAFETY: callers pass libibverbs' objects.
-    let Some(prov_pd) = (unsafe { crate::mr::pd(pd) }) else {
+    let Some(spd) = (unsafe { from_raw::<StagPd>(pd) }) else {
         return Err(libc::EINVAL);
     };
+    let prov_pd = &spd.inner;
     if qp_type != IBV_QPT_RC {
         // What kernel siw answers for anything but RC.
         tracing::warn!("stag0: only RC QPs are supported (asked for type {qp_type})");
         return Err(libc::EOPNOTSUPP);
     }
     // SAFETY: as above.
-    let (Some(scq), Some(rcq)) = (unsafe { crate::cq::cq(send_cq) }, unsafe {
-        crate::cq::cq(recv_cq)
+    let (Some(send), Some(recv)) = (unsafe { from_raw::<StagCq>(send_cq) }, unsafe {
+        from_raw::<StagCq>(recv_cq)
     }) else {
         return Err(libc::EINVAL);
     };
-    // SAFETY: as above (both checked to be ours).
-    let (Some(smark), Some(rmark)) = (unsafe { crate::cq::mark(send_cq) }, unsafe {
-        crate::cq::mark(recv_cq)
-    }) else {
-        return Err(libc::EINVAL);
-    };
-    let prov_srq = if srq.is_null() {
+    let (scq, rcq) = (&send.inner, &recv.inner);
+    let (smark, rmark) = (send.mark.clone(), recv.mark.clone());
+    let on_srq = if srq.is_null() {
         None
     } else {
         // SAFETY: as above.
-        Some(unsafe { crate::srq::srq(srq) }.ok_or(libc::EINVAL)?.clone())
+        Some(unsafe { from_raw::<StagSrq>(srq) }.ok_or(libc::EINVAL)?)
     };
-    // SAFETY: as above (each checked to be ours, or NULL for the SRQ).
-    let uses = unsafe {
-        [
-            crate::mr::users(pd),
-            crate::cq::users(send_cq),
-            crate::cq::users(recv_cq),
-            crate::srq::users(srq),
-        ]
-    }
-    .into_iter()
-    .flatten()
-    .map(|u| u.hold())
-    .collect::<Vec<_>>();
+    let prov_srq = on_srq.map(|s| s.inner.clone());
+    let uses = [&spd.users, &send.users, &recv.users]
+        .into_iter()
+        .chain(on_srq.map(|s| &s.users))
+        .map(|u| u.hold())
+        .collect::<Vec<_>>();
     if let Some(ops) = send_ops {
         let unsupported = ops & !supported_send_ops();
         if unsupported != 0 {
@@ -381,6 +390,7 @@ unsafe fn try_create(
     if max_inline > 0 && shared.ring().is_none() {
         return Err(libc::ENOMEM);
     }
+    by_num_table().insert(qpn, Arc::downgrade(&shared));
     // SAFETY: all-zero is valid for the C part (pointers NULL, counters 0);
     // the mutex and cond are initialised in place below, once boxed.
     let mut qpx: ibv_qp_ex = unsafe { std::mem::zeroed() };
@@ -395,7 +405,7 @@ unsafe fn try_create(
     qpx.qp_base.state = IBV_QPS_RESET;
     qpx.qp_base.qp_type = IBV_QPT_RC;
     if send_ops.is_some() {
-        crate::wr::install(&mut qpx);
+        crate::wr::install::<StagQp>(&mut qpx);
     }
     let raw = Box::into_raw(Box::new(StagQp {
         qpx,
@@ -421,7 +431,7 @@ unsafe fn try_create(
         *shared.ibv.lock().unwrap_or_else(|p| p.into_inner()) = base;
     }
     // SAFETY: ctx is the pd's live context (libibverbs passes both).
-    if let Some(st) = unsafe { crate::context::state(ctx) } {
+    if let Some(st) = unsafe { handle::context(ctx) } {
         // The kernel's user handle for a QP is the ibv_qp pointer.
         let events = Arc::new(QpEvents {
             source: AsyncSource::new(st.async_events.clone(), raw as usize as u64),
@@ -494,7 +504,7 @@ pub(crate) unsafe extern "C" fn create_qp_ex(
 pub(crate) unsafe extern "C" fn destroy_qp(qp: *mut ibv_qp) -> c_int {
     guard("destroy_qp", libc::EIO, || {
         // SAFETY: libibverbs passes a qp of this context.
-        let Some(sh) = (unsafe { shared(qp) }) else {
+        let Some(sh) = unsafe { from_raw::<StagQp>(qp) }.map(StagQp::shared) else {
             return libc::EINVAL;
         };
         // As the kernel does: no more events, the unread ones dropped, and
@@ -513,6 +523,7 @@ pub(crate) unsafe extern "C" fn destroy_qp(qp: *mut ibv_qp) -> c_int {
             };
         }
         *sh.ibv.lock().unwrap_or_else(|p| p.into_inner()) = ptr::null_mut();
+        by_num_table().remove(&sh.prov.qp_num());
         // The stream closes now, even while the connection manager still
         // holds a handle for the length of a call, and the QP's
         // completions leave its CQs (mlx5's CQ clean): verbs has no
@@ -557,7 +568,7 @@ pub(crate) unsafe extern "C" fn modify_qp(
 ) -> c_int {
     guard("modify_qp", libc::EIO, || {
         // SAFETY: libibverbs passes a qp of this context.
-        let Some(sh) = (unsafe { shared(qp) }) else {
+        let Some(sh) = unsafe { from_raw::<StagQp>(qp) }.map(StagQp::shared) else {
             return libc::EINVAL;
         };
         if attr.is_null() {
@@ -601,7 +612,7 @@ pub(crate) unsafe extern "C" fn query_qp(
 ) -> c_int {
     guard("query_qp", libc::EIO, || {
         // SAFETY: libibverbs passes a qp of this context.
-        let Some(sh) = (unsafe { shared(qp) }) else {
+        let Some(sh) = unsafe { from_raw::<StagQp>(qp) }.map(StagQp::shared) else {
             return libc::EINVAL;
         };
         if attr.is_null() || init.is_null() {
@@ -858,7 +869,7 @@ pub(crate) unsafe extern "C" fn post_send(
 ) -> c_int {
     guard("post_send", libc::EIO, || {
         // SAFETY: libibverbs passes a qp of this context.
-        let Some(sh) = (unsafe { shared(qp) }) else {
+        let Some(sh) = unsafe { from_raw::<StagQp>(qp) }.map(StagQp::shared) else {
             return libc::EINVAL;
         };
         sh.assist.posted();
@@ -884,7 +895,7 @@ pub(crate) unsafe extern "C" fn post_recv(
 ) -> c_int {
     guard("post_recv", libc::EIO, || {
         // SAFETY: libibverbs passes a qp of this context.
-        let Some(sh) = (unsafe { shared(qp) }) else {
+        let Some(sh) = unsafe { from_raw::<StagQp>(qp) }.map(StagQp::shared) else {
             return libc::EINVAL;
         };
         // SAFETY: the caller's chain, its SGE arrays and out pointer.
@@ -905,25 +916,22 @@ pub(crate) unsafe extern "C" fn post_recv(
     })
 }
 
-/// The shared part of an extended QP, for the `ibv_wr_*` entry points.
-///
-/// # Safety
-/// `qpx` must be one of our live `ibv_qp_ex`s.
-pub(crate) unsafe fn shared_ex<'a>(qpx: *mut ibv_qp_ex) -> Option<&'a Arc<QpShared>> {
-    // SAFETY: ibv_qp_ex starts with its ibv_qp.
-    unsafe { shared(qpx.cast::<ibv_qp>()) }
+impl HasBatch for StagQp {
+    type Batch = QpShared;
+    fn batch(&self) -> &QpShared {
+        &self.shared
+    }
 }
 
-impl QpShared {
-    /// `wr_start`: a new batch.
-    pub(crate) fn batch_start(&self) {
+impl WrBatch for QpShared {
+    fn batch_start(&self) {
         let mut b = self.batch.lock().unwrap_or_else(|p| p.into_inner());
         b.wrs.clear();
         b.error = None;
     }
 
     /// A `wr_<op>` call: a new request, with the QP's current wr_id/flags.
-    pub(crate) fn batch_push(&self, wr_id: u64, flags: c_uint, op: SendOp, op_flag: u64) {
+    fn batch_push(&self, wr_id: u64, flags: c_uint, op: SendOp, op_flag: u64) {
         let mut b = self.batch.lock().unwrap_or_else(|p| p.into_inner());
         if self.send_ops & op_flag == 0 {
             tracing::warn!("stag0: ibv_wr_* operation not enabled in send_ops_flags");
@@ -940,7 +948,7 @@ impl QpShared {
     }
 
     /// `wr_set_sge*` / `wr_set_inline_data*` on the last request.
-    pub(crate) fn batch_set_data(&self, sges: Vec<Sge>, inline: Option<Vec<u8>>) {
+    fn batch_set_data(&self, sges: Vec<Sge>, inline: Option<Vec<u8>>) {
         let mut b = self.batch.lock().unwrap_or_else(|p| p.into_inner());
         match b.wrs.last_mut() {
             Some(w) => {
@@ -954,13 +962,13 @@ impl QpShared {
     }
 
     /// Record an error for `wr_complete` to return.
-    pub(crate) fn batch_fail(&self, e: c_int) {
+    fn batch_fail(&self, e: c_int) {
         let mut b = self.batch.lock().unwrap_or_else(|p| p.into_inner());
         b.error.get_or_insert(e);
     }
 
     /// `wr_complete`: post the batch, or nothing if a call failed.
-    pub(crate) fn batch_complete(&self) -> c_int {
+    fn batch_complete(&self) -> c_int {
         self.assist.posted();
         let (wrs, error) = {
             let mut b = self.batch.lock().unwrap_or_else(|p| p.into_inner());
@@ -981,12 +989,14 @@ impl QpShared {
     }
 
     /// `wr_abort`: drop the batch.
-    pub(crate) fn batch_abort(&self) {
+    fn batch_abort(&self) {
         let mut b = self.batch.lock().unwrap_or_else(|p| p.into_inner());
         b.wrs.clear();
         b.error = None;
     }
+}
 
+impl QpShared {
     /// Post a stagdv operation (RFC 7306 / Commit) through the legacy path.
     pub(crate) fn post_dv(&self, wr_id: u64, flags: c_uint, op: SendOp, sges: Vec<Sge>) -> c_int {
         self.assist.posted();
@@ -1008,13 +1018,4 @@ impl QpShared {
         post.post();
         rc.err().unwrap_or(0)
     }
-}
-
-/// The shared part of one of our QPs, for stagdv.
-///
-/// # Safety
-/// `qp` must be NULL or a live `ibv_qp`.
-pub(crate) unsafe fn shared_of<'a>(qp: *mut ibv_qp) -> Option<&'a Arc<QpShared>> {
-    // SAFETY: forwarded.
-    unsafe { shared(qp) }
 }

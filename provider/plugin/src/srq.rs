@@ -11,44 +11,30 @@ use crate::async_events::AsyncSource;
 use crate::c_list::{post_chain, sge_list};
 use crate::errno::{self, guard};
 use crate::ffi::*;
+use crate::handle::{self, from_raw, Object};
+use crate::mr::StagPd;
 use crate::users::{Use, Users};
 use provider::identity::LIMITS;
 
 /// `verbs_srq` first, then the RNIC's queue.
 #[repr(C)]
-struct StagSrq {
+pub(crate) struct StagSrq {
     vsrq: verbs_srq,
-    inner: Arc<Srq>,
+    pub(crate) inner: Arc<Srq>,
     max_wr: u32,
     max_sge: u32,
     /// The QPs receiving from this SRQ.
-    users: Arc<Users>,
+    pub(crate) users: Arc<Users>,
     /// Keeps the PD from being deallocated while the SRQ lives.
     _on_pd: Use,
     /// Where its IBV_EVENT_SRQ_LIMIT_REACHED goes.
     events: Option<Arc<AsyncSource>>,
 }
 
-/// The RNIC queue behind one of our `ibv_srq`s.
-///
-/// # Safety
-/// `srq` must be NULL or a live `ibv_srq`.
-pub(crate) unsafe fn srq<'a>(srq: *const ibv_srq) -> Option<&'a Arc<Srq>> {
-    // SAFETY: a live ibv_srq has a live context; ours are StagSrqs.
-    if srq.is_null() || !crate::context::is_stag_context(unsafe { (*srq).context }) {
-        return None;
-    }
-    // SAFETY: ours (checked).
-    Some(unsafe { &(*srq.cast::<StagSrq>()).inner })
-}
-
-/// What uses one of our `ibv_srq`s.
-///
-/// # Safety
-/// As [`srq`].
-pub(crate) unsafe fn users<'a>(srq: *const ibv_srq) -> Option<&'a Arc<Users>> {
-    // SAFETY: forwarded; `srq` checked it is ours.
-    unsafe { self::srq(srq) }.map(|_| unsafe { &(*srq.cast::<StagSrq>()).users })
+// SAFETY: repr(C), starts with its verbs_srq, whose first member is the
+// ibv_srq; create_srq makes every ibv_srq of a stag context.
+unsafe impl Object for StagSrq {
+    type C = ibv_srq;
 }
 
 pub(crate) unsafe extern "C" fn create_srq(
@@ -57,7 +43,10 @@ pub(crate) unsafe extern "C" fn create_srq(
 ) -> *mut ibv_srq {
     guard("create_srq", ptr::null_mut(), || {
         // SAFETY: libibverbs passes a pd of this context.
-        let Some(pd_users) = (unsafe { crate::mr::users(pd) }) else {
+        let Some(StagPd {
+            users: pd_users, ..
+        }) = (unsafe { from_raw::<StagPd>(pd) })
+        else {
             errno::set(libc::EINVAL);
             return ptr::null_mut();
         };
@@ -94,7 +83,7 @@ pub(crate) unsafe extern "C" fn create_srq(
             events: None,
         }));
         // SAFETY: pd is live, and so its context.
-        if let Some(st) = unsafe { crate::context::state((*pd).context) } {
+        if let Some(st) = unsafe { handle::context((*pd).context) } {
             // The kernel's user handle for an SRQ is the ibv_srq pointer.
             let source = AsyncSource::new(st.async_events.clone(), raw as u64);
             let s = source.clone();
@@ -123,7 +112,10 @@ pub(crate) unsafe extern "C" fn modify_srq(
 ) -> c_int {
     guard("modify_srq", libc::EIO, || {
         // SAFETY: libibverbs passes an srq of this context.
-        if unsafe { self::srq(srq) }.is_none() || attr.is_null() {
+        let Some(s) = (unsafe { from_raw::<StagSrq>(srq) }) else {
+            return libc::EINVAL;
+        };
+        if attr.is_null() {
             return libc::EINVAL;
         }
         if mask as u32 & IBV_SRQ_MAX_WR != 0 {
@@ -131,8 +123,8 @@ pub(crate) unsafe extern "C" fn modify_srq(
             return libc::EOPNOTSUPP;
         }
         if mask as u32 & IBV_SRQ_LIMIT != 0 {
-            // SAFETY: ours (checked); the caller's attr.
-            let (s, limit) = unsafe { (&*srq.cast::<StagSrq>(), (*attr).srq_limit) };
+            // SAFETY: the caller's attr (checked non-NULL).
+            let limit = unsafe { (*attr).srq_limit };
             if limit > s.max_wr {
                 return libc::EINVAL;
             }
@@ -146,12 +138,14 @@ pub(crate) unsafe extern "C" fn modify_srq(
 pub(crate) unsafe extern "C" fn query_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_attr) -> c_int {
     guard("query_srq", libc::EIO, || {
         // SAFETY: libibverbs passes an srq of this context.
-        if unsafe { self::srq(srq) }.is_none() || attr.is_null() {
+        let Some(s) = (unsafe { from_raw::<StagSrq>(srq) }) else {
+            return libc::EINVAL;
+        };
+        if attr.is_null() {
             return libc::EINVAL;
         }
-        // SAFETY: ours (checked); the caller's attr.
+        // SAFETY: the caller's attr (checked non-NULL).
         unsafe {
-            let s = &*srq.cast::<StagSrq>();
             *attr = ibv_srq_attr {
                 max_wr: s.max_wr,
                 max_sge: s.max_sge,
@@ -165,15 +159,14 @@ pub(crate) unsafe extern "C" fn query_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_
 pub(crate) unsafe extern "C" fn destroy_srq(srq: *mut ibv_srq) -> c_int {
     guard("destroy_srq", libc::EIO, || {
         // SAFETY: libibverbs passes an srq of this context.
-        let Some(users) = (unsafe { self::users(srq) }) else {
+        let Some(s) = (unsafe { from_raw::<StagSrq>(srq) }) else {
             return libc::EINVAL;
         };
-        if users.in_use() {
+        if s.users.in_use() {
             return libc::EBUSY;
         }
         // As for a QP: its unread events dropped, the read ones acked.
-        // SAFETY: ours (checked).
-        if let Some(events) = unsafe { &(*srq.cast::<StagSrq>()).events } {
+        if let Some(events) = &s.events {
             let reported = events.retire();
             // SAFETY: the live srq's own members.
             unsafe {
@@ -202,7 +195,7 @@ pub(crate) unsafe extern "C" fn post_srq_recv(
 ) -> c_int {
     guard("post_srq_recv", libc::EIO, || {
         // SAFETY: libibverbs passes an srq of this context.
-        let Some(inner) = (unsafe { self::srq(srq) }) else {
+        let Some(StagSrq { inner, .. }) = (unsafe { from_raw::<StagSrq>(srq) }) else {
             return libc::EINVAL;
         };
         // SAFETY: the caller's chain, its SGE arrays and out pointer.

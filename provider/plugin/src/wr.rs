@@ -5,12 +5,12 @@
 //! give it its data, and `ibv_wr_complete` posts the batch (or returns the
 //! first error any call met, posting nothing).
 
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_int, c_uint, c_void};
 
 use provider::wr::{Remote, SendOp, Sge};
 
 use crate::ffi::*;
-use crate::qp::shared_ex;
+use crate::handle::{from_raw, Object};
 
 /// Send operations beyond the basic set that this build can offer.
 #[cfg(has_wr_flush)]
@@ -20,43 +20,64 @@ pub(crate) const EXTRA_SEND_OPS: u64 = (IBV_QP_EX_WITH_ATOMIC_WRITE | IBV_QP_EX_
 pub(crate) const EXTRA_SEND_OPS: u64 = IBV_QP_EX_WITH_ATOMIC_WRITE as u64;
 
 /// Fill in the function pointers of a new extended QP.
-pub(crate) fn install(q: &mut ibv_qp_ex) {
-    q.wr_start = Some(wr_start);
-    q.wr_complete = Some(wr_complete);
-    q.wr_abort = Some(wr_abort);
-    q.wr_send = Some(wr_send);
-    q.wr_send_imm = Some(wr_send_imm);
-    q.wr_send_inv = Some(wr_send_inv);
-    q.wr_rdma_write = Some(wr_rdma_write);
-    q.wr_rdma_write_imm = Some(wr_rdma_write_imm);
-    q.wr_rdma_read = Some(wr_rdma_read);
-    q.wr_atomic_cmp_swp = Some(wr_atomic_cmp_swp);
-    q.wr_atomic_fetch_add = Some(wr_atomic_fetch_add);
-    q.wr_atomic_write = Some(wr_atomic_write);
-    q.wr_set_sge = Some(wr_set_sge);
-    q.wr_set_sge_list = Some(wr_set_sge_list);
-    q.wr_set_inline_data = Some(wr_set_inline_data);
-    q.wr_set_inline_data_list = Some(wr_set_inline_data_list);
+pub(crate) fn install<Q: HasBatch>(q: &mut ibv_qp_ex) {
+    q.wr_start = Some(wr_start::<Q>);
+    q.wr_complete = Some(wr_complete::<Q>);
+    q.wr_abort = Some(wr_abort::<Q>);
+    q.wr_send = Some(wr_send::<Q>);
+    q.wr_send_imm = Some(wr_send_imm::<Q>);
+    q.wr_send_inv = Some(wr_send_inv::<Q>);
+    q.wr_rdma_write = Some(wr_rdma_write::<Q>);
+    q.wr_rdma_write_imm = Some(wr_rdma_write_imm::<Q>);
+    q.wr_rdma_read = Some(wr_rdma_read::<Q>);
+    q.wr_atomic_cmp_swp = Some(wr_atomic_cmp_swp::<Q>);
+    q.wr_atomic_fetch_add = Some(wr_atomic_fetch_add::<Q>);
+    q.wr_atomic_write = Some(wr_atomic_write::<Q>);
+    q.wr_set_sge = Some(wr_set_sge::<Q>);
+    q.wr_set_sge_list = Some(wr_set_sge_list::<Q>);
+    q.wr_set_inline_data = Some(wr_set_inline_data::<Q>);
+    q.wr_set_inline_data_list = Some(wr_set_inline_data_list::<Q>);
     #[cfg(has_wr_flush)]
     {
-        q.wr_flush = Some(wr_flush);
+        q.wr_flush = Some(wr_flush::<Q>);
     }
+}
+
+/// The batch the `ibv_wr_*` calls build on a QP, posted by `wr_complete`.
+pub(crate) trait WrBatch {
+    /// `wr_start`: a new batch.
+    fn batch_start(&self);
+    /// A `wr_<op>` call: a new request, with the QP's current
+    /// wr_id/flags; `op_flag` is its `IBV_QP_EX_WITH_*` bit.
+    fn batch_push(&self, wr_id: u64, flags: c_uint, op: SendOp, op_flag: u64);
+    /// `wr_set_sge*` / `wr_set_inline_data*` on the last request.
+    fn batch_set_data(&self, sges: Vec<Sge>, inline: Option<Vec<u8>>);
+    /// Record an error for `wr_complete` to return.
+    fn batch_fail(&self, e: c_int);
+    /// `wr_complete`: post the batch, or nothing if a call failed.
+    fn batch_complete(&self) -> c_int;
+    /// `wr_abort`: drop the batch.
+    fn batch_abort(&self);
+}
+
+/// A QP object with a [`WrBatch`]: what [`install`] is instantiated for.
+pub(crate) trait HasBatch: Object<C = ibv_qp> {
+    type Batch: WrBatch;
+    fn batch(&self) -> &Self::Batch;
 }
 
 /// Run a `wr_*` body on one of our QPs (others are ignored: libibverbs
 /// only calls these through pointers we installed).
-fn with(qp: *mut ibv_qp_ex, what: &'static str, f: impl FnOnce(&crate::qp::QpShared, u64, u32)) {
+fn with<Q: HasBatch>(qp: *mut ibv_qp_ex, what: &'static str, f: impl FnOnce(&Q::Batch, u64, u32)) {
     crate::errno::guard(what, (), || {
-        if qp.is_null() {
-            return;
-        }
-        // SAFETY: libibverbs' inline wrappers pass the QP they were called on.
-        let Some(sh) = (unsafe { shared_ex(qp) }) else {
+        // SAFETY: libibverbs' inline wrappers pass the QP they were called
+        // on (or NULL); an ibv_qp_ex starts with its ibv_qp.
+        let Some(q) = (unsafe { from_raw::<Q>(qp.cast::<ibv_qp>()) }) else {
             return;
         };
         // SAFETY: a live ibv_qp_ex; wr_id and wr_flags are set by the caller.
         let (id, flags) = unsafe { ((*qp).wr_id, (*qp).wr_flags) };
-        f(sh, id, flags)
+        f(q.batch(), id, flags)
     })
 }
 
@@ -64,22 +85,22 @@ fn remote(rkey: u32, addr: u64) -> Remote {
     Remote { addr, rkey }
 }
 
-unsafe extern "C" fn wr_start(qp: *mut ibv_qp_ex) {
-    with(qp, "wr_start", |sh, _, _| sh.batch_start());
+unsafe extern "C" fn wr_start<Q: HasBatch>(qp: *mut ibv_qp_ex) {
+    with::<Q>(qp, "wr_start", |sh, _, _| sh.batch_start());
 }
 
-unsafe extern "C" fn wr_complete(qp: *mut ibv_qp_ex) -> c_int {
+unsafe extern "C" fn wr_complete<Q: HasBatch>(qp: *mut ibv_qp_ex) -> c_int {
     let mut rc = libc::EINVAL;
-    with(qp, "wr_complete", |sh, _, _| rc = sh.batch_complete());
+    with::<Q>(qp, "wr_complete", |sh, _, _| rc = sh.batch_complete());
     rc
 }
 
-unsafe extern "C" fn wr_abort(qp: *mut ibv_qp_ex) {
-    with(qp, "wr_abort", |sh, _, _| sh.batch_abort());
+unsafe extern "C" fn wr_abort<Q: HasBatch>(qp: *mut ibv_qp_ex) {
+    with::<Q>(qp, "wr_abort", |sh, _, _| sh.batch_abort());
 }
 
-unsafe extern "C" fn wr_send(qp: *mut ibv_qp_ex) {
-    with(qp, "wr_send", |sh, id, fl| {
+unsafe extern "C" fn wr_send<Q: HasBatch>(qp: *mut ibv_qp_ex) {
+    with::<Q>(qp, "wr_send", |sh, id, fl| {
         let op = SendOp::Send {
             solicited: fl & IBV_SEND_SOLICITED != 0,
             invalidate: None,
@@ -88,8 +109,8 @@ unsafe extern "C" fn wr_send(qp: *mut ibv_qp_ex) {
     });
 }
 
-unsafe extern "C" fn wr_send_imm(qp: *mut ibv_qp_ex, imm: __be32) {
-    with(qp, "wr_send_imm", |sh, id, fl| {
+unsafe extern "C" fn wr_send_imm<Q: HasBatch>(qp: *mut ibv_qp_ex, imm: __be32) {
+    with::<Q>(qp, "wr_send_imm", |sh, id, fl| {
         let op = SendOp::Imm {
             imm: u32::from_be(imm) as u64,
             solicited: fl & IBV_SEND_SOLICITED != 0,
@@ -98,8 +119,8 @@ unsafe extern "C" fn wr_send_imm(qp: *mut ibv_qp_ex, imm: __be32) {
     });
 }
 
-unsafe extern "C" fn wr_send_inv(qp: *mut ibv_qp_ex, rkey: u32) {
-    with(qp, "wr_send_inv", |sh, id, fl| {
+unsafe extern "C" fn wr_send_inv<Q: HasBatch>(qp: *mut ibv_qp_ex, rkey: u32) {
+    with::<Q>(qp, "wr_send_inv", |sh, id, fl| {
         let op = SendOp::Send {
             solicited: fl & IBV_SEND_SOLICITED != 0,
             invalidate: Some(rkey),
@@ -108,8 +129,8 @@ unsafe extern "C" fn wr_send_inv(qp: *mut ibv_qp_ex, rkey: u32) {
     });
 }
 
-unsafe extern "C" fn wr_rdma_write(qp: *mut ibv_qp_ex, rkey: u32, addr: u64) {
-    with(qp, "wr_rdma_write", |sh, id, fl| {
+unsafe extern "C" fn wr_rdma_write<Q: HasBatch>(qp: *mut ibv_qp_ex, rkey: u32, addr: u64) {
+    with::<Q>(qp, "wr_rdma_write", |sh, id, fl| {
         let op = SendOp::Write {
             remote: remote(rkey, addr),
         };
@@ -117,8 +138,13 @@ unsafe extern "C" fn wr_rdma_write(qp: *mut ibv_qp_ex, rkey: u32, addr: u64) {
     });
 }
 
-unsafe extern "C" fn wr_rdma_write_imm(qp: *mut ibv_qp_ex, rkey: u32, addr: u64, imm: __be32) {
-    with(qp, "wr_rdma_write_imm", |sh, id, fl| {
+unsafe extern "C" fn wr_rdma_write_imm<Q: HasBatch>(
+    qp: *mut ibv_qp_ex,
+    rkey: u32,
+    addr: u64,
+    imm: __be32,
+) {
+    with::<Q>(qp, "wr_rdma_write_imm", |sh, id, fl| {
         let op = SendOp::WriteImm {
             remote: remote(rkey, addr),
             imm: u32::from_be(imm) as u64,
@@ -127,8 +153,8 @@ unsafe extern "C" fn wr_rdma_write_imm(qp: *mut ibv_qp_ex, rkey: u32, addr: u64,
     });
 }
 
-unsafe extern "C" fn wr_rdma_read(qp: *mut ibv_qp_ex, rkey: u32, addr: u64) {
-    with(qp, "wr_rdma_read", |sh, id, fl| {
+unsafe extern "C" fn wr_rdma_read<Q: HasBatch>(qp: *mut ibv_qp_ex, rkey: u32, addr: u64) {
+    with::<Q>(qp, "wr_rdma_read", |sh, id, fl| {
         let op = SendOp::Read {
             remote: remote(rkey, addr),
         };
@@ -136,14 +162,14 @@ unsafe extern "C" fn wr_rdma_read(qp: *mut ibv_qp_ex, rkey: u32, addr: u64) {
     });
 }
 
-unsafe extern "C" fn wr_atomic_cmp_swp(
+unsafe extern "C" fn wr_atomic_cmp_swp<Q: HasBatch>(
     qp: *mut ibv_qp_ex,
     rkey: u32,
     addr: u64,
     compare: u64,
     swap: u64,
 ) {
-    with(qp, "wr_atomic_cmp_swp", |sh, id, fl| {
+    with::<Q>(qp, "wr_atomic_cmp_swp", |sh, id, fl| {
         let op = SendOp::CmpSwap {
             remote: remote(rkey, addr),
             compare,
@@ -155,8 +181,13 @@ unsafe extern "C" fn wr_atomic_cmp_swp(
     });
 }
 
-unsafe extern "C" fn wr_atomic_fetch_add(qp: *mut ibv_qp_ex, rkey: u32, addr: u64, add: u64) {
-    with(qp, "wr_atomic_fetch_add", |sh, id, fl| {
+unsafe extern "C" fn wr_atomic_fetch_add<Q: HasBatch>(
+    qp: *mut ibv_qp_ex,
+    rkey: u32,
+    addr: u64,
+    add: u64,
+) {
+    with::<Q>(qp, "wr_atomic_fetch_add", |sh, id, fl| {
         let op = SendOp::FetchAdd {
             remote: remote(rkey, addr),
             add,
@@ -166,13 +197,13 @@ unsafe extern "C" fn wr_atomic_fetch_add(qp: *mut ibv_qp_ex, rkey: u32, addr: u6
     });
 }
 
-unsafe extern "C" fn wr_atomic_write(
+unsafe extern "C" fn wr_atomic_write<Q: HasBatch>(
     qp: *mut ibv_qp_ex,
     rkey: u32,
     addr: u64,
     value: *const c_void,
 ) {
-    with(qp, "wr_atomic_write", |sh, id, fl| {
+    with::<Q>(qp, "wr_atomic_write", |sh, id, fl| {
         if value.is_null() {
             sh.batch_fail(libc::EINVAL);
             return;
@@ -189,7 +220,7 @@ unsafe extern "C" fn wr_atomic_write(
 }
 
 #[cfg(has_wr_flush)]
-unsafe extern "C" fn wr_flush(
+unsafe extern "C" fn wr_flush<Q: HasBatch>(
     qp: *mut ibv_qp_ex,
     rkey: u32,
     addr: u64,
@@ -197,7 +228,7 @@ unsafe extern "C" fn wr_flush(
     _ptype: u8,
     _level: u8,
 ) {
-    with(qp, "wr_flush", |sh, id, fl| {
+    with::<Q>(qp, "wr_flush", |sh, id, fl| {
         let op = SendOp::Commit {
             remote: remote(rkey, addr),
             len: len.min(u32::MAX as usize) as u32,
@@ -206,14 +237,23 @@ unsafe extern "C" fn wr_flush(
     });
 }
 
-unsafe extern "C" fn wr_set_sge(qp: *mut ibv_qp_ex, lkey: u32, addr: u64, length: u32) {
-    with(qp, "wr_set_sge", |sh, _, _| {
+unsafe extern "C" fn wr_set_sge<Q: HasBatch>(
+    qp: *mut ibv_qp_ex,
+    lkey: u32,
+    addr: u64,
+    length: u32,
+) {
+    with::<Q>(qp, "wr_set_sge", |sh, _, _| {
         sh.batch_set_data(vec![Sge { addr, length, lkey }], None)
     });
 }
 
-unsafe extern "C" fn wr_set_sge_list(qp: *mut ibv_qp_ex, n: usize, list: *const ibv_sge) {
-    with(qp, "wr_set_sge_list", |sh, _, _| {
+unsafe extern "C" fn wr_set_sge_list<Q: HasBatch>(
+    qp: *mut ibv_qp_ex,
+    n: usize,
+    list: *const ibv_sge,
+) {
+    with::<Q>(qp, "wr_set_sge_list", |sh, _, _| {
         let n = c_int::try_from(n).unwrap_or(c_int::MAX);
         // SAFETY: the caller's array of n SGEs.
         match unsafe { crate::c_list::sge_list(list, n) } {
@@ -223,8 +263,12 @@ unsafe extern "C" fn wr_set_sge_list(qp: *mut ibv_qp_ex, n: usize, list: *const 
     });
 }
 
-unsafe extern "C" fn wr_set_inline_data(qp: *mut ibv_qp_ex, addr: *mut c_void, length: usize) {
-    with(qp, "wr_set_inline_data", |sh, _, _| {
+unsafe extern "C" fn wr_set_inline_data<Q: HasBatch>(
+    qp: *mut ibv_qp_ex,
+    addr: *mut c_void,
+    length: usize,
+) {
+    with::<Q>(qp, "wr_set_inline_data", |sh, _, _| {
         if length > 0 && addr.is_null() {
             sh.batch_fail(libc::EINVAL);
             return;
@@ -239,12 +283,12 @@ unsafe extern "C" fn wr_set_inline_data(qp: *mut ibv_qp_ex, addr: *mut c_void, l
     });
 }
 
-unsafe extern "C" fn wr_set_inline_data_list(
+unsafe extern "C" fn wr_set_inline_data_list<Q: HasBatch>(
     qp: *mut ibv_qp_ex,
     n: usize,
     list: *const ibv_data_buf,
 ) {
-    with(qp, "wr_set_inline_data_list", |sh, _, _| {
+    with::<Q>(qp, "wr_set_inline_data_list", |sh, _, _| {
         if n > 0 && list.is_null() {
             sh.batch_fail(libc::EINVAL);
             return;

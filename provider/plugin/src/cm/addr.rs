@@ -209,7 +209,7 @@ pub(crate) struct Reservation {
     pub afonly: bool,
     /// The listener a destroyed id left on this very address, which
     /// `rdma_listen` takes over (then `sock` is None).
-    pub retired: Option<super::listen::ListenHandle>,
+    pub retired: Option<super::listener::ListenHandle>,
 }
 
 impl Reservation {
@@ -223,7 +223,7 @@ impl Reservation {
         let named = addr.port() != 0;
         // A listener retired on this port: taken over if bound exactly so,
         // else closed, freeing the port.
-        if let Some(h) = super::listen::take_retired(addr, afonly, reuse) {
+        if let Some(h) = super::listener::take_retired(addr, afonly, reuse) {
             let mut bound = lock(&BOUND);
             let holders = bound
                 .get_or_insert_with(HashMap::new)

@@ -16,53 +16,9 @@ use std::sync::{Arc, Mutex};
 
 use tracing::warn;
 
-use super::id::Id;
+use super::id::{EventQueue, Id, Pending};
 use super::{lock, CmResult};
 use crate::ffi;
-
-/// A connection request that arrived on a listening id: the child id is
-/// made from it when the application takes the event.
-#[derive(Debug)]
-pub(crate) struct Incoming {
-    /// The TCP connection with its MPA Request, waiting for accept/reject.
-    pub req: provider::device::ConnRequest,
-    /// Our side's address of the connection.
-    pub local: std::net::SocketAddr,
-}
-
-/// An event waiting in a channel (not yet handed to the application).
-#[derive(Debug)]
-pub(crate) struct Pending {
-    /// The id it is for (the listening id for CONNECT_REQUEST).
-    pub id: Arc<Id>,
-    /// `enum rdma_cm_event_type`.
-    pub kind: ffi::rdma_cm_event_type,
-    /// 0 or a negative errno, as the kernel reports.
-    pub status: c_int,
-    /// The peer's private data.
-    pub private_data: Vec<u8>,
-    /// `param.conn.responder_resources`.
-    pub responder_resources: u8,
-    /// `param.conn.initiator_depth`.
-    pub initiator_depth: u8,
-    /// CONNECT_REQUEST only.
-    pub incoming: Option<Incoming>,
-}
-
-impl Pending {
-    /// An event with no connection parameters.
-    pub fn new(id: Arc<Id>, kind: ffi::rdma_cm_event_type, status: c_int) -> Pending {
-        Pending {
-            id,
-            kind,
-            status,
-            private_data: Vec::new(),
-            responder_resources: 0,
-            initiator_depth: 0,
-            incoming: None,
-        }
-    }
-}
 
 /// The C struct, owned here.
 #[derive(Debug)]
@@ -231,6 +187,24 @@ impl Channel {
     #[cfg(test)]
     pub fn len(&self) -> usize {
         lock(&self.queue).len()
+    }
+}
+
+impl EventQueue for Channel {
+    fn raw(&self) -> *mut ffi::rdma_event_channel {
+        Channel::raw(self)
+    }
+    fn push(&self, p: Pending) {
+        Channel::push(self, p)
+    }
+    fn pop(&self) -> CmResult<Pending> {
+        Channel::pop(self)
+    }
+    fn withdraw(&self, f: &mut dyn FnMut(&Pending) -> bool) -> Vec<Pending> {
+        Channel::withdraw(self, f)
+    }
+    fn has_event_for(&self, id: &Arc<Id>) -> bool {
+        Channel::has_event_for(self, id)
     }
 }
 

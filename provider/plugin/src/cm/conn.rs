@@ -13,12 +13,15 @@ use provider::setup::MpaParams;
 use tracing::{debug, error, warn};
 
 use super::addr::{set_dst, set_src};
-use super::channel::{Channel, Incoming, Pending};
-use super::event::complete;
-use super::id::{Id, IdState, Op, Phase};
+use super::channel::Channel;
+use super::event::{self, Delivery};
+use super::id::EventQueue;
+use super::id::{Id, IdState, Op, Pending, Phase};
+use super::listener::Incoming;
 use super::verbs::{self, Stag};
-use super::{lock, qp_handle, CmResult};
+use super::{lock, CmResult, StagQp};
 use crate::ffi;
+use crate::handle::from_raw;
 use provider::thread::SpawnMasked;
 
 /// How long the watcher sleeps at most between two looks at the connected
@@ -116,8 +119,8 @@ fn mirror_state(id: &Id, st: &IdState, state: ffi::ibv_qp_state, set_error: bool
     }
     // SAFETY: application thread inside a cm call on `id`.
     let c = unsafe { id.c() };
-    // SAFETY: id->qp is NULL or the application's QP; qp_handle checks.
-    if let Some(h) = unsafe { qp_handle(c.qp) } {
+    // SAFETY: id->qp is NULL or the application's QP; from_raw checks.
+    if let Some(h) = unsafe { from_raw::<StagQp>(c.qp) }.map(StagQp::handle) {
         if Arc::ptr_eq(h.provider(), &qp) {
             h.set_state(state);
         }
@@ -127,8 +130,36 @@ fn mirror_state(id: &Id, st: &IdState, state: ffi::ibv_qp_state, set_error: bool
     }
 }
 
+/// The connections' part in handing out events ([`Delivery`]).
+pub(crate) struct ConnDelivery;
+
+impl Delivery for ConnDelivery {
+    fn make_child(
+        listen: &Arc<Id>,
+        incoming: Incoming,
+        peer_ird: u8,
+        peer_ord: u8,
+    ) -> Option<Arc<Id>> {
+        make_child(listen, incoming, peer_ird, peer_ord)
+    }
+    fn on_deliver(id: &Arc<Id>, kind: ffi::rdma_cm_event_type) {
+        on_deliver(id, kind)
+    }
+}
+
+/// `rdma_get_cm_event` on `channel`.
+pub(crate) fn get_event(channel: &dyn EventQueue) -> CmResult<*mut ffi::rdma_cm_event> {
+    event::get_event::<ConnDelivery>(channel)
+}
+
+/// A synchronous id's wait for its own event (librdmacm's
+/// `ucma_complete`, [`event::complete`]).
+pub(crate) fn complete(id: &Arc<Id>) -> CmResult<()> {
+    event::complete::<ConnDelivery>(id)
+}
+
 /// Hook run when the application takes an event (its thread).
-pub(crate) fn on_deliver(id: &Arc<Id>, kind: ffi::rdma_cm_event_type) {
+fn on_deliver(id: &Arc<Id>, kind: ffi::rdma_cm_event_type) {
     let st = id.state();
     match kind {
         ffi::RDMA_CM_EVENT_ESTABLISHED => mirror_state(id, &st, ffi::IBV_QPS_RTS, false),
@@ -168,27 +199,13 @@ fn timewait_exit_wanted() -> bool {
     *WANTED.get_or_init(|| std::env::var_os("STAG_CM_TIMEWAIT_EXIT").is_some_and(|v| v == "1"))
 }
 
-/// Refuse a connection request nobody will answer (its listener or child
-/// id went away): an MPA reject, which the peer reports as REJECTED, as the
-/// kernel's cm does.
-pub(crate) fn refuse(incoming: Incoming) {
-    if let Err(e) = incoming.req.reject(&[]) {
-        debug!(error = %e, "rdma_cm: refusing a connection request failed");
-    }
-}
-
 /// The child id of a connection request, made on the application's thread
 /// when it takes the CONNECT_REQUEST event.
-pub(crate) fn make_child(
-    listen: &Arc<Id>,
-    incoming: Incoming,
-    peer_ird: u8,
-    peer_ord: u8,
-) -> Option<Arc<Id>> {
+fn make_child(listen: &Arc<Id>, incoming: Incoming, peer_ird: u8, peer_ord: u8) -> Option<Arc<Id>> {
     let (sync, channel, ps, qp_type, options) = {
         let st = listen.state();
         if st.destroyed {
-            refuse(incoming);
+            incoming.refuse();
             return None;
         }
         (st.sync, st.channel.clone(), st.ps, st.qp_type, st.options)
@@ -197,7 +214,7 @@ pub(crate) fn make_child(
         Ok(s) => s,
         Err(_) => {
             error!("rdma_cm: connection request refused: stag0 cannot be opened");
-            refuse(incoming);
+            incoming.refuse();
             return None;
         }
     };
@@ -209,7 +226,7 @@ pub(crate) fn make_child(
                 c
             }
             Err(_) => {
-                refuse(incoming);
+                incoming.refuse();
                 return None;
             }
         }
@@ -243,19 +260,45 @@ pub(crate) fn make_child(
     Some(child)
 }
 
-/// The stag QP behind `id->qp`, or EINVAL (with why).
-fn id_qp(id: &Id, call: &str) -> CmResult<super::QpHandle> {
+/// The QP a connect or accept is for.
+struct CallQp {
+    handle: super::QpHandle,
+    /// It is `id->qp` (`rdma_create_qp`), whose state the cm moves; else
+    /// the application made it and names it by `conn_param->qp_num`, and
+    /// moves it through INIT/RTR/RTS itself, as with the kernel's cm.
+    owned_by_id: bool,
+}
+
+/// The stag QP behind `id->qp`, or when that is NULL the one
+/// `conn_param->qp_num` names; EINVAL (with why) if neither is one.
+fn id_qp(id: &Id, call: &str, param: Option<&ffi::rdma_conn_param>) -> CmResult<CallQp> {
     // SAFETY: application thread inside a cm call on `id`.
     let qp = unsafe { id.c() }.qp;
-    // SAFETY: id->qp is NULL or the application's QP; qp_handle checks.
-    match unsafe { qp_handle(qp) } {
-        Some(h) => Ok(h),
+    if !qp.is_null() {
+        // SAFETY: id->qp is the application's QP; from_raw checks.
+        return match unsafe { from_raw::<StagQp>(qp) } {
+            Some(q) => Ok(CallQp {
+                handle: q.handle(),
+                owned_by_id: true,
+            }),
+            None => {
+                error!(call, "rdma_cm: id->qp is not a stag0 QP");
+                Err(libc::EINVAL)
+            }
+        };
+    }
+    let qpn = param.map(|p| p.qp_num);
+    match qpn.and_then(crate::qp::by_num) {
+        Some(handle) => Ok(CallQp {
+            handle,
+            owned_by_id: false,
+        }),
         None => {
             error!(
                 call,
-                "rdma_cm: the id has no stag0 QP: create it with rdma_create_qp first \
-                 (stag's cm connects the id's own QP; a QP passed only as conn_param->qp_num \
-                 is not supported)"
+                ?qpn,
+                "rdma_cm: the id has no QP and conn_param->qp_num names no stag0 QP \
+                 (create one with rdma_create_qp or ibv_create_qp)"
             );
             Err(libc::EINVAL)
         }
@@ -267,7 +310,7 @@ pub(crate) fn connect(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmR
     if !id.state().phase.allows(Op::Connect) {
         return Err(libc::EINVAL);
     }
-    let h = id_qp(id, "rdma_connect")?;
+    let h = id_qp(id, "rdma_connect", param)?.handle;
     let stag = verbs::stag()?;
     let qp = h.provider().clone();
     let mut st = id.state();
@@ -369,7 +412,10 @@ pub(crate) fn accept(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmRe
     if !id.state().phase.allows(Op::Accept) {
         return Err(libc::EINVAL);
     }
-    let h = id_qp(id, "rdma_accept")?;
+    let CallQp {
+        handle: h,
+        owned_by_id,
+    } = id_qp(id, "rdma_accept", param)?;
     let stag = verbs::stag()?;
     let qp = h.provider().clone();
     let mut st = id.state();
@@ -391,7 +437,9 @@ pub(crate) fn accept(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmRe
     }
     st.phase = Phase::Connected;
     st.qp = Some(Arc::downgrade(&qp));
-    h.set_state(ffi::IBV_QPS_RTS);
+    if owned_by_id {
+        h.set_state(ffi::IBV_QPS_RTS);
+    }
     let mut p = Pending::new(id.clone(), ffi::RDMA_CM_EVENT_ESTABLISHED, 0);
     if let Some(n) = qp.negotiated() {
         p.responder_resources = n.ird.min(u8::MAX as u16) as u8;
@@ -435,12 +483,23 @@ pub(crate) fn disconnect(id: &Arc<Id>) -> CmResult<()> {
             complete(id)
         }
         Phase::Connecting => {
-            // The connect thread finds the phase changed and closes.
+            // The peer has not answered the MPA Request (it may never:
+            // a listener that does not speak MPA, a stopped process). The
+            // connect is abandoned and DISCONNECTED reported now: the
+            // application asked for the end of a connection it does not
+            // have, and waiting for the connect's own deadline
+            // (SETUP_TIMEOUT, 10 s, as siw's MPA timeout) would tell it
+            // nothing more. The connect thread finds the phase changed
+            // when that deadline or the reply comes, and drops the stream
+            // without an event.
             st.phase = Phase::Disconnected;
             if let Some(qp) = live_qp(&st) {
                 qp.set_error();
             }
-            Ok(())
+            st.channel
+                .push(Pending::new(id.clone(), ffi::RDMA_CM_EVENT_DISCONNECTED, 0));
+            drop(st);
+            complete(id)
         }
         _ => {
             // Already disconnected (the peer's close was seen): the event
@@ -476,7 +535,7 @@ pub(crate) fn teardown(id: &Arc<Id>) {
     let channel = st.channel.clone();
     drop(st);
     if let Some(h) = listener {
-        super::listen::retire(h);
+        super::listener::retire(h);
     }
     if let Some(req) = request {
         // Destroyed without an answer: refused.
@@ -484,9 +543,9 @@ pub(crate) fn teardown(id: &Arc<Id>) {
             debug!(error = %e, "rdma_cm: refusing a connection request failed");
         }
     }
-    for p in channel.withdraw(|p| Arc::ptr_eq(&p.id, id)) {
+    for p in channel.withdraw(&mut |p: &Pending| Arc::ptr_eq(&p.id, id)) {
         if let Some(inc) = p.incoming {
-            refuse(inc);
+            inc.refuse();
         }
     }
 }

@@ -8,9 +8,9 @@ use std::collections::HashSet;
 use std::ffi::CStr;
 use std::sync::{Arc, Mutex};
 
-use super::channel::{Channel, Pending};
-use super::id::Id;
-use super::{conn, lock, CmResult};
+use super::id::{EventQueue, Id, Pending};
+use super::listener::Incoming;
+use super::{lock, CmResult};
 use crate::ffi;
 
 /// An event and what it owns; `ev` first, so the C pointer is the box's.
@@ -28,9 +28,24 @@ struct EventBox {
 /// Events handed out and not acked yet.
 static OUTSTANDING: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
 
+/// What taking an event does to the connections (`conn.rs`, which calls
+/// down into this module and hands itself in as `D`).
+pub(crate) trait Delivery {
+    /// A CONNECT_REQUEST taken: the child id of `incoming` on `listen`,
+    /// or None (refused) when nobody can take it.
+    fn make_child(
+        listen: &Arc<Id>,
+        incoming: Incoming,
+        peer_ird: u8,
+        peer_ord: u8,
+    ) -> Option<Arc<Id>>;
+    /// Any other event of `id` taken.
+    fn on_deliver(id: &Arc<Id>, kind: ffi::rdma_cm_event_type);
+}
+
 /// Make the C event for `p`; None when it no longer has a receiver (its
 /// id, or the listening id of a request, went away meanwhile).
-fn deliver(p: Pending) -> Option<*mut ffi::rdma_cm_event> {
+fn deliver<D: Delivery>(p: Pending) -> Option<*mut ffi::rdma_cm_event> {
     let Pending {
         id,
         kind,
@@ -41,13 +56,13 @@ fn deliver(p: Pending) -> Option<*mut ffi::rdma_cm_event> {
         incoming,
     } = p;
     let (target, listen) = if kind == ffi::RDMA_CM_EVENT_CONNECT_REQUEST {
-        let child = conn::make_child(&id, incoming?, initiator_depth, responder_resources)?;
+        let child = D::make_child(&id, incoming?, initiator_depth, responder_resources)?;
         (child, Some(id))
     } else {
         if id.state().destroyed {
             return None;
         }
-        conn::on_deliver(&id, kind);
+        D::on_deliver(&id, kind);
         (id, None)
     };
     let mut b = Box::new(EventBox {
@@ -83,10 +98,12 @@ fn deliver(p: Pending) -> Option<*mut ffi::rdma_cm_event> {
 
 /// `rdma_get_cm_event`: the next event of `channel` (blocking unless its
 /// fd is non-blocking).
-pub(crate) fn get_event(channel: &Channel) -> CmResult<*mut ffi::rdma_cm_event> {
+pub(crate) fn get_event<D: Delivery>(
+    channel: &dyn EventQueue,
+) -> CmResult<*mut ffi::rdma_cm_event> {
     loop {
         let p = channel.pop()?;
-        if let Some(ev) = deliver(p) {
+        if let Some(ev) = deliver::<D>(p) {
             return Ok(ev);
         }
     }
@@ -112,7 +129,7 @@ pub(crate) fn ack(ev: *mut ffi::rdma_cm_event) -> CmResult<()> {
 /// librdmacm's `ucma_complete`: for a synchronous id, ack the event it
 /// holds, wait for the next one and keep it in `id->event`; its status
 /// becomes the call's errno.
-pub(crate) fn complete(id: &Arc<Id>) -> CmResult<()> {
+pub(crate) fn complete<D: Delivery>(id: &Arc<Id>) -> CmResult<()> {
     let (sync, channel) = {
         let st = id.state();
         (st.sync, st.channel.clone())
@@ -121,7 +138,7 @@ pub(crate) fn complete(id: &Arc<Id>) -> CmResult<()> {
         return Ok(());
     }
     ack_held(id);
-    let ev = get_event(&channel)?;
+    let ev = get_event::<D>(&*channel)?;
     // SAFETY: application thread inside a cm call on `id`.
     unsafe { id.c() }.event = ev;
     // SAFETY: `ev` is a live event we just made.
@@ -169,6 +186,8 @@ pub(crate) fn event_str(kind: ffi::rdma_cm_event_type) -> &'static CStr {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cm::channel::Channel;
+    use crate::cm::conn::ConnDelivery;
 
     #[test]
     fn events_own_private_data_until_acked() {
@@ -177,7 +196,7 @@ mod tests {
         let mut p = Pending::new(id.clone(), ffi::RDMA_CM_EVENT_REJECTED, -libc::ECONNREFUSED);
         p.private_data = b"busy".to_vec();
         ch.push(p);
-        let ev = get_event(&ch).unwrap();
+        let ev = get_event::<ConnDelivery>(&*ch).unwrap();
         // SAFETY: a live event.
         let e = unsafe { &*ev };
         assert_eq!(e.event, ffi::RDMA_CM_EVENT_REJECTED);
@@ -206,7 +225,7 @@ mod tests {
         let id = Id::new_for_test(&ch);
         ch.push(Pending::new(id.clone(), ffi::RDMA_CM_EVENT_ESTABLISHED, 0));
         id.state().destroyed = true;
-        assert_eq!(get_event(&ch).unwrap_err(), libc::EAGAIN);
+        assert_eq!(get_event::<ConnDelivery>(&*ch).unwrap_err(), libc::EAGAIN);
     }
 
     #[test]

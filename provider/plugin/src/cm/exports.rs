@@ -22,7 +22,8 @@ use super::addr;
 use super::channel::Channel;
 use super::event;
 use super::id::Id;
-use super::{conn, entry_int, entry_ptr, entry_val, listen, ops, qp, set_errno, verbs};
+use super::{conn, listen, ops, qp, verbs};
+use crate::errno::{self, cm_int, cm_ptr, guard};
 use crate::ffi;
 
 /// `&T` from a pointer the application handed us, or EINVAL.
@@ -47,7 +48,7 @@ unsafe fn need_mut<'a, T>(p: *mut T) -> Result<&'a mut T, c_int> {
 
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_create_event_channel() -> *mut ffi::rdma_event_channel {
-    entry_ptr("rdma_create_event_channel", || {
+    cm_ptr("rdma_create_event_channel", || {
         let ch = Channel::new()?;
         ch.register();
         Ok(ch.raw())
@@ -56,7 +57,7 @@ pub unsafe extern "C" fn stag_cm_rdma_create_event_channel() -> *mut ffi::rdma_e
 
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_destroy_event_channel(channel: *mut ffi::rdma_event_channel) {
-    entry_val("rdma_destroy_event_channel", (), || {
+    guard("rdma_destroy_event_channel", (), || {
         // librdmacm's returns nothing and checks nothing. A channel destroyed
         // twice is what Debian's perftest (4.5-0.17) does after a refused
         // connect: its retry path destroys the channel, then its error path
@@ -67,7 +68,7 @@ pub unsafe extern "C" fn stag_cm_rdma_destroy_event_channel(channel: *mut ffi::r
                 destroyed_before = Channel::was_destroyed(channel),
                 "rdma_cm: rdma_destroy_event_channel: not a channel of this library"
             );
-            set_errno(libc::EINVAL);
+            errno::set(libc::EINVAL);
         }
     })
 }
@@ -77,7 +78,7 @@ pub unsafe extern "C" fn stag_cm_rdma_get_cm_event(
     channel: *mut ffi::rdma_event_channel,
     ev: *mut *mut ffi::rdma_cm_event,
 ) -> c_int {
-    entry_int("rdma_get_cm_event", || {
+    cm_int("rdma_get_cm_event", || {
         if ev.is_null() {
             return Err(libc::EINVAL);
         }
@@ -93,7 +94,7 @@ pub unsafe extern "C" fn stag_cm_rdma_get_cm_event(
             },
             Err(e) => return Err(e),
         };
-        let e = event::get_event(&ch)?;
+        let e = conn::get_event(&*ch)?;
         // SAFETY: non-NULL out-pointer from the application.
         unsafe { *ev = e };
         Ok(())
@@ -102,12 +103,12 @@ pub unsafe extern "C" fn stag_cm_rdma_get_cm_event(
 
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_ack_cm_event(ev: *mut ffi::rdma_cm_event) -> c_int {
-    entry_int("rdma_ack_cm_event", || event::ack(ev))
+    cm_int("rdma_ack_cm_event", || event::ack(ev))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_event_str(kind: ffi::rdma_cm_event_type) -> *const c_char {
-    entry_val("rdma_event_str", c"UNKNOWN EVENT".as_ptr(), || {
+    guard("rdma_event_str", c"UNKNOWN EVENT".as_ptr(), || {
         event::event_str(kind).as_ptr()
     })
 }
@@ -121,7 +122,7 @@ pub unsafe extern "C" fn stag_cm_rdma_create_id(
     context: *mut c_void,
     ps: ffi::rdma_port_space,
 ) -> c_int {
-    entry_int("rdma_create_id", || {
+    cm_int("rdma_create_id", || {
         if id.is_null() {
             return Err(libc::EINVAL);
         }
@@ -134,7 +135,7 @@ pub unsafe extern "C" fn stag_cm_rdma_create_id(
 
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_destroy_id(id: *mut ffi::rdma_cm_id) -> c_int {
-    entry_int("rdma_destroy_id", || ops::destroy_id(id))
+    cm_int("rdma_destroy_id", || ops::destroy_id(id))
 }
 
 #[no_mangle]
@@ -142,7 +143,7 @@ pub unsafe extern "C" fn stag_cm_rdma_bind_addr(
     id: *mut ffi::rdma_cm_id,
     addr: *mut ffi::sockaddr,
 ) -> c_int {
-    entry_int("rdma_bind_addr", || {
+    cm_int("rdma_bind_addr", || {
         let id = Id::lookup(id)?;
         // SAFETY: NULL or the application's address.
         let a = unsafe { addr::from_c(addr) }?;
@@ -157,7 +158,7 @@ pub unsafe extern "C" fn stag_cm_rdma_resolve_addr(
     dst: *mut ffi::sockaddr,
     timeout_ms: c_int,
 ) -> c_int {
-    entry_int("rdma_resolve_addr", || {
+    cm_int("rdma_resolve_addr", || {
         let id = Id::lookup(id)?;
         // SAFETY: NULL or the application's addresses.
         let (src, dst) = unsafe { (ops::opt_addr(src)?, addr::from_c(dst)?) };
@@ -170,16 +171,17 @@ pub unsafe extern "C" fn stag_cm_rdma_resolve_addr(
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_resolve_route(
     id: *mut ffi::rdma_cm_id,
-    _timeout_ms: c_int,
+    timeout_ms: c_int,
 ) -> c_int {
-    entry_int("rdma_resolve_route", || {
-        ops::resolve_route(&Id::lookup(id)?)
+    cm_int("rdma_resolve_route", || {
+        let timeout = std::time::Duration::from_millis(timeout_ms.max(0) as u64);
+        ops::resolve_route(&Id::lookup(id)?, timeout)
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_listen(id: *mut ffi::rdma_cm_id, _backlog: c_int) -> c_int {
-    entry_int("rdma_listen", || {
+    cm_int("rdma_listen", || {
         let id = Id::lookup(id)?;
         verbs::stag()?;
         listen::listen(&id)
@@ -191,7 +193,7 @@ pub unsafe extern "C" fn stag_cm_rdma_connect(
     id: *mut ffi::rdma_cm_id,
     param: *mut ffi::rdma_conn_param,
 ) -> c_int {
-    entry_int("rdma_connect", || {
+    cm_int("rdma_connect", || {
         let id = Id::lookup(id)?;
         // SAFETY: NULL or the application's parameters.
         conn::connect(&id, unsafe { opt_ref(param) })
@@ -203,7 +205,7 @@ pub unsafe extern "C" fn stag_cm_rdma_accept(
     id: *mut ffi::rdma_cm_id,
     param: *mut ffi::rdma_conn_param,
 ) -> c_int {
-    entry_int("rdma_accept", || {
+    cm_int("rdma_accept", || {
         let id = Id::lookup(id)?;
         // SAFETY: NULL or the application's parameters.
         conn::accept(&id, unsafe { opt_ref(param) })
@@ -229,7 +231,7 @@ pub unsafe extern "C" fn stag_cm_rdma_reject(
     private_data: *const c_void,
     len: u8,
 ) -> c_int {
-    entry_int("rdma_reject", || {
+    cm_int("rdma_reject", || {
         let id = Id::lookup(id)?;
         // SAFETY: the application's private data.
         conn::reject(&id, unsafe { bytes(private_data, len) })
@@ -242,7 +244,7 @@ pub unsafe extern "C" fn stag_cm_rdma_reject_ece(
     private_data: *const c_void,
     len: u8,
 ) -> c_int {
-    entry_int("rdma_reject_ece", || {
+    cm_int("rdma_reject_ece", || {
         let id = Id::lookup(id)?;
         // SAFETY: the application's private data.
         conn::reject(&id, unsafe { bytes(private_data, len) })
@@ -251,12 +253,12 @@ pub unsafe extern "C" fn stag_cm_rdma_reject_ece(
 
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_disconnect(id: *mut ffi::rdma_cm_id) -> c_int {
-    entry_int("rdma_disconnect", || conn::disconnect(&Id::lookup(id)?))
+    cm_int("rdma_disconnect", || conn::disconnect(&Id::lookup(id)?))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_establish(id: *mut ffi::rdma_cm_id) -> c_int {
-    entry_int("rdma_establish", || qp::establish(&Id::lookup(id)?))
+    cm_int("rdma_establish", || qp::establish(&Id::lookup(id)?))
 }
 
 #[no_mangle]
@@ -264,7 +266,7 @@ pub unsafe extern "C" fn stag_cm_rdma_notify(
     id: *mut ffi::rdma_cm_id,
     _event: ffi::ibv_event_type,
 ) -> c_int {
-    entry_int("rdma_notify", || qp::notify(&Id::lookup(id)?))
+    cm_int("rdma_notify", || qp::notify(&Id::lookup(id)?))
 }
 
 #[no_mangle]
@@ -272,7 +274,7 @@ pub unsafe extern "C" fn stag_cm_rdma_get_request(
     listen: *mut ffi::rdma_cm_id,
     id: *mut *mut ffi::rdma_cm_id,
 ) -> c_int {
-    entry_int("rdma_get_request", || {
+    cm_int("rdma_get_request", || {
         if id.is_null() {
             return Err(libc::EINVAL);
         }
@@ -288,7 +290,7 @@ pub unsafe extern "C" fn stag_cm_rdma_migrate_id(
     id: *mut ffi::rdma_cm_id,
     channel: *mut ffi::rdma_event_channel,
 ) -> c_int {
-    entry_int("rdma_migrate_id", || {
+    cm_int("rdma_migrate_id", || {
         ops::migrate(&Id::lookup(id)?, channel)
     })
 }
@@ -301,14 +303,14 @@ pub unsafe extern "C" fn stag_cm_rdma_set_option(
     optval: *mut c_void,
     optlen: usize,
 ) -> c_int {
-    entry_int("rdma_set_option", || {
+    cm_int("rdma_set_option", || {
         ops::set_option(&Id::lookup(id)?, level, optname, optval, optlen)
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_get_src_port(id: *mut ffi::rdma_cm_id) -> u16 {
-    entry_val("rdma_get_src_port", 0, || match Id::lookup(id) {
+    guard("rdma_get_src_port", 0, || match Id::lookup(id) {
         // SAFETY: a live id; reading its address storage.
         Ok(id) => addr::port_be(unsafe { &(*id.raw()).route.addr.__bindgen_anon_1.src_storage }),
         Err(_) => 0,
@@ -317,7 +319,7 @@ pub unsafe extern "C" fn stag_cm_rdma_get_src_port(id: *mut ffi::rdma_cm_id) -> 
 
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_get_dst_port(id: *mut ffi::rdma_cm_id) -> u16 {
-    entry_val("rdma_get_dst_port", 0, || match Id::lookup(id) {
+    guard("rdma_get_dst_port", 0, || match Id::lookup(id) {
         // SAFETY: a live id; reading its address storage.
         Ok(id) => addr::port_be(unsafe { &(*id.raw()).route.addr.__bindgen_anon_2.dst_storage }),
         Err(_) => 0,
@@ -329,7 +331,7 @@ pub unsafe extern "C" fn stag_cm_rdma_set_local_ece(
     id: *mut ffi::rdma_cm_id,
     ece: *mut ffi::ibv_ece,
 ) -> c_int {
-    entry_int("rdma_set_local_ece", || {
+    cm_int("rdma_set_local_ece", || {
         let id = Id::lookup(id)?;
         // SAFETY: NULL or the application's struct.
         let ece = unsafe { opt_ref(ece) }.ok_or(libc::EINVAL)?;
@@ -347,7 +349,7 @@ pub unsafe extern "C" fn stag_cm_rdma_get_remote_ece(
     id: *mut ffi::rdma_cm_id,
     ece: *mut ffi::ibv_ece,
 ) -> c_int {
-    entry_int("rdma_get_remote_ece", || {
+    cm_int("rdma_get_remote_ece", || {
         let id = Id::lookup(id)?;
         // SAFETY: NULL or the application's struct.
         let ece = unsafe { need_mut(ece) }?;
@@ -371,7 +373,7 @@ pub unsafe extern "C" fn stag_cm_rdma_create_qp(
     pd: *mut ffi::ibv_pd,
     attr: *mut ffi::ibv_qp_init_attr,
 ) -> c_int {
-    entry_int("rdma_create_qp", || {
+    cm_int("rdma_create_qp", || {
         let id = Id::lookup(id)?;
         // SAFETY: NULL or the application's attributes.
         let attr = unsafe { need_mut(attr) }?;
@@ -385,7 +387,7 @@ pub unsafe extern "C" fn stag_cm_rdma_create_qp_ex(
     id: *mut ffi::rdma_cm_id,
     attr: *mut ffi::ibv_qp_init_attr_ex,
 ) -> c_int {
-    entry_int("rdma_create_qp_ex", || {
+    cm_int("rdma_create_qp_ex", || {
         let id = Id::lookup(id)?;
         // SAFETY: NULL or the application's attributes.
         let attr = unsafe { need_mut(attr) }?;
@@ -396,7 +398,7 @@ pub unsafe extern "C" fn stag_cm_rdma_create_qp_ex(
 
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_destroy_qp(id: *mut ffi::rdma_cm_id) {
-    entry_val("rdma_destroy_qp", (), || {
+    guard("rdma_destroy_qp", (), || {
         if let Ok(id) = Id::lookup(id) {
             qp::destroy_qp(&id)
         }
@@ -409,7 +411,7 @@ pub unsafe extern "C" fn stag_cm_rdma_create_srq(
     pd: *mut ffi::ibv_pd,
     attr: *mut ffi::ibv_srq_init_attr,
 ) -> c_int {
-    entry_int("rdma_create_srq", || {
+    cm_int("rdma_create_srq", || {
         let id = Id::lookup(id)?;
         // SAFETY: NULL or the application's attributes.
         let attr = unsafe { need_mut(attr) }?;
@@ -423,7 +425,7 @@ pub unsafe extern "C" fn stag_cm_rdma_create_srq_ex(
     id: *mut ffi::rdma_cm_id,
     attr: *mut ffi::ibv_srq_init_attr_ex,
 ) -> c_int {
-    entry_int("rdma_create_srq_ex", || {
+    cm_int("rdma_create_srq_ex", || {
         let id = Id::lookup(id)?;
         // SAFETY: NULL or the application's attributes.
         let attr = unsafe { need_mut(attr) }?;
@@ -434,7 +436,7 @@ pub unsafe extern "C" fn stag_cm_rdma_create_srq_ex(
 
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_destroy_srq(id: *mut ffi::rdma_cm_id) {
-    entry_val("rdma_destroy_srq", (), || {
+    guard("rdma_destroy_srq", (), || {
         if let Ok(id) = Id::lookup(id) {
             qp::destroy_srq(&id)
         }
@@ -447,7 +449,7 @@ pub unsafe extern "C" fn stag_cm_rdma_init_qp_attr(
     attr: *mut ffi::ibv_qp_attr,
     mask: *mut c_int,
 ) -> c_int {
-    entry_int("rdma_init_qp_attr", || {
+    cm_int("rdma_init_qp_attr", || {
         let id = Id::lookup(id)?;
         // SAFETY: NULL or the application's out-structs.
         let (attr, mask) = unsafe { (need_mut(attr)?, need_mut(mask)?) };
@@ -462,7 +464,7 @@ pub unsafe extern "C" fn stag_cm_rdma_create_ep(
     pd: *mut ffi::ibv_pd,
     attr: *mut ffi::ibv_qp_init_attr,
 ) -> c_int {
-    entry_int("rdma_create_ep", || {
+    cm_int("rdma_create_ep", || {
         if id.is_null() {
             return Err(libc::EINVAL);
         }
@@ -478,7 +480,7 @@ pub unsafe extern "C" fn stag_cm_rdma_create_ep(
 
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_destroy_ep(id: *mut ffi::rdma_cm_id) {
-    entry_val("rdma_destroy_ep", (), || {
+    guard("rdma_destroy_ep", (), || {
         if let Ok(id) = Id::lookup(id) {
             qp::destroy_ep(&id)
         }
@@ -494,7 +496,7 @@ pub unsafe extern "C" fn stag_cm_rdma_getaddrinfo(
     hints: *const ffi::rdma_addrinfo,
     res: *mut *mut ffi::rdma_addrinfo,
 ) -> c_int {
-    entry_val("rdma_getaddrinfo", -1, || {
+    guard("rdma_getaddrinfo", -1, || {
         // SAFETY: the application's strings, hints and out-pointer.
         match unsafe { addr::getaddrinfo(node, service, hints, res) } {
             Ok(()) => 0,
@@ -505,7 +507,7 @@ pub unsafe extern "C" fn stag_cm_rdma_getaddrinfo(
                 code
             }
             Err(addr::GaiError::Errno(e)) => {
-                set_errno(e);
+                errno::set(e);
                 -1
             }
         }
@@ -515,14 +517,14 @@ pub unsafe extern "C" fn stag_cm_rdma_getaddrinfo(
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_freeaddrinfo(res: *mut ffi::rdma_addrinfo) {
     // SAFETY: NULL or a list from rdma_getaddrinfo.
-    entry_val("rdma_freeaddrinfo", (), || unsafe {
+    guard("rdma_freeaddrinfo", (), || unsafe {
         addr::freeaddrinfo(res)
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn stag_cm_rdma_get_devices(n: *mut c_int) -> *mut *mut ffi::ibv_context {
-    let list = entry_ptr("rdma_get_devices", || {
+    let list = cm_ptr("rdma_get_devices", || {
         let stag = verbs::stag()?;
         let size = 2 * std::mem::size_of::<*mut ffi::ibv_context>();
         // SAFETY: plain malloc.
@@ -548,7 +550,7 @@ pub unsafe extern "C" fn stag_cm_rdma_get_devices(n: *mut c_int) -> *mut *mut ff
 pub unsafe extern "C" fn stag_cm_rdma_free_devices(list: *mut *mut ffi::ibv_context) {
     // SAFETY: NULL or a list from rdma_get_devices (malloc'd; the context
     // stays open for the process).
-    entry_val("rdma_free_devices", (), || unsafe {
+    guard("rdma_free_devices", (), || unsafe {
         libc::free(list.cast())
     })
 }
@@ -556,7 +558,7 @@ pub unsafe extern "C" fn stag_cm_rdma_free_devices(list: *mut *mut ffi::ibv_cont
 // ---- not on stag0: multicast ----
 
 fn no_multicast(call: &'static str) -> c_int {
-    entry_int(call, || {
+    cm_int(call, || {
         error!(
             call,
             "rdma_cm: multicast needs UD QPs; stag0 (iWARP) has none"
@@ -596,7 +598,7 @@ pub unsafe extern "C" fn stag_cm_rdma_leave_multicast(
 /// An rsocket call: -1/ENOSYS (rsockets need librdmacm's own protocol
 /// over RDMA, which stag does not provide).
 fn no_rsocket(call: &'static str) -> c_int {
-    entry_int(call, || {
+    cm_int(call, || {
         error!(call, "rdma_cm: rsockets are not provided by stag");
         Err(libc::ENOSYS)
     })
@@ -650,113 +652,4 @@ rsocket_stubs! {
     stag_cm_riowrite => "riowrite"(s: c_int, b: *const c_void, n: usize, off: libc::off_t, f: c_int) -> usize;
 }
 
-// The public names and versions. Kept in step with `librdmacm.map`
-// (tests/ below check both against each other).
-#[cfg(not(test))]
-std::arch::global_asm!(
-    ".symver stag_cm_rdma_create_event_channel, rdma_create_event_channel@@RDMACM_1.0",
-    ".symver stag_cm_rdma_destroy_event_channel, rdma_destroy_event_channel@@RDMACM_1.0",
-    ".symver stag_cm_rdma_create_id, rdma_create_id@@RDMACM_1.0",
-    ".symver stag_cm_rdma_destroy_id, rdma_destroy_id@@RDMACM_1.0",
-    ".symver stag_cm_rdma_bind_addr, rdma_bind_addr@@RDMACM_1.0",
-    ".symver stag_cm_rdma_resolve_addr, rdma_resolve_addr@@RDMACM_1.0",
-    ".symver stag_cm_rdma_resolve_route, rdma_resolve_route@@RDMACM_1.0",
-    ".symver stag_cm_rdma_create_qp, rdma_create_qp@@RDMACM_1.0",
-    ".symver stag_cm_rdma_destroy_qp, rdma_destroy_qp@@RDMACM_1.0",
-    ".symver stag_cm_rdma_connect, rdma_connect@@RDMACM_1.0",
-    ".symver stag_cm_rdma_listen, rdma_listen@@RDMACM_1.0",
-    ".symver stag_cm_rdma_accept, rdma_accept@@RDMACM_1.0",
-    ".symver stag_cm_rdma_reject, rdma_reject@@RDMACM_1.0",
-    ".symver stag_cm_rdma_notify, rdma_notify@@RDMACM_1.0",
-    ".symver stag_cm_rdma_disconnect, rdma_disconnect@@RDMACM_1.0",
-    ".symver stag_cm_rdma_get_cm_event, rdma_get_cm_event@@RDMACM_1.0",
-    ".symver stag_cm_rdma_ack_cm_event, rdma_ack_cm_event@@RDMACM_1.0",
-    ".symver stag_cm_rdma_get_src_port, rdma_get_src_port@@RDMACM_1.0",
-    ".symver stag_cm_rdma_get_dst_port, rdma_get_dst_port@@RDMACM_1.0",
-    ".symver stag_cm_rdma_join_multicast, rdma_join_multicast@@RDMACM_1.0",
-    ".symver stag_cm_rdma_leave_multicast, rdma_leave_multicast@@RDMACM_1.0",
-    ".symver stag_cm_rdma_get_devices, rdma_get_devices@@RDMACM_1.0",
-    ".symver stag_cm_rdma_free_devices, rdma_free_devices@@RDMACM_1.0",
-    ".symver stag_cm_rdma_event_str, rdma_event_str@@RDMACM_1.0",
-    ".symver stag_cm_rdma_set_option, rdma_set_option@@RDMACM_1.0",
-    ".symver stag_cm_rdma_migrate_id, rdma_migrate_id@@RDMACM_1.0",
-    ".symver stag_cm_rdma_getaddrinfo, rdma_getaddrinfo@@RDMACM_1.0",
-    ".symver stag_cm_rdma_freeaddrinfo, rdma_freeaddrinfo@@RDMACM_1.0",
-    ".symver stag_cm_rdma_get_request, rdma_get_request@@RDMACM_1.0",
-    ".symver stag_cm_rdma_create_ep, rdma_create_ep@@RDMACM_1.0",
-    ".symver stag_cm_rdma_destroy_ep, rdma_destroy_ep@@RDMACM_1.0",
-    ".symver stag_cm_rdma_create_srq, rdma_create_srq@@RDMACM_1.0",
-    ".symver stag_cm_rdma_destroy_srq, rdma_destroy_srq@@RDMACM_1.0",
-    ".symver stag_cm_rdma_create_srq_ex, rdma_create_srq_ex@@RDMACM_1.0",
-    ".symver stag_cm_rdma_create_qp_ex, rdma_create_qp_ex@@RDMACM_1.0",
-    ".symver stag_cm_rsocket, rsocket@@RDMACM_1.0",
-    ".symver stag_cm_rbind, rbind@@RDMACM_1.0",
-    ".symver stag_cm_rlisten, rlisten@@RDMACM_1.0",
-    ".symver stag_cm_raccept, raccept@@RDMACM_1.0",
-    ".symver stag_cm_rconnect, rconnect@@RDMACM_1.0",
-    ".symver stag_cm_rshutdown, rshutdown@@RDMACM_1.0",
-    ".symver stag_cm_rclose, rclose@@RDMACM_1.0",
-    ".symver stag_cm_rrecv, rrecv@@RDMACM_1.0",
-    ".symver stag_cm_rrecvfrom, rrecvfrom@@RDMACM_1.0",
-    ".symver stag_cm_rrecvmsg, rrecvmsg@@RDMACM_1.0",
-    ".symver stag_cm_rsend, rsend@@RDMACM_1.0",
-    ".symver stag_cm_rsendto, rsendto@@RDMACM_1.0",
-    ".symver stag_cm_rsendmsg, rsendmsg@@RDMACM_1.0",
-    ".symver stag_cm_rread, rread@@RDMACM_1.0",
-    ".symver stag_cm_rreadv, rreadv@@RDMACM_1.0",
-    ".symver stag_cm_rwrite, rwrite@@RDMACM_1.0",
-    ".symver stag_cm_rwritev, rwritev@@RDMACM_1.0",
-    ".symver stag_cm_rpoll, rpoll@@RDMACM_1.0",
-    ".symver stag_cm_rselect, rselect@@RDMACM_1.0",
-    ".symver stag_cm_rgetpeername, rgetpeername@@RDMACM_1.0",
-    ".symver stag_cm_rgetsockname, rgetsockname@@RDMACM_1.0",
-    ".symver stag_cm_rsetsockopt, rsetsockopt@@RDMACM_1.0",
-    ".symver stag_cm_rgetsockopt, rgetsockopt@@RDMACM_1.0",
-    ".symver stag_cm_rfcntl, rfcntl@@RDMACM_1.0",
-    ".symver stag_cm_riomap, riomap@@RDMACM_1.0",
-    ".symver stag_cm_riounmap, riounmap@@RDMACM_1.0",
-    ".symver stag_cm_riowrite, riowrite@@RDMACM_1.0",
-    ".symver stag_cm_rdma_join_multicast_ex, rdma_join_multicast_ex@@RDMACM_1.1",
-    ".symver stag_cm_rdma_establish, rdma_establish@@RDMACM_1.2",
-    ".symver stag_cm_rdma_init_qp_attr, rdma_init_qp_attr@@RDMACM_1.2",
-    ".symver stag_cm_rdma_get_remote_ece, rdma_get_remote_ece@@RDMACM_1.3",
-    ".symver stag_cm_rdma_reject_ece, rdma_reject_ece@@RDMACM_1.3",
-    ".symver stag_cm_rdma_set_local_ece, rdma_set_local_ece@@RDMACM_1.3",
-);
-
-#[cfg(test)]
-mod tests {
-    /// Every `.symver` names a function of the map under the same
-    /// version, and every map entry has its `.symver`.
-    #[test]
-    fn symver_and_map_agree() {
-        let src = include_str!("exports.rs");
-        let map = include_str!("librdmacm.map");
-        let mut from_src: Vec<(String, String)> = src
-            .lines()
-            .filter_map(|l| l.trim().strip_prefix("\".symver stag_cm_"))
-            .map(|l| {
-                let (_, rest) = l.split_once(", ").unwrap();
-                let rest = rest.trim_end_matches("\",");
-                let (name, ver) = rest.split_once("@@").unwrap();
-                (name.to_owned(), ver.to_owned())
-            })
-            .collect();
-        let mut from_map = Vec::new();
-        let mut ver = String::new();
-        for l in map.lines() {
-            let l = l.trim();
-            if let Some(v) = l.strip_suffix('{').map(str::trim) {
-                ver = v.to_owned();
-            } else if l.ends_with(';') && !l.starts_with("local") && !l.starts_with('}') {
-                if let Some(name) = l.strip_suffix(';').filter(|n| !n.contains(':')) {
-                    from_map.push((name.trim().to_owned(), ver.clone()));
-                }
-            }
-        }
-        from_src.sort();
-        from_map.sort();
-        assert_eq!(from_src.len(), 68);
-        assert_eq!(from_src, from_map);
-    }
-}
+crate::ops::rdma_cm_table!();

@@ -3,15 +3,14 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::os::raw::c_void;
+use std::os::raw::{c_int, c_void};
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use provider::device::{ConnRequest, QueuePair};
 
 use super::addr::Reservation;
-use super::channel::Channel;
-use super::listen::ListenHandle;
+use super::listener::{Incoming, ListenHandle};
 use super::{lock, CmResult};
 use crate::ffi;
 
@@ -83,11 +82,60 @@ pub(crate) struct Options {
     pub ack_timeout: Option<u8>,
 }
 
+/// An event waiting in a channel (not yet handed to the application).
+#[derive(Debug)]
+pub(crate) struct Pending {
+    /// The id it is for (the listening id for CONNECT_REQUEST).
+    pub id: Arc<Id>,
+    /// `enum rdma_cm_event_type`.
+    pub kind: ffi::rdma_cm_event_type,
+    /// 0 or a negative errno, as the kernel reports.
+    pub status: c_int,
+    /// The peer's private data.
+    pub private_data: Vec<u8>,
+    /// `param.conn.responder_resources`.
+    pub responder_resources: u8,
+    /// `param.conn.initiator_depth`.
+    pub initiator_depth: u8,
+    /// CONNECT_REQUEST only.
+    pub incoming: Option<Incoming>,
+}
+
+impl Pending {
+    /// An event with no connection parameters.
+    pub fn new(id: Arc<Id>, kind: ffi::rdma_cm_event_type, status: c_int) -> Pending {
+        Pending {
+            id,
+            kind,
+            status,
+            private_data: Vec::new(),
+            responder_resources: 0,
+            initiator_depth: 0,
+            incoming: None,
+        }
+    }
+}
+
+/// Where an id's events go: its event channel (`channel::Channel`, which
+/// names ids; ids name only this).
+pub(crate) trait EventQueue: Send + Sync + std::fmt::Debug {
+    /// The C struct.
+    fn raw(&self) -> *mut ffi::rdma_event_channel;
+    /// Queue an event and wake the channel's readers.
+    fn push(&self, p: Pending);
+    /// Take the next event (see `Channel::pop`).
+    fn pop(&self) -> CmResult<Pending>;
+    /// Withdraw the queued events `f` selects, returning them.
+    fn withdraw(&self, f: &mut dyn FnMut(&Pending) -> bool) -> Vec<Pending>;
+    /// Whether an event for `id` is queued.
+    fn has_event_for(&self, id: &Arc<Id>) -> bool;
+}
+
 /// The mutable state of an id.
 #[derive(Debug)]
 pub(crate) struct IdState {
     /// Where its events go.
-    pub channel: Arc<Channel>,
+    pub channel: Arc<dyn EventQueue>,
     /// Synchronous id (created with a NULL channel): its channel is
     /// private and the calls wait for their own events.
     pub sync: bool,
@@ -159,7 +207,7 @@ static IDS: Mutex<Option<HashMap<usize, Arc<Id>>>> = Mutex::new(None);
 impl Id {
     /// A new id on `channel` (registered).
     pub fn create(
-        channel: Arc<Channel>,
+        channel: Arc<dyn EventQueue>,
         sync: bool,
         context: *mut c_void,
         ps: ffi::rdma_port_space,
@@ -204,7 +252,7 @@ impl Id {
 
     /// An unregistered id for unit tests.
     #[cfg(test)]
-    pub fn new_for_test(channel: &Arc<Channel>) -> Arc<Id> {
+    pub fn new_for_test(channel: &Arc<super::channel::Channel>) -> Arc<Id> {
         let id = Id::create(
             channel.clone(),
             false,
@@ -258,7 +306,7 @@ impl Id {
     /// Queue an event on the id's channel unless it was destroyed (then
     /// the event comes back).
     #[must_use]
-    pub fn push(self: &Arc<Self>, p: super::channel::Pending) -> Option<super::channel::Pending> {
+    pub fn push(self: &Arc<Self>, p: Pending) -> Option<Pending> {
         let st = self.state();
         if st.destroyed {
             return Some(p);
@@ -279,6 +327,7 @@ impl Drop for Id {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cm::channel::Channel;
 
     #[test]
     fn active_side_walks_addr_route_connect() {

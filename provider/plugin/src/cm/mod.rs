@@ -41,9 +41,10 @@
 //! DISCONNECTED.
 //!
 //! Not provided: AF_IB addresses, UD port spaces (UDP/IPoIB) and
-//! multicast, which need UD QPs (ENOSYS/EPROTONOSUPPORT); connecting a QP
-//! the application made itself and names only by `conn_param->qp_num`
-//! (`rdma_establish`); the rsocket API (ENOSYS).
+//! multicast, which need UD QPs (ENOSYS/EPROTONOSUPPORT); the rsocket API
+//! (ENOSYS). A QP the application made itself (`ibv_create_qp`) is
+//! connected by its `conn_param->qp_num`, and the application moves it
+//! through INIT/RTR/RTS, as with the kernel's cm.
 
 mod addr;
 mod channel;
@@ -52,82 +53,18 @@ mod event;
 mod exports;
 mod id;
 mod listen;
+mod listener;
 mod neigh;
 mod ops;
 mod qp;
 mod verbs;
 
-use std::os::raw::c_int;
-use std::panic::{catch_unwind, AssertUnwindSafe};
+pub(crate) use crate::errno::Errno;
+pub(crate) use crate::handle::is_stag_context;
+pub(crate) use crate::qp::{QpHandle, StagQp};
 
-use tracing::error;
-
-// The verbs half's interface.
-pub(crate) use crate::context::is_stag_context;
-pub(crate) use crate::qp::{qp_handle, QpHandle};
-
-/// An errno value: what a failed call leaves in `errno`.
-pub(crate) type Errno = c_int;
-
-/// The result of a cm operation.
 pub(crate) type CmResult<T> = Result<T, Errno>;
 
-/// Set the calling thread's `errno`.
-pub(crate) fn set_errno(e: Errno) {
-    // SAFETY: __errno_location returns the calling thread's errno slot,
-    // valid for the thread's lifetime.
-    unsafe { *libc::__errno_location() = e };
-}
-
-/// Run an entry point that returns `int`: 0 on success, -1 and `errno`
-/// otherwise (librdmacm's convention). No panic leaves.
-pub(crate) fn entry_int(name: &'static str, f: impl FnOnce() -> CmResult<()>) -> c_int {
-    crate::log::init();
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(())) => 0,
-        Ok(Err(e)) => {
-            set_errno(e);
-            -1
-        }
-        Err(_) => {
-            error!(function = name, "panic inside the rdma_cm library");
-            set_errno(libc::EIO);
-            -1
-        }
-    }
-}
-
-/// Run an entry point that returns a pointer: NULL and `errno` on failure.
-pub(crate) fn entry_ptr<T>(name: &'static str, f: impl FnOnce() -> CmResult<*mut T>) -> *mut T {
-    crate::log::init();
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(p)) => p,
-        Ok(Err(e)) => {
-            set_errno(e);
-            std::ptr::null_mut()
-        }
-        Err(_) => {
-            error!(function = name, "panic inside the rdma_cm library");
-            set_errno(libc::EIO);
-            std::ptr::null_mut()
-        }
-    }
-}
-
-/// Run an entry point with a plain value result (`fallback` on panic).
-pub(crate) fn entry_val<T>(name: &'static str, fallback: T, f: impl FnOnce() -> T) -> T {
-    crate::log::init();
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(v) => v,
-        Err(_) => {
-            error!(function = name, "panic inside the rdma_cm library");
-            fallback
-        }
-    }
-}
-
-/// Lock a mutex, ignoring poisoning (a panic elsewhere was already
-/// reported; the data stays consistent at each unlock).
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -10,9 +10,10 @@ use provider::thread::SpawnMasked;
 use tracing::{debug, error};
 
 use super::addr::{from_c, local_ip_for, set_dst, set_src, unmap, Reservation};
-use super::channel::{Channel, Pending};
-use super::event::{ack_held, complete};
-use super::id::{Id, Op, Phase};
+use super::channel::Channel;
+use super::conn::complete;
+use super::event::ack_held;
+use super::id::{Id, Op, Pending, Phase};
 use super::{conn, neigh, verbs, CmResult};
 use crate::ffi;
 
@@ -210,26 +211,76 @@ fn same_family(ip: IpAddr, like: IpAddr) -> IpAddr {
     }
 }
 
-/// `rdma_resolve_route`: TCP needs none; ROUTE_RESOLVED at once.
-pub(crate) fn resolve_route(id: &Arc<Id>) -> CmResult<()> {
-    let mut st = id.state();
+/// `rdma_resolve_route`. TCP has no path to query, but the next hop
+/// towards the peer must still answer ARP: ROUTE_RESOLVED at once when its
+/// neighbour entry is valid (what `rdma_resolve_addr` left, unless it was
+/// flushed or failed since), else once it answers, and ROUTE_ERROR with
+/// -ETIMEDOUT (the id back to address-resolved, as the kernel's) if it has
+/// not within `timeout`.
+pub(crate) fn resolve_route(id: &Arc<Id>, timeout: Duration) -> CmResult<()> {
+    let st = id.state();
     if !st.phase.allows(Op::ResolveRoute) {
         return Err(libc::EINVAL);
     }
-    st.phase = Phase::RouteResolved;
+    let hop = match (st.src, st.dst) {
+        (Some(src), Some(dst)) => {
+            neigh::pending_hop(unmap(dst).ip(), src.ip()).map(|(hop, iface)| (dst, hop, iface))
+        }
+        _ => None,
+    };
     {
+        // No path records (TCP); written here, on the application's
+        // thread, before any event of this call can be taken.
         // SAFETY: application thread inside rdma_resolve_route.
         let c = unsafe { id.c() };
         c.route.num_paths = 0;
         c.route.path_rec = std::ptr::null_mut();
     }
+    drop(st);
+    let Some((dst, hop, iface)) = hop else {
+        route_resolved(id, true);
+        return complete(id);
+    };
+    debug!(%dst, %hop, %iface, ?timeout, "rdma_cm: the next hop must answer ARP again");
+    let id2 = id.clone();
+    let resolve = move || {
+        let ok = neigh::wait_resolved(unmap(dst).ip(), hop, &iface, timeout);
+        if !ok {
+            debug!(%dst, %hop, "rdma_cm: the next hop did not answer ARP in time");
+        }
+        route_resolved(&id2, ok);
+    };
+    if let Err(e) = std::thread::Builder::new()
+        .name("stag-cm-route".into())
+        .spawn_masked(resolve)
+    {
+        debug!(error = %e, "rdma_cm: no resolver thread");
+        return Err(libc::EAGAIN);
+    }
+    complete(id)
+}
+
+/// Queue the outcome of route resolution, unless the id moved on (a
+/// destroy, another call) meanwhile. Any thread: it writes no C struct.
+fn route_resolved(id: &Arc<Id>, ok: bool) {
+    let mut st = id.state();
+    if st.destroyed || !st.phase.allows(Op::ResolveRoute) {
+        return;
+    }
+    if !ok {
+        st.channel.push(Pending::new(
+            id.clone(),
+            ffi::RDMA_CM_EVENT_ROUTE_ERROR,
+            -libc::ETIMEDOUT,
+        ));
+        return;
+    }
+    st.phase = Phase::RouteResolved;
     st.channel.push(Pending::new(
         id.clone(),
         ffi::RDMA_CM_EVENT_ROUTE_RESOLVED,
         0,
     ));
-    drop(st);
-    complete(id)
 }
 
 /// `rdma_migrate_id`: move the id, and its queued events, to `channel`
@@ -255,7 +306,7 @@ pub(crate) fn migrate(id: &Arc<Id>, channel: *mut ffi::rdma_event_channel) -> Cm
         Channel::unregister(old.raw());
     }
     st.sync = sync;
-    for p in old.withdraw(|p| Arc::ptr_eq(&p.id, id)) {
+    for p in old.withdraw(&mut |p: &Pending| Arc::ptr_eq(&p.id, id)) {
         new.push(p);
     }
     drop(st);

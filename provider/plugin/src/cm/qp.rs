@@ -7,11 +7,13 @@ use std::sync::Arc;
 
 use tracing::{error, warn};
 
-use super::event::{ack_held, get_event};
+use super::conn::get_event;
+use super::event::ack_held;
 use super::id::Id;
 use super::verbs::{self, create_cqs, destroy_cqs};
-use super::{is_stag_context, ops, qp_handle, CmResult};
+use super::{is_stag_context, ops, CmResult, StagQp};
 use crate::ffi;
+use crate::handle::from_raw;
 
 /// The QP access rights the cm gives a connected QP (iWARP's cm grants
 /// remote read and write; stag adds RFC 7306 atomics).
@@ -64,7 +66,7 @@ unsafe fn init_conn_qp(id: &Id, qp: *mut ffi::ibv_qp) -> CmResult<()> {
     }
     // The QP is stag0's; record INIT through the verbs half directly.
     // SAFETY: live QP (caller).
-    match unsafe { qp_handle(qp) } {
+    match unsafe { from_raw::<StagQp>(qp) }.map(StagQp::handle) {
         Some(h) => {
             warn!(
                 rc,
@@ -301,7 +303,7 @@ pub(crate) fn get_request(listen: &Arc<Id>) -> CmResult<*mut ffi::rdma_cm_id> {
         return Err(libc::EINVAL);
     }
     ack_held(listen);
-    let ev = get_event(&channel)?;
+    let ev = get_event(&*channel)?;
     // SAFETY: a live event we just made.
     let e = unsafe { &*ev };
     let fail = |err| {
@@ -387,7 +389,7 @@ unsafe fn setup_ep(
     let dst = unsafe { ops::opt_addr(res.ai_dst_addr) }?.ok_or(libc::EINVAL)?;
     // librdmacm's rdma_create_ep resolves with 2000 ms.
     ops::resolve_addr(id, src, dst, std::time::Duration::from_millis(2000))?;
-    ops::resolve_route(id)?;
+    ops::resolve_route(id, std::time::Duration::from_millis(2000))?;
     if !init.is_null() {
         // SAFETY: valid (caller).
         let a = unsafe { &mut *init };
