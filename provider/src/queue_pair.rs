@@ -11,7 +11,7 @@ use crate::engine::Engine;
 use crate::error::DeviceError;
 use crate::qp::{Event, QpState};
 use crate::setup::Negotiated;
-use crate::wr::{RecvWr, SendWr, SendWrRef};
+use crate::wr::{InlineWr, RecvWr, SendWr, SendWrRef};
 
 /// An RC queue pair.
 #[derive(Debug)]
@@ -190,6 +190,15 @@ impl PostGuard<'_> {
     /// queued.
     pub fn push(&mut self, wr: impl AsSendWr) -> Result<(), DeviceError> {
         self.qp.queue_send(wr.as_send_wr())?;
+        self.pushed = true;
+        Ok(())
+    }
+
+    /// Queue one inline WR (`IBV_SEND_INLINE`): its payload is copied
+    /// into the QP now, so `wr.data` may be reused as soon as this
+    /// returns. Allocates nothing in steady state.
+    pub fn push_inline(&mut self, wr: InlineWr<'_>) -> Result<(), DeviceError> {
+        self.qp.queue_inline(wr)?;
         self.pushed = true;
         Ok(())
     }

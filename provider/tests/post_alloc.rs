@@ -8,7 +8,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use provider::wr::{SendOp, SendWrRef};
+use provider::wr::{InlineWr, SendOp, SendWrRef};
 
 struct Counting;
 
@@ -100,4 +100,45 @@ fn posting_by_reference_allocates_nothing_in_steady_state() {
     });
     assert!(owned >= 1);
     a.wait(1);
+}
+
+/// Inline posts (`PostGuard::push_inline`) copy their payload into the QP's
+/// inline slots, made at the first inline post: none after that.
+#[test]
+fn posting_inline_allocates_nothing_in_steady_state() {
+    let (a, b) = common::pair();
+    let op = SendOp::Write {
+        remote: b.mr.remote(0),
+    };
+    let mut payload = [0u8; 100];
+    let mut post = |wr_id: u64| {
+        payload.fill(wr_id as u8);
+        let mut guard = a.qp.start_post();
+        guard
+            .push_inline(InlineWr {
+                wr_id,
+                op,
+                data: &[&payload[..60], &payload[60..]],
+                signaled: true,
+                fence: false,
+            })
+            .expect("post");
+        guard.post();
+    };
+    for round in 0..20u64 {
+        for i in 0..64 {
+            post(round * 64 + i);
+        }
+        a.wait(64);
+    }
+    let mut counted = 0;
+    for round in 0..20u64 {
+        counted += allocations(|| {
+            for i in 0..64 {
+                post(10_000 + round * 64 + i);
+            }
+        });
+        a.wait(64);
+    }
+    assert_eq!(counted, 0, "allocations on the inline post path");
 }
