@@ -10,8 +10,9 @@
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 
+use crate::assist::Assist;
 use crate::cq::CompletionQueue;
 use crate::driver::QpShared;
 use crate::engine::{Engine, Progress};
@@ -22,8 +23,9 @@ use crate::mem::{Access, MrTable, PdId};
 use crate::qp::QpCaps;
 pub use crate::queue_pair::{AsSendWr, PostGuard, QueuePair};
 use crate::region::Region;
+use crate::registry::QpRegistry;
 use crate::srq::Srq;
-use crate::wr::{Remote, Sge};
+use crate::wr::{Remote, Sge, WcOpcode, WcStatus, WorkCompletion};
 
 /// A userspace iWARP device.
 #[derive(Debug, Clone)]
@@ -38,9 +40,10 @@ pub(crate) struct DeviceInner {
     next_pd: AtomicU32,
     next_qpn: AtomicU32,
     engine: Arc<Engine>,
-    /// Every QP made on the device, for deregistration to find the output
-    /// that still reads a region.
-    qps: Mutex<Vec<Weak<QpShared>>>,
+    /// Every QP made on the device: for deregistration to find the output
+    /// that still reads a region, and for the policies of
+    /// [`Device::poll_cq`].
+    qps: QpRegistry,
 }
 
 impl Device {
@@ -59,7 +62,7 @@ impl Device {
                 next_pd: AtomicU32::new(1),
                 next_qpn: AtomicU32::new(1),
                 engine: Arc::new(Engine::start(name, progress)?),
-                qps: Mutex::new(Vec::new()),
+                qps: QpRegistry::default(),
             }),
         })
     }
@@ -94,6 +97,39 @@ impl Device {
     /// The registration table.
     pub fn mem(&self) -> &MrTable {
         &self.inner.mem
+    }
+
+    /// `ibv_poll_cq` on `cq`, a CQ of this device's QPs, with the device's
+    /// progress policies for a polling thread ([`crate::registry`]): a poll
+    /// that finds the CQ empty (and not armed) sweeps the QPs whose CQs
+    /// nobody polls, and one that reaps a successful RDMA Write and leaves
+    /// the CQ empty assists that QP ([`crate::assist`]). An armed CQ gets
+    /// neither: its program is about to sleep on the notification, so its
+    /// QPs stay with the engine. Both front ends (the rdma-core plugin's
+    /// `poll_cq`, `verbs`' userspace backend) poll through here.
+    pub fn poll_cq(&self, cq: &CompletionQueue, out: &mut [WorkCompletion]) -> usize {
+        cq.mark().bump();
+        if out.is_empty() {
+            return 0;
+        }
+        let armed = cq.is_armed();
+        let mut n = cq.poll(out);
+        if n == 0 && !armed && self.inner.qps.sweep(cq) > 0 {
+            // What the sweep delivered may have landed here.
+            n = cq.try_poll(out);
+        }
+        if let Some(last) = out[..n].last() {
+            if !armed
+                && last.opcode == WcOpcode::RdmaWrite
+                && last.status == WcStatus::Success
+                && cq.is_empty()
+            {
+                // The program may now wait for the peer's answer in
+                // memory, without entering the provider.
+                self.inner.qps.after_write(last.qp_num);
+            }
+        }
+        n
     }
 }
 
@@ -186,12 +222,7 @@ impl ProtectionDomain {
         // New checks of the STag fail from here on, so no QP frames more
         // output from it while the queued output is copied.
         inner.mem.revoke(stag)?;
-        let qps: Vec<Arc<QpShared>> = {
-            let mut list = inner.qps.lock().unwrap_or_else(|p| p.into_inner());
-            list.retain(|w| w.strong_count() > 0);
-            list.iter().filter_map(Weak::upgrade).collect()
-        };
-        for qp in qps.iter().filter(|qp| qp.pd == self.id) {
+        for qp in inner.qps.live().iter().filter(|qp| qp.pd == self.id) {
             let env = qp.env();
             let mut io = qp.lock();
             if let Some(conn) = io.conn.as_mut() {
@@ -221,17 +252,9 @@ impl ProtectionDomain {
             recv_cq,
             srq,
         );
-        {
-            let mut list = self
-                .device
-                .inner
-                .qps
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            list.retain(|w| w.strong_count() > 0);
-            list.push(Arc::downgrade(&shared));
-        }
-        QueuePair::new(shared, self.device.inner.engine.clone())
+        let assist = Arc::new(Assist::default());
+        self.device.inner.qps.register(&shared, assist.clone());
+        QueuePair::new(shared, self.device.inner.engine.clone(), assist)
     }
 }
 

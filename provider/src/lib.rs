@@ -10,6 +10,7 @@
 
 #![forbid(unsafe_op_in_unsafe_fn)]
 
+mod assist;
 pub mod cq;
 pub mod device;
 mod driver;
@@ -24,6 +25,7 @@ mod nosignal;
 pub mod qp;
 mod queue_pair;
 pub mod region;
+mod registry;
 pub mod setup;
 pub mod srq;
 #[doc(hidden)]

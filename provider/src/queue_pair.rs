@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+use crate::assist::Assist;
 use crate::driver::QpShared;
 use crate::engine::Engine;
 use crate::error::DeviceError;
@@ -19,14 +20,21 @@ pub struct QueuePair {
     shared: Arc<QpShared>,
     /// Keeps the device's engine alive while the QP is.
     _engine: Arc<Engine>,
+    /// Its receive assist, which counts the post lists started.
+    assist: Arc<Assist>,
 }
 
 impl QueuePair {
     /// The handle on a QP `ProtectionDomain::create_qp` made.
-    pub(crate) fn new(shared: Arc<QpShared>, engine: Arc<Engine>) -> QueuePair {
+    pub(crate) fn new(
+        shared: Arc<QpShared>,
+        engine: Arc<Engine>,
+        assist: Arc<Assist>,
+    ) -> QueuePair {
         QueuePair {
             shared,
             _engine: engine,
+            assist,
         }
     }
 
@@ -92,6 +100,7 @@ impl QueuePair {
     /// and [`PostGuard::post`] (or dropping the guard) rings the doorbell
     /// once, so that the list leaves in one write.
     pub fn start_post(&self) -> PostGuard<'_> {
+        self.assist.posted();
         PostGuard {
             qp: &self.shared,
             pushed: false,

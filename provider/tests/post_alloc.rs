@@ -6,23 +6,23 @@ mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use provider::wr::{InlineWr, SendOp, SendWrRef};
 
 struct Counting;
 
-static ALLOCS: AtomicUsize = AtomicUsize::new(0);
-
 thread_local! {
     static COUNTING: Cell<bool> = const { Cell::new(false) };
+    /// This thread's counted allocations: per thread, so that tests
+    /// running in parallel do not count each other's.
+    static ALLOCS: Cell<usize> = const { Cell::new(0) };
 }
 
 // SAFETY: defers to the system allocator; only counts.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if COUNTING.with(Cell::get) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
+            ALLOCS.with(|n| n.set(n.get() + 1));
         }
         // SAFETY: the caller's contract, passed on.
         unsafe { System.alloc(layout) }
@@ -33,7 +33,7 @@ unsafe impl GlobalAlloc for Counting {
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new: usize) -> *mut u8 {
         if COUNTING.with(Cell::get) {
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
+            ALLOCS.with(|n| n.set(n.get() + 1));
         }
         // SAFETY: the caller's contract, passed on.
         unsafe { System.realloc(ptr, layout, new) }
@@ -45,11 +45,11 @@ static GLOBAL: Counting = Counting;
 
 /// Allocations `f` makes on this thread.
 fn allocations(f: impl FnOnce()) -> usize {
-    let before = ALLOCS.load(Ordering::Relaxed);
+    let before = ALLOCS.with(Cell::get);
     COUNTING.with(|c| c.set(true));
     f();
     COUNTING.with(|c| c.set(false));
-    ALLOCS.load(Ordering::Relaxed) - before
+    ALLOCS.with(Cell::get) - before
 }
 
 #[test]

@@ -24,7 +24,6 @@
 
 mod ffi;
 
-mod assist;
 mod async_events;
 mod c_list;
 mod context;
@@ -36,7 +35,6 @@ mod log;
 mod mr;
 mod qp;
 mod srq;
-mod sweep;
 mod users;
 mod wr;
 

@@ -56,8 +56,6 @@ pub(crate) struct QpShared {
     batch: Mutex<Batch>,
     has_srq: bool,
     send_ops: u64,
-    /// Receive assist after Write reaps ([`crate::assist`]).
-    assist: Arc<crate::assist::QpAssist>,
     /// Where the QP's async events go, once it has its `ibv_qp`.
     events: OnceLock<Arc<QpEvents>>,
 }
@@ -258,12 +256,6 @@ unsafe fn try_create(
     }) else {
         return Err(libc::EINVAL);
     };
-    // SAFETY: as above (both checked to be ours).
-    let (Some(smark), Some(rmark)) = (unsafe { crate::cq::mark(send_cq) }, unsafe {
-        crate::cq::mark(recv_cq)
-    }) else {
-        return Err(libc::EINVAL);
-    };
     let prov_srq = if srq.is_null() {
         None
     } else {
@@ -293,8 +285,6 @@ unsafe fn try_create(
     let (caps, max_inline) = caps_of(cap)?;
     let prov = Arc::new(prov_pd.create_qp(caps, scq, rcq, prov_srq.as_ref()));
     let qpn = prov.qp_num();
-    crate::sweep::registry().register(&prov, smark, rmark);
-    let assist = crate::assist::assists().register(&prov);
     let shared = Arc::new(QpShared {
         prov,
         state: AtomicU32::new(IBV_QPS_RESET),
@@ -306,7 +296,6 @@ unsafe fn try_create(
         batch: Mutex::new(Batch::default()),
         has_srq: !srq.is_null(),
         send_ops: send_ops.unwrap_or(0),
-        assist,
         events: OnceLock::new(),
     });
     // SAFETY: all-zero is valid for the C part (pointers NULL, counters 0);
@@ -752,7 +741,6 @@ pub(crate) unsafe extern "C" fn post_send(
         let Some(sh) = (unsafe { shared(qp) }) else {
             return libc::EINVAL;
         };
-        sh.assist.posted();
         // The chain's WRs (those before a failing one) leave together.
         let mut post = sh.prov.start_post();
         // SAFETY: the caller's chain and out pointer.
@@ -852,7 +840,6 @@ impl QpShared {
 
     /// `wr_complete`: post the batch, or nothing if a call failed.
     pub(crate) fn batch_complete(&self) -> c_int {
-        self.assist.posted();
         let (wrs, error) = {
             let mut b = self.batch.lock().unwrap_or_else(|p| p.into_inner());
             (std::mem::take(&mut b.wrs), b.error.take())
@@ -880,7 +867,6 @@ impl QpShared {
 
     /// Post a stagdv operation (RFC 7306 / Commit) through the legacy path.
     pub(crate) fn post_dv(&self, wr_id: u64, flags: c_uint, op: SendOp, sges: Vec<Sge>) -> c_int {
-        self.assist.posted();
         if let Err(e) = posting_allowed(self) {
             return e;
         }

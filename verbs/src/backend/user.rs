@@ -77,9 +77,10 @@ impl ContextOps for UserContext {
     }
 
     fn create_cq(&self, depth: u32) -> Result<Arc<dyn CqOps>> {
-        Ok(Arc::new(UserCq(provider::cq::CompletionQueue::new(
-            depth as usize,
-        )?)))
+        Ok(Arc::new(UserCq(
+            provider::cq::CompletionQueue::new(depth as usize)?,
+            self.dev.clone(),
+        )))
     }
 
     fn listen(&self, addr: SocketAddr) -> Result<Box<dyn ListenerOps>> {
@@ -184,8 +185,10 @@ impl MrOps for provider::device::MemoryRegion {
     }
 }
 
+/// A CQ, and the device whose progress policies its polls apply
+/// (`Device::poll_cq`: the sweep and the receive assist, as for a C program).
 #[derive(Debug)]
-struct UserCq(Arc<provider::cq::CompletionQueue>);
+struct UserCq(Arc<provider::cq::CompletionQueue>, provider::device::Device);
 
 fn raw(wc: &WorkCompletion) -> RawCompletion {
     RawCompletion {
@@ -207,7 +210,7 @@ impl CqOps for UserCq {
 
     fn poll(&self, out: &mut Vec<RawCompletion>, max: usize) -> Result<()> {
         let mut buf = [WorkCompletion::BLANK; BATCH];
-        let n = self.0.poll(&mut buf[..max.clamp(1, BATCH)]);
+        let n = self.1.poll_cq(&self.0, &mut buf[..max.clamp(1, BATCH)]);
         out.extend(buf[..n].iter().map(raw));
         Ok(())
     }
