@@ -41,14 +41,6 @@ const PROBE_WINDOW: Duration = Duration::from_micros(20);
 /// With no window, one Write reap in this many probes.
 pub(crate) const PROBE_EVERY: u32 = 32;
 
-/// More polls of the CQ than this between two Write reaps: the program
-/// polls its CQ while it waits (`stag lat write` does, between its looks
-/// at memory), so it drives the QP itself and needs no assist; an assist
-/// that missed would only hand the QP to the engine, which then competes
-/// with the polling thread for it. `ib_write_lat` polls once or twice per
-/// reap.
-pub(crate) const POLLS_WHILE_WAITING: u64 = 8;
-
 /// One QP's assist state.
 #[derive(Debug)]
 pub(crate) struct Assist {
@@ -58,8 +50,6 @@ pub(crate) struct Assist {
     skipped: AtomicU32,
     /// Post lists started since the last assisted reap.
     posts: AtomicU32,
-    /// The reaping CQ's poll count at the last Write reap.
-    polls_at_reap: AtomicU64,
 }
 
 impl Default for Assist {
@@ -68,7 +58,6 @@ impl Default for Assist {
             window_ns: AtomicU64::new(PROBE_WINDOW.as_nanos() as u64),
             skipped: AtomicU32::new(0),
             posts: AtomicU32::new(0),
-            polls_at_reap: AtomicU64::new(0),
         }
     }
 }
@@ -91,23 +80,16 @@ impl Assist {
     }
 
     /// The polling thread just reaped a Write of this QP and left its CQ
-    /// empty, the CQ's `polls`-th poll: unless the program posted more than
-    /// once since the last reap, or polled the CQ while it waited,
-    /// [`run`](Self::run).
+    /// empty: unless the program posted more than once since the last
+    /// reap, [`run`](Self::run).
     pub(crate) fn after_write(
         &self,
-        polls: u64,
         drive: impl FnMut() -> bool,
         release: impl FnOnce(),
     ) -> Outcome {
-        let polled = polls.wrapping_sub(self.polls_at_reap.swap(polls, Ordering::Relaxed));
         if self.posts.swap(0, Ordering::Relaxed) > 1 {
             // More than one post per reap: a sender keeping its queue
             // full, not a program waiting for an answer.
-            return Outcome::Skipped;
-        }
-        if polled > POLLS_WHILE_WAITING {
-            // It polls while it waits: it drives the QP itself.
             return Outcome::Skipped;
         }
         self.run(drive, release)
@@ -206,33 +188,17 @@ mod tests {
         assert!(a.window_ns.load(Ordering::Relaxed) >= PROBE_WINDOW.as_nanos() as u64);
     }
 
-    /// A reap after one post list assists, a reap after several does not,
-    /// nor one after the program polled the CQ more than
-    /// POLLS_WHILE_WAITING times since the last reap (it polls while it
-    /// waits).
+    /// A reap after one post list assists, a reap after several does not.
     #[test]
-    fn only_a_program_waiting_outside_the_provider_is_assisted() {
+    fn only_one_post_per_reap_is_assisted() {
         let a = Assist::default();
         a.posted();
-        assert_eq!(a.after_write(1, || false, || {}), Outcome::Miss);
+        assert_eq!(a.after_write(|| false, || {}), Outcome::Miss);
         a.posted();
         a.posted();
         assert_eq!(
-            a.after_write(2, || panic!("driven"), || panic!("released")),
+            a.after_write(|| panic!("driven"), || panic!("released")),
             Outcome::Skipped
-        );
-        a.posted();
-        let polls = 3 + POLLS_WHILE_WAITING;
-        assert_eq!(
-            a.after_write(polls, || panic!("driven"), || panic!("released")),
-            Outcome::Skipped,
-            "polled while waiting"
-        );
-        a.posted();
-        assert_eq!(
-            a.after_write(polls + POLLS_WHILE_WAITING, || true, || {}),
-            Outcome::Hit,
-            "polled only to reap"
         );
     }
 }

@@ -103,11 +103,10 @@ impl Device {
     /// progress policies for a polling thread ([`crate::registry`]): a poll
     /// that finds the CQ empty (and not armed) sweeps the QPs whose CQs
     /// nobody polls, and one that reaps a successful RDMA Write and leaves
-    /// the CQ empty assists that QP ([`crate::assist`]) unless the program
-    /// polls the CQ while it waits. An armed CQ gets
+    /// the CQ empty assists that QP ([`crate::assist`]). An armed CQ gets
     /// neither: its program is about to sleep on the notification, so its
-    /// QPs stay with the engine. Both front ends (the rdma-core plugin's
-    /// `poll_cq`, `verbs`' userspace backend) poll through here.
+    /// QPs stay with the engine. The rdma-core plugin's `poll_cq` polls
+    /// through here.
     pub fn poll_cq(&self, cq: &CompletionQueue, out: &mut [WorkCompletion]) -> usize {
         cq.mark().bump();
         if out.is_empty() {
@@ -127,7 +126,7 @@ impl Device {
             {
                 // The program may now wait for the peer's answer in
                 // memory, without entering the provider.
-                self.inner.qps.after_write(last.qp_num, cq.mark().get());
+                self.inner.qps.after_write(last.qp_num);
             }
         }
         n

@@ -37,8 +37,7 @@
 //!   sockets leave the engine's epoll set until it wakes.
 //!
 //! Two policies of a thread that polls a CQ (`Device::poll_cq`, which
-//! the rdma-core plugin's `poll_cq` and `verbs`' userspace backend both
-//! call), in these words, over the device's one QP registry
+//! the rdma-core plugin's `poll_cq` calls), in these words, over the device's one QP registry
 //! (`registry.rs`): the **sweep** is a poll that finds its CQ empty
 //! progressing (with `try_progress`) the device's QPs whose CQs nobody
 //! polls, so that thread owns them and the engine parks them; the

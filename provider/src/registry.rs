@@ -98,8 +98,8 @@ impl QpRegistry {
     }
 
     /// The assist: the polling thread just reaped a Write of QP `qpn` and
-    /// left its CQ empty, in the CQ's `polls`-th poll.
-    pub(crate) fn after_write(&self, qpn: u32, polls: u64) -> Outcome {
+    /// left its CQ empty.
+    pub(crate) fn after_write(&self, qpn: u32) -> Outcome {
         let found = {
             let qps = self.0.read().unwrap_or_else(|p| p.into_inner());
             qps.get(&qpn)
@@ -109,7 +109,6 @@ impl QpRegistry {
             return Outcome::Skipped;
         };
         assist.after_write(
-            polls,
             || qp.try_progress_reading(),
             || CqQp::release_to_engine(&*qp),
         )
@@ -144,11 +143,11 @@ mod tests {
         assert_eq!(reg.sweep(&mine), 0, "its CQ was polled meanwhile");
         assert_eq!(reg.sweep(&mine), 1, "idle again");
         assert_eq!(reg.sweep(&theirs), 0, "its own poller never sweeps it");
-        assert_eq!(reg.after_write(qp.qp_num() + 1000, 0), Outcome::Skipped);
+        assert_eq!(reg.after_write(qp.qp_num() + 1000), Outcome::Skipped);
         let qpn = qp.qp_num();
         drop(qp);
         assert_eq!(reg.sweep(&mine), 0, "gone");
-        assert_eq!(reg.after_write(qpn, 0), Outcome::Skipped, "gone");
+        assert_eq!(reg.after_write(qpn), Outcome::Skipped, "gone");
         let other = pd.create_qp(QpCaps::default(), &mine, &theirs, None);
         reg.register(other.shared(), Arc::default());
         assert_eq!(reg.0.read().unwrap().len(), 1, "the dead entry was pruned");

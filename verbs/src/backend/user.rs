@@ -77,10 +77,9 @@ impl ContextOps for UserContext {
     }
 
     fn create_cq(&self, depth: u32) -> Result<Arc<dyn CqOps>> {
-        Ok(Arc::new(UserCq(
-            provider::cq::CompletionQueue::new(depth as usize)?,
-            self.dev.clone(),
-        )))
+        Ok(Arc::new(UserCq(provider::cq::CompletionQueue::new(
+            depth as usize,
+        )?)))
     }
 
     fn listen(&self, addr: SocketAddr) -> Result<Box<dyn ListenerOps>> {
@@ -185,10 +184,8 @@ impl MrOps for provider::device::MemoryRegion {
     }
 }
 
-/// A CQ, and the device whose progress policies its polls apply
-/// (`Device::poll_cq`: the sweep and the receive assist, as for a C program).
 #[derive(Debug)]
-struct UserCq(Arc<provider::cq::CompletionQueue>, provider::device::Device);
+struct UserCq(Arc<provider::cq::CompletionQueue>);
 
 fn raw(wc: &WorkCompletion) -> RawCompletion {
     RawCompletion {
@@ -210,7 +207,7 @@ impl CqOps for UserCq {
 
     fn poll(&self, out: &mut Vec<RawCompletion>, max: usize) -> Result<()> {
         let mut buf = [WorkCompletion::BLANK; BATCH];
-        let n = self.1.poll_cq(&self.0, &mut buf[..max.clamp(1, BATCH)]);
+        let n = self.0.poll(&mut buf[..max.clamp(1, BATCH)]);
         out.extend(buf[..n].iter().map(raw));
         Ok(())
     }
