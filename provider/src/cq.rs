@@ -13,7 +13,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -91,6 +91,25 @@ pub struct CompletionQueue {
     interrupted: AtomicBool,
     /// Replaces the event fd when set ([`set_notify_sink`](Self::set_notify_sink)).
     sink: OnceLock<NotifySink>,
+    /// Counts [`Device::poll_cq`](crate::device::Device::poll_cq) calls,
+    /// for the sweep ([`crate::registry`]).
+    mark: Arc<PollMark>,
+}
+
+/// A CQ's count of polls through the device's policies.
+#[derive(Debug, Default)]
+pub(crate) struct PollMark(AtomicU64);
+
+impl PollMark {
+    /// A poll of the CQ.
+    pub(crate) fn bump(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Polls so far.
+    pub(crate) fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
 }
 
 impl CompletionQueue {
@@ -112,7 +131,13 @@ impl CompletionQueue {
             waiters: AtomicU32::new(0),
             interrupted: AtomicBool::new(false),
             sink: OnceLock::new(),
+            mark: Arc::default(),
         }))
+    }
+
+    /// The CQ's poll count.
+    pub(crate) fn mark(&self) -> &Arc<PollMark> {
+        &self.mark
     }
 
     pub(crate) fn attach(&self, qp: Weak<dyn CqQp>) {

@@ -1,5 +1,5 @@
 //! The userspace RNIC's verbs objects: device, protection domains,
-//! registrations, QPs, and the passive side of connection setup.
+//! registrations, and the QPs made on them.
 //!
 //! Each connected QP is a sans-IO [`Connection`](crate::qp::Connection)
 //! under a TCP driver (`driver.rs`, which also holds what a QP does
@@ -8,28 +8,24 @@
 //! ([`crate::engine`]) drives the QPs no application thread is driving,
 //! in the device's [`Progress`] mode.
 
-use std::io::{ErrorKind, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
+use crate::assist::Assist;
 use crate::cq::CompletionQueue;
 use crate::driver::QpShared;
 use crate::engine::{Engine, Progress};
 pub use crate::error::DeviceError;
+pub use crate::establish::{ConnRequest, SETUP_TIMEOUT};
 pub use crate::listener::Listener;
 use crate::mem::{Access, MrTable, PdId};
-use crate::nosignal::NoSignal;
-use crate::qp::{Event, QpCaps, QpState};
+use crate::qp::QpCaps;
+pub use crate::queue_pair::{AsSendWr, PostGuard, QueuePair};
 use crate::region::Region;
-use crate::setup::{Answer, Initiator, MpaParams, Negotiated, Request};
+use crate::registry::QpRegistry;
 use crate::srq::Srq;
-use crate::wr::{RecvWr, Remote, SendWr, SendWrRef, Sge};
-
-/// How long connection setup may take before it fails.
-pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
+use crate::wr::{Remote, Sge, WcOpcode, WcStatus, WorkCompletion};
 
 /// A userspace iWARP device.
 #[derive(Debug, Clone)]
@@ -44,9 +40,10 @@ pub(crate) struct DeviceInner {
     next_pd: AtomicU32,
     next_qpn: AtomicU32,
     engine: Arc<Engine>,
-    /// Every QP made on the device, for deregistration to find the output
-    /// that still reads a region.
-    qps: Mutex<Vec<Weak<QpShared>>>,
+    /// Every QP made on the device: for deregistration to find the output
+    /// that still reads a region, and for the policies of
+    /// [`Device::poll_cq`].
+    qps: QpRegistry,
 }
 
 impl Device {
@@ -65,7 +62,7 @@ impl Device {
                 next_pd: AtomicU32::new(1),
                 next_qpn: AtomicU32::new(1),
                 engine: Arc::new(Engine::start(name, progress)?),
-                qps: Mutex::new(Vec::new()),
+                qps: QpRegistry::default(),
             }),
         })
     }
@@ -100,6 +97,39 @@ impl Device {
     /// The registration table.
     pub fn mem(&self) -> &MrTable {
         &self.inner.mem
+    }
+
+    /// `ibv_poll_cq` on `cq`, a CQ of this device's QPs, with the device's
+    /// progress policies for a polling thread ([`crate::registry`]): a poll
+    /// that finds the CQ empty (and not armed) sweeps the QPs whose CQs
+    /// nobody polls, and one that reaps a successful RDMA Write and leaves
+    /// the CQ empty assists that QP ([`crate::assist`]). An armed CQ gets
+    /// neither: its program is about to sleep on the notification, so its
+    /// QPs stay with the engine. The rdma-core plugin's `poll_cq` polls
+    /// through here.
+    pub fn poll_cq(&self, cq: &CompletionQueue, out: &mut [WorkCompletion]) -> usize {
+        cq.mark().bump();
+        if out.is_empty() {
+            return 0;
+        }
+        let armed = cq.is_armed();
+        let mut n = cq.poll(out);
+        if n == 0 && !armed && self.inner.qps.sweep(cq) > 0 {
+            // What the sweep delivered may have landed here.
+            n = cq.try_poll(out);
+        }
+        if let Some(last) = out[..n].last() {
+            if !armed
+                && last.opcode == WcOpcode::RdmaWrite
+                && last.status == WcStatus::Success
+                && cq.is_empty()
+            {
+                // The program may now wait for the peer's answer in
+                // memory, without entering the provider.
+                self.inner.qps.after_write(last.qp_num);
+            }
+        }
+        n
     }
 }
 
@@ -192,12 +222,7 @@ impl ProtectionDomain {
         // New checks of the STag fail from here on, so no QP frames more
         // output from it while the queued output is copied.
         inner.mem.revoke(stag)?;
-        let qps: Vec<Arc<QpShared>> = {
-            let mut list = inner.qps.lock().unwrap_or_else(|p| p.into_inner());
-            list.retain(|w| w.strong_count() > 0);
-            list.iter().filter_map(Weak::upgrade).collect()
-        };
-        for qp in qps.iter().filter(|qp| qp.pd == self.id) {
+        for qp in inner.qps.live().iter().filter(|qp| qp.pd == self.id) {
             let env = qp.env();
             let mut io = qp.lock();
             if let Some(conn) = io.conn.as_mut() {
@@ -227,20 +252,9 @@ impl ProtectionDomain {
             recv_cq,
             srq,
         );
-        {
-            let mut list = self
-                .device
-                .inner
-                .qps
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            list.retain(|w| w.strong_count() > 0);
-            list.push(Arc::downgrade(&shared));
-        }
-        QueuePair {
-            shared,
-            _device: self.device.clone(),
-        }
+        let assist = Arc::new(Assist::default());
+        self.device.inner.qps.register(&shared, assist.clone());
+        QueuePair::new(shared, self.device.inner.engine.clone(), assist)
     }
 }
 
@@ -314,367 +328,5 @@ impl Drop for MemoryRegion {
                 std::mem::forget(region);
             }
         }
-    }
-}
-
-/// An RC queue pair.
-#[derive(Debug)]
-pub struct QueuePair {
-    shared: Arc<QpShared>,
-    /// Keeps the device, and so its engine, alive while the QP is.
-    _device: Device,
-}
-
-impl QueuePair {
-    /// The QP number.
-    pub fn qp_num(&self) -> u32 {
-        self.shared.qpn
-    }
-
-    /// The current state (RTR before the connection is up).
-    pub fn state(&self) -> QpState {
-        self.shared.state()
-    }
-
-    /// Whether the stream ended (the peer closed it, or it was shut),
-    /// even while messages read before the end still wait for Receives
-    /// (the QP stays in RTS until they are taken).
-    pub fn stream_ended(&self) -> bool {
-        let io = self.shared.lock();
-        io.closed
-            || io
-                .conn
-                .as_ref()
-                .is_some_and(|c| c.state() == QpState::Error)
-    }
-
-    /// What the MPA exchange settled, once connected.
-    pub fn negotiated(&self) -> Option<Negotiated> {
-        self.shared.negotiated()
-    }
-
-    /// Connection events so far (Established, Terminate sent/received, Closed).
-    pub fn take_events(&self) -> Vec<Event> {
-        self.shared.take_events()
-    }
-
-    /// Have `hook` called whenever connection events are queued for
-    /// [`take_events`](Self::take_events) (from whichever thread drives
-    /// the QP, with the QP locked: it must only signal, e.g. wake a
-    /// thread that then looks). One hook per QP; returns false if one was
-    /// already set.
-    pub fn set_event_hook(&self, hook: fn()) -> bool {
-        self.shared.set_event_hook(hook)
-    }
-
-    /// Have `hook` called with each connection event as it happens (from
-    /// whichever thread drives the QP, with the QP locked: it must not
-    /// block or call back into the QP), besides queuing it for
-    /// [`take_events`](Self::take_events): how the rdma-core plugin raises
-    /// `ibv_get_async_event`'s events. One per QP; returns false if one was
-    /// already set.
-    pub fn set_async_hook(&self, hook: impl Fn(&Event) + Send + Sync + 'static) -> bool {
-        self.shared
-            .set_async_hook(crate::driver::AsyncHook(Box::new(hook)))
-    }
-
-    /// Start a post list (`ibv_post_send` with a chain, or
-    /// `ibv_wr_start`): each [`PostGuard::push`] queues and frames one WR,
-    /// and [`PostGuard::post`] (or dropping the guard) rings the doorbell
-    /// once, so that the list leaves in one write.
-    pub fn start_post(&self) -> PostGuard<'_> {
-        PostGuard {
-            qp: &self.shared,
-            pushed: false,
-        }
-    }
-
-    /// `ibv_post_send` of one WR: [`start_post`](Self::start_post),
-    /// [`push`](PostGuard::push), [`post`](PostGuard::post).
-    pub fn post_send(&self, wr: impl AsSendWr) -> Result<(), DeviceError> {
-        let mut post = self.start_post();
-        post.push(wr)?;
-        post.post();
-        Ok(())
-    }
-
-    /// `ibv_post_recv`. Allowed before the connection exists.
-    pub fn post_recv(&self, wr: RecvWr) -> Result<(), DeviceError> {
-        self.shared.post_recv(wr)
-    }
-
-    /// `ibv_destroy_qp`: close the stream now (nothing of this QP is
-    /// placed or completed after it) and take the QP's completions out of
-    /// its CQs, as hardware providers do (mlx5's CQ clean), so that a
-    /// program that frees what its WR ids point at once the QP is gone
-    /// (libfabric's rxm does) never reads one. Dropping the last handle
-    /// later only finishes the close.
-    pub fn retire(&self) {
-        let mut io = self.shared.lock();
-        self.shared.shut(&mut io);
-        drop(io);
-        let n = self.shared.send_cq.discard_qp(self.shared.qpn)
-            + if Arc::ptr_eq(&self.shared.send_cq, &self.shared.recv_cq) {
-                0
-            } else {
-                self.shared.recv_cq.discard_qp(self.shared.qpn)
-            };
-        if n > 0 {
-            tracing::debug!(
-                qpn = self.shared.qpn,
-                n,
-                "destroyed QP's completions discarded"
-            );
-        }
-    }
-
-    /// Move the QP to Error (`ibv_modify_qp(IBV_QPS_ERR)`): outstanding WRs
-    /// complete with a flush error and the stream closes.
-    pub fn set_error(&self) {
-        self.shared.set_error();
-    }
-
-    /// Drive this QP once from the calling thread.
-    pub fn progress(&self) {
-        self.shared.progress();
-    }
-
-    /// Drive this QP once from the calling thread unless another thread
-    /// is driving it right now (then that thread does the work): for a
-    /// thread that polls on behalf of QPs it does not own and must not
-    /// wait behind their engine.
-    pub fn try_progress(&self) {
-        crate::cq::CqQp::try_progress(&*self.shared, true);
-    }
-
-    /// [`try_progress`](Self::try_progress), telling whether it read
-    /// input from the peer (false too when another thread held the QP).
-    pub fn try_progress_reading(&self) -> bool {
-        self.shared.try_progress_reading()
-    }
-
-    /// Hand the QP to the device's engine now: the calling thread, which
-    /// drove it, stops doing so (otherwise the engine takes it back only
-    /// after it sees no application drive for a while).
-    pub fn release_to_engine(&self) {
-        crate::cq::CqQp::release_to_engine(&*self.shared);
-    }
-
-    /// Active side: connect to `addr` and run the MPA exchange.
-    /// Returns the responder's private data.
-    pub fn connect(
-        &self,
-        addr: impl ToSocketAddrs,
-        params: &MpaParams,
-    ) -> Result<Vec<u8>, DeviceError> {
-        let addr = addr
-            .to_socket_addrs()?
-            .next()
-            .ok_or_else(|| std::io::Error::new(ErrorKind::InvalidInput, "no address"))?;
-        let sock = TcpStream::connect_timeout(&addr, SETUP_TIMEOUT)?;
-        self.connect_stream(sock, params)
-    }
-
-    /// Active side over `sock`, a TCP connection the caller made (rdma_cm
-    /// binds it to the source port the application named): run the MPA
-    /// exchange. Returns the responder's private data.
-    pub fn connect_stream(
-        &self,
-        mut sock: TcpStream,
-        params: &MpaParams,
-    ) -> Result<Vec<u8>, DeviceError> {
-        sock.set_nodelay(true)?;
-        let (mut initiator, request) = Initiator::new(params.clone())?;
-        NoSignal(&sock).write_all(&request)?;
-        let (answer, leftover) = read_until(&mut sock, |input| initiator.handle_bytes(input))?;
-        match answer {
-            Answer::Rejected(pd) => Err(DeviceError::Rejected(pd)),
-            Answer::Accepted(neg) => {
-                let private = neg.peer_private_data.clone();
-                self.shared.start(sock, neg, &leftover)?;
-                Ok(private)
-            }
-        }
-    }
-}
-
-/// A post list on one QP, from [`QueuePair::start_post`]: WRs are queued
-/// and framed as they are pushed, and written to the socket once, at
-/// [`post`](Self::post) or when the guard is dropped (a list that stops at
-/// a failing WR still sends the WRs before it, as `ibv_post_send` does).
-/// The guard holds no lock between pushes.
-#[derive(Debug)]
-#[must_use = "the WRs leave at post() or when the guard is dropped"]
-pub struct PostGuard<'q> {
-    qp: &'q QpShared,
-    /// A WR was queued since the last ring.
-    pushed: bool,
-}
-
-impl PostGuard<'_> {
-    /// Queue one send WR. Its SGE list is copied into storage the QP
-    /// recycles from completed WRs, so posting a [`SendWrRef`] allocates
-    /// nothing in steady state. A refused WR leaves the earlier ones
-    /// queued.
-    pub fn push(&mut self, wr: impl AsSendWr) -> Result<(), DeviceError> {
-        self.qp.queue_send(wr.as_send_wr())?;
-        self.pushed = true;
-        Ok(())
-    }
-
-    /// Ring the doorbell: write what was pushed, from the calling thread.
-    pub fn post(mut self) {
-        self.ring();
-    }
-
-    fn ring(&mut self) {
-        if std::mem::take(&mut self.pushed) {
-            self.qp.ring();
-        }
-    }
-}
-
-impl Drop for PostGuard<'_> {
-    fn drop(&mut self) {
-        self.ring();
-    }
-}
-
-/// A send WR, owned ([`SendWr`]) or with a borrowed SGE list
-/// ([`SendWrRef`]): what [`PostGuard::push`] takes.
-pub trait AsSendWr {
-    /// The WR, borrowed.
-    fn as_send_wr(&self) -> SendWrRef<'_>;
-}
-
-impl AsSendWr for SendWrRef<'_> {
-    fn as_send_wr(&self) -> SendWrRef<'_> {
-        *self
-    }
-}
-
-impl AsSendWr for SendWr {
-    fn as_send_wr(&self) -> SendWrRef<'_> {
-        SendWrRef {
-            wr_id: self.wr_id,
-            op: self.op,
-            sg_list: &self.sg_list,
-            signaled: self.signaled,
-            fence: self.fence,
-        }
-    }
-}
-
-impl AsSendWr for &SendWr {
-    fn as_send_wr(&self) -> SendWrRef<'_> {
-        (*self).as_send_wr()
-    }
-}
-
-impl Drop for QueuePair {
-    fn drop(&mut self) {
-        let mut io = self.shared.lock();
-        self.shared.shut(&mut io);
-        drop(io);
-        // The peer learns of the end even if it reads no more (see
-        // `linger`): a bounded wait, outside the lock, then a reset when
-        // the socket closes with the last reference.
-        if let Some(sock) = self.shared.sock() {
-            crate::linger::drain_or_reset(sock);
-        }
-    }
-}
-
-/// Read from a blocking socket until `step` yields a value or the setup
-/// deadline passes; returns the value and the bytes that followed it.
-fn read_until<T>(
-    sock: &mut TcpStream,
-    mut step: impl FnMut(&mut &[u8]) -> crate::wire::Result<Option<T>>,
-) -> Result<(T, Vec<u8>), DeviceError> {
-    let deadline = Instant::now() + SETUP_TIMEOUT;
-    let mut buf = [0u8; 2048];
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(DeviceError::Timeout);
-        }
-        sock.set_read_timeout(Some(left))?;
-        let n = match sock.read(&mut buf) {
-            Ok(0) => return Err(DeviceError::Mpa(crate::wire::Error::LlpClosed)),
-            Ok(n) => n,
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                return Err(DeviceError::Timeout)
-            }
-            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e.into()),
-        };
-        let mut input = &buf[..n];
-        if let Some(v) = step(&mut input)? {
-            sock.set_read_timeout(None)?;
-            return Ok((v, input.to_vec()));
-        }
-    }
-}
-
-/// A connection request waiting for the application's decision.
-#[derive(Debug)]
-pub struct ConnRequest {
-    sock: TcpStream,
-    peer: SocketAddr,
-    request: Request,
-    leftover: Vec<u8>,
-}
-
-impl ConnRequest {
-    /// A request read whole from `sock` (blocking), with the stream bytes
-    /// that followed it.
-    pub(crate) fn new(
-        sock: TcpStream,
-        peer: SocketAddr,
-        request: Request,
-        leftover: Vec<u8>,
-    ) -> ConnRequest {
-        ConnRequest {
-            sock,
-            peer,
-            request,
-            leftover,
-        }
-    }
-
-    /// The initiator's address.
-    pub fn peer_addr(&self) -> SocketAddr {
-        self.peer
-    }
-
-    /// The MPA Request as received (revision, CRC/marker wishes, IRD/ORD,
-    /// private data).
-    pub fn request(&self) -> &Request {
-        &self.request
-    }
-
-    /// Accept onto `qp` with `params` (our IRD/ORD, CRC wish, private data).
-    /// If RFC 6581's rules leave no agreement, the request is rejected and
-    /// the error returned.
-    pub fn accept(self, qp: &QueuePair, params: &MpaParams) -> Result<(), DeviceError> {
-        let (neg, reply) = match self.request.accept(params) {
-            Ok(x) => x,
-            Err(e) => {
-                if let Ok(reply) = self.request.reject(&[]) {
-                    let _ = NoSignal(&self.sock).write_all(&reply);
-                }
-                return Err(e.into());
-            }
-        };
-        NoSignal(&self.sock).write_all(&reply)?;
-        qp.shared.start(self.sock, neg, &self.leftover)
-    }
-
-    /// Reject with private data, then close.
-    pub fn reject(self, private_data: &[u8]) -> Result<(), DeviceError> {
-        let reply = self.request.reject(private_data)?;
-        NoSignal(&self.sock).write_all(&reply)?;
-        let _ = self.sock.shutdown(Shutdown::Write);
-        Ok(())
     }
 }

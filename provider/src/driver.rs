@@ -25,7 +25,7 @@ use crate::nosignal::send_vectored;
 use crate::qp::{Connection, CqSide, Env, Event, PostError, QpCaps, QpState, HOLD_LIMIT};
 use crate::setup::Negotiated;
 use crate::srq::Srq;
-use crate::wr::{RecvWr, SendWrRef, WcOpcode, WcStatus, WorkCompletion};
+use crate::wr::{InlineWr, RecvWr, SendOp, SendWrRef, WcOpcode, WcStatus, WorkCompletion};
 
 /// Size of the socket read buffer.
 const READ_CHUNK: usize = 256 * 1024;
@@ -559,19 +559,36 @@ impl QpShared {
     /// Queue and frame one send WR; it reaches the socket at the next
     /// [`ring`](Self::ring) (or whichever drive of the QP comes first).
     pub(crate) fn queue_send(&self, wr: SendWrRef<'_>) -> Result<(), DeviceError> {
+        self.queue_with(wr.wr_id, wr.op, |conn, env| conn.post_send_ref(wr, env))
+    }
+
+    /// [`queue_send`](Self::queue_send) of an inline WR: its payload is
+    /// copied into the connection before this returns.
+    pub(crate) fn queue_inline(&self, wr: InlineWr<'_>) -> Result<(), DeviceError> {
+        self.queue_with(wr.wr_id, wr.op, |conn, env| conn.post_inline(wr, env))
+    }
+
+    /// Post onto the connection with `post`, or, on a QP that never
+    /// connected, refuse (not yet connected) or flush (errored early).
+    fn queue_with(
+        &self,
+        wr_id: u64,
+        op: SendOp,
+        post: impl FnOnce(&mut Connection, &Env) -> Result<(), PostError>,
+    ) -> Result<(), DeviceError> {
         let env = self.env();
         let mut io = self.lock();
         if let Some(conn) = io.conn.as_mut() {
-            return Ok(conn.post_send_ref(wr, &env)?);
+            return Ok(post(conn, &env)?);
         }
         if !io.errored_early {
             return Err(DeviceError::InvalidState);
         }
         // A QP in Error completes what is posted with a flush error.
         self.send_cq.push(WorkCompletion {
-            wr_id: wr.wr_id,
+            wr_id,
             status: WcStatus::WrFlushErr,
-            opcode: wr.op.wc_opcode(),
+            opcode: op.wc_opcode(),
             qp_num: self.qpn,
             ..WorkCompletion::BLANK
         });

@@ -36,13 +36,14 @@
 //! - **wait**: a thread asleep on a CQ polls the QPs' sockets itself; the
 //!   sockets leave the engine's epoll set until it wakes.
 //!
-//! The rdma-core plugin adds two policies for C programs, in these words:
-//! its **sweep** is a `poll_cq` that finds its CQ empty progressing (with
-//! `try_progress`) the process's QPs whose CQs nobody polls, so that
-//! thread owns them and the engine parks them; its **assist** is a
-//! `poll_cq` that reaps an RDMA Write's completion progressing that QP for
-//! a short adaptive window until the peer's answer is read, and releasing
-//! it to the engine when the window finds none.
+//! Two policies of a thread that polls a CQ (`Device::poll_cq`, which
+//! the rdma-core plugin's `poll_cq` calls), in these words, over the device's one QP registry
+//! (`registry.rs`): the **sweep** is a poll that finds its CQ empty
+//! progressing (with `try_progress`) the device's QPs whose CQs nobody
+//! polls, so that thread owns them and the engine parks them; the
+//! **assist** (`assist.rs`) is a poll that reaps an RDMA Write's completion
+//! progressing that QP for a short adaptive window until the peer's answer
+//! is read, and releasing it to the engine when the window finds none.
 //!
 //! How the engine waits for input is the device's [`Progress`] mode: it
 //! polls (`Busy`), polls for a while after traffic and then sleeps in

@@ -10,18 +10,22 @@
 
 #![forbid(unsafe_op_in_unsafe_fn)]
 
+mod assist;
 pub mod cq;
 pub mod device;
 mod driver;
 pub mod engine;
 pub mod error;
+mod establish;
 pub mod fatal;
 mod linger;
 pub mod listener;
 pub mod mem;
 mod nosignal;
 pub mod qp;
+mod queue_pair;
 pub mod region;
+mod registry;
 pub mod setup;
 pub mod srq;
 #[doc(hidden)]

@@ -19,8 +19,8 @@ use nix::poll::{PollFd, PollFlags, PollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use tracing::{debug, warn};
 
-use crate::device::{ConnRequest, SETUP_TIMEOUT};
 use crate::error::DeviceError;
+use crate::establish::{ConnRequest, SETUP_TIMEOUT};
 use crate::setup::Request;
 use crate::thread::SpawnMasked;
 use crate::wire::mpa::FrameReader;

@@ -281,6 +281,25 @@ pub struct SendWrRef<'a> {
     pub fence: bool,
 }
 
+/// A Send or Write whose payload is given as bytes (`IBV_SEND_INLINE`):
+/// [`PostGuard::push_inline`](crate::device::PostGuard::push_inline) copies
+/// them into the QP before it returns, so no registration is needed and the
+/// buffers may be reused at once. At most
+/// [`MAX_INLINE`](crate::qp::MAX_INLINE) octets in all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InlineWr<'a> {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// The operation: a Send, Write or Write with Immediate.
+    pub op: SendOp,
+    /// The payload, gathered in order (a C caller's SGEs).
+    pub data: &'a [&'a [u8]],
+    /// `IBV_SEND_SIGNALED`.
+    pub signaled: bool,
+    /// `IBV_SEND_FENCE`.
+    pub fence: bool,
+}
+
 /// A receive work request (`struct ibv_recv_wr`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecvWr {

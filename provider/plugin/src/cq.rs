@@ -17,12 +17,11 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 
 use provider::cq::{CompletionQueue, NotifySink};
-use provider::wr::{WcOpcode, WcStatus, WorkCompletion};
+use provider::wr::{WcOpcode, WorkCompletion};
 
 use crate::errno::{self, guard};
 use crate::ffi::*;
 use crate::handle::{self, from_raw, Object};
-use crate::sweep::{self, PollMark};
 use provider::identity::LIMITS;
 
 /// `ibv_cq` first, then the RNIC's CQ.
@@ -32,8 +31,6 @@ pub(crate) struct StagCq {
     pub(crate) inner: Arc<CompletionQueue>,
     /// Where its notifications go (created with a channel).
     channel: Option<Arc<ChannelWriter>>,
-    /// Counts the `poll_cq`s on this CQ ([`crate::sweep`]).
-    pub(crate) mark: Arc<PollMark>,
     /// The QPs completing into this CQ.
     pub(crate) users: Arc<crate::users::Users>,
     /// Where its IBV_EVENT_CQ_ERR goes.
@@ -286,7 +283,6 @@ pub(crate) unsafe extern "C" fn create_cq(
             },
             inner: inner.clone(),
             channel: None,
-            mark: Arc::default(),
             users: Arc::default(),
             events: None,
             comp_reported: AtomicU32::new(0),
@@ -419,12 +415,18 @@ const POLL_BATCH: usize = 32;
 pub(crate) unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, num: c_int, wc: *mut ibv_wc) -> c_int {
     guard("poll_cq", -1, || {
         // SAFETY: libibverbs passes a cq of this context.
-        let Some(StagCq { inner, mark, .. }) = (unsafe { from_raw::<StagCq>(cq) }) else {
+        let Some(StagCq { inner, .. }) = (unsafe { from_raw::<StagCq>(cq) }) else {
             errno::set(libc::EINVAL);
             return -1;
         };
-        mark.bump();
+        // SAFETY: ours (checked above), so its context is a live one of ours.
+        let Some(st) = (unsafe { handle::context((*cq).context) }) else {
+            errno::set(libc::EINVAL);
+            return -1;
+        };
         if num <= 0 {
+            // Still a poll, for the sweep's count.
+            st.device.poll_cq(inner, &mut []);
             return 0;
         }
         if wc.is_null() {
@@ -433,30 +435,11 @@ pub(crate) unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, num: c_int, wc: *mut ib
         }
         let mut buf = [WorkCompletion::BLANK; POLL_BATCH];
         let want = (num as usize).min(POLL_BATCH);
-        // Armed: the program sleeps on the channel once this poll comes
-        // back empty, so it must not become the responder of other QPs
-        // (the sweep) or keep driving this one (the assist): those stay
-        // with the engine, which answers while the program sleeps.
-        let armed = inner.is_armed();
-        let mut n = inner.poll(&mut buf[..want]);
-        if n == 0 && !armed && sweep::registry().sweep(mark) > 0 {
-            // What the sweep delivered may have landed here.
-            n = inner.try_poll(&mut buf[..want]);
-        }
+        // The device's policies (sweep, assist) for a polling thread.
+        let n = st.device.poll_cq(inner, &mut buf[..want]);
         for (i, c) in buf[..n].iter().enumerate() {
             // SAFETY: the caller gave room for `num` ≥ n entries.
             unsafe { ptr::write(wc.add(i), to_ibv_wc(c)) };
-        }
-        if let Some(last) = buf[..n].last() {
-            if !armed
-                && last.opcode == WcOpcode::RdmaWrite
-                && last.status == WcStatus::Success
-                && inner.is_empty()
-            {
-                // The program may now wait for the peer's answer in
-                // memory, without entering the provider.
-                crate::assist::assists().after_write(last.qp_num);
-            }
         }
         n as c_int
     })

@@ -67,17 +67,6 @@ extern "C" fn register_driver() {
 #[link_section = ".init_array"]
 static REGISTER_DRIVER: extern "C" fn() = register_driver;
 
-/// Whether `dev` is one of ours (its ops table is ours).
-pub(crate) fn is_stag_device(dev: *const crate::ffi::ibv_device) -> bool {
-    if dev.is_null() {
-        return false;
-    }
-    // SAFETY: every ibv_device libibverbs hands out is the first member of
-    // a verbs_device (driver.h: "Must be first"), whoever's driver it is.
-    let ops = unsafe { (*dev.cast::<verbs_device>()).ops };
-    ptr::eq(ops, &DEVICE_OPS.0)
-}
-
 unsafe extern "C" fn match_device(sysfs_dev: *mut verbs_sysfs_dev) -> bool {
     crate::errno::guard("match_device", false, || {
         if sysfs_dev.is_null() {

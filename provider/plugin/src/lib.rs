@@ -24,16 +24,10 @@
 
 mod ffi;
 
-mod assist;
 mod async_events;
 mod c_list;
 mod context;
 mod cq;
-// `driver::is_stag_device` has no caller left: contexts are checked in
-// `handle.rs`, which may not name the driver (the driver names the context
-// constructor, which installs the ops table, which names every verb).
-// driver.rs is being reworked on another branch; the function goes there.
-#[allow(dead_code)]
 mod driver;
 mod errno;
 mod handle;
@@ -44,7 +38,6 @@ mod ops;
 mod qp;
 mod query;
 mod srq;
-mod sweep;
 mod users;
 mod wr;
 

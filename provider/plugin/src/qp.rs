@@ -8,14 +8,13 @@
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_uint};
-use std::ptr::{self, NonNull};
+use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use provider::device::{PostGuard, ProtectionDomain, QueuePair};
-use provider::mem::Access;
+use provider::device::{PostGuard, QueuePair};
 use provider::qp::{QpCaps, QpState};
-use provider::wr::{RecvWr, Remote, SendOp, SendWr, Sge};
+use provider::wr::{InlineWr, RecvWr, Remote, SendOp, SendWr, Sge};
 
 use crate::async_events::AsyncSource;
 use crate::c_list::{post_chain, sge_list};
@@ -59,17 +58,10 @@ pub(crate) struct QpShared {
     caps: QpCaps,
     max_inline: u32,
     access: AtomicU32,
-    /// Inline bounce buffers, made at creation when `max_inline_data` was
-    /// asked for, else at the first inline post (as on siw, any QP takes
-    /// inline data up to the device's maximum).
-    inline: OnceLock<Option<InlineRing>>,
-    pd: ProtectionDomain,
     /// The `ibv_wr_*` batch under construction.
     batch: Mutex<Batch>,
     has_srq: bool,
     send_ops: u64,
-    /// Receive assist after Write reaps ([`crate::assist`]).
-    assist: Arc<crate::assist::QpAssist>,
     /// Where the QP's async events go, once it has its `ibv_qp`.
     events: OnceLock<Arc<QpEvents>>,
 }
@@ -149,21 +141,6 @@ impl QpHandle {
 }
 
 impl QpShared {
-    /// The inline bounce ring, made on first use.
-    fn ring(&self) -> Option<&InlineRing> {
-        self.inline
-            .get_or_init(|| {
-                InlineRing::new(
-                    &self.pd,
-                    self.caps.max_send_wr as usize + 1,
-                    LIMITS.max_inline as usize,
-                )
-                .map_err(|e| tracing::warn!("stag0: no inline buffers for QP: errno {e}"))
-                .ok()
-            })
-            .as_ref()
-    }
-
     fn set_state(&self, state: ibv_qp_state) {
         let ibv = *self.ibv.lock().unwrap_or_else(|p| p.into_inner());
         self.state.store(state, Ordering::Release);
@@ -202,52 +179,6 @@ impl StagQp {
     /// A handle for the connection manager, which may outlive the call.
     pub(crate) fn handle(&self) -> QpHandle {
         QpHandle(self.shared.clone())
-    }
-}
-
-/// Bounce buffers for `IBV_SEND_INLINE`: the data is copied at post time,
-/// so the application may reuse its buffer at once, as verbs promises.
-/// `max_send_wr + 1` slots, the next one taken only by a post that
-/// succeeds: a slot is rewritten only once the WR that used it has left
-/// the send queue (a queue of `max_send_wr` cannot hold both).
-struct InlineRing {
-    buf: Box<[u8]>,
-    slot: usize,
-    lkey: u32,
-    next: Mutex<usize>,
-    pd: ProtectionDomain,
-}
-
-impl InlineRing {
-    fn new(pd: &ProtectionDomain, slots: usize, slot: usize) -> Result<InlineRing, c_int> {
-        let mut buf = vec![0u8; slots * slot].into_boxed_slice();
-        let base = NonNull::new(buf.as_mut_ptr()).ok_or(libc::ENOMEM)?;
-        // SAFETY: the ring owns buf and deregisters it before dropping it
-        // (Drop below); nothing else refers to it.
-        let lkey = unsafe {
-            pd.device().mem().register(
-                pd.id(),
-                base,
-                base.as_ptr() as u64,
-                buf.len() as u64,
-                Access::LOCAL_WRITE,
-                false,
-            )
-        }
-        .map_err(|_| libc::ENOMEM)?;
-        Ok(InlineRing {
-            buf,
-            slot,
-            lkey,
-            next: Mutex::new(0),
-            pd: pd.clone(),
-        })
-    }
-}
-
-impl Drop for InlineRing {
-    fn drop(&mut self) {
-        let _ = self.pd.dereg_mr(self.lkey);
     }
 }
 
@@ -346,7 +277,6 @@ unsafe fn try_create(
         return Err(libc::EINVAL);
     };
     let (scq, rcq) = (&send.inner, &recv.inner);
-    let (smark, rmark) = (send.mark.clone(), recv.mark.clone());
     let on_srq = if srq.is_null() {
         None
     } else {
@@ -369,8 +299,6 @@ unsafe fn try_create(
     let (caps, max_inline) = caps_of(cap)?;
     let prov = Arc::new(prov_pd.create_qp(caps, scq, rcq, prov_srq.as_ref()));
     let qpn = prov.qp_num();
-    crate::sweep::registry().register(&prov, smark, rmark);
-    let assist = crate::assist::assists().register(&prov);
     let shared = Arc::new(QpShared {
         prov,
         state: AtomicU32::new(IBV_QPS_RESET),
@@ -379,17 +307,11 @@ unsafe fn try_create(
         caps,
         max_inline,
         access: AtomicU32::new(0),
-        inline: OnceLock::new(),
-        pd: prov_pd.clone(),
         batch: Mutex::new(Batch::default()),
         has_srq: !srq.is_null(),
         send_ops: send_ops.unwrap_or(0),
-        assist,
         events: OnceLock::new(),
     });
-    if max_inline > 0 && shared.ring().is_none() {
-        return Err(libc::ENOMEM);
-    }
     by_num_table().insert(qpn, Arc::downgrade(&shared));
     // SAFETY: all-zero is valid for the C part (pointers NULL, counters 0);
     // the mutex and cond are initialised in place below, once boxed.
@@ -664,95 +586,58 @@ pub(crate) unsafe extern "C" fn query_qp(
     })
 }
 
-/// Copy inline data into the next bounce slot and return the one SGE that
-/// names it: ENOMEM without bounce buffers, EINVAL past the device maximum.
-fn inline_sge(sh: &QpShared, data: &[&[u8]]) -> Result<(Vec<Sge>, usize), c_int> {
-    let total: usize = data.iter().map(|d| d.len()).sum();
-    let Some(ring) = sh.ring() else {
-        return Err(libc::ENOMEM);
-    };
-    if total > ring.slot {
-        return Err(libc::EINVAL);
-    }
-    let slots = ring.buf.len() / ring.slot;
-    let next = *ring.next.lock().unwrap_or_else(|p| p.into_inner());
-    let start = (next % slots) * ring.slot;
-    let base = ring.buf.as_ptr() as u64 + start as u64;
-    let mut at = base as *mut u8;
-    for d in data {
-        // SAFETY: the slot is inside the ring's buffer (start + total ≤
-        // start + slot ≤ len), and no queued WR uses it (see InlineRing).
-        unsafe {
-            ptr::copy_nonoverlapping(d.as_ptr(), at, d.len());
-            at = at.add(d.len());
-        }
-    }
-    Ok((
-        vec![Sge {
-            addr: base,
-            length: total as u32,
-            lkey: ring.lkey,
-        }],
-        next,
-    ))
-}
-
-/// Take the inline slot `used` (a post that used it succeeded).
-fn inline_advance(sh: &QpShared, used: usize) {
-    if let Some(ring) = sh.inline.get().and_then(Option::as_ref) {
-        let mut next = ring.next.lock().unwrap_or_else(|p| p.into_inner());
-        if *next == used {
-            *next = next.wrapping_add(1);
-        }
-    }
-}
-
-/// Push one request onto `post`, taking care of inline data: it is
-/// framed now and written when the caller posts the list (one write for a
-/// chain or an `ibv_wr_*` batch).
+/// Push one request onto `post`. Inline data (`IBV_SEND_INLINE`, or
+/// `ibv_wr_set_inline_data*`) is copied into the QP by the push itself, so
+/// the caller may reuse its buffers once the post returns. What is pushed
+/// is framed now and written when the caller posts the list (one write for
+/// a chain or an `ibv_wr_*` batch).
 fn post_one(sh: &QpShared, post: &mut PostGuard<'_>, p: PendingWr) -> Result<(), c_int> {
+    const MAX_SGE: usize = LIMITS.max_sge as usize;
     let signaled = sh.sq_sig_all || p.flags & IBV_SEND_SIGNALED != 0;
     let fence = p.flags & IBV_SEND_FENCE != 0;
-    let (sg_list, slot) = match (&p.inline, p.flags & IBV_SEND_INLINE != 0) {
-        (Some(data), _) => {
-            let (s, n) = inline_sge(sh, &[data])?;
-            (s, Some(n))
+    let pushed = if let Some(data) = &p.inline {
+        post.push_inline(InlineWr {
+            wr_id: p.wr_id,
+            op: p.op,
+            data: &[data],
+            signaled,
+            fence,
+        })
+    } else if p.flags & IBV_SEND_INLINE != 0 && !p.sges.is_empty() && sends_payload(&p.op) {
+        if p.sges.len() > MAX_SGE {
+            return Err(libc::EINVAL);
         }
-        (None, true) if !p.sges.is_empty() && sends_payload(&p.op) => {
-            let bufs: Vec<&[u8]> = p
-                .sges
-                .iter()
+        let mut bufs: [&[u8]; MAX_SGE] = [&[]; MAX_SGE];
+        for (buf, s) in bufs.iter_mut().zip(&p.sges) {
+            if s.length > 0 {
                 // SAFETY: for IBV_SEND_INLINE the SGEs are plain pointers
                 // into the caller's memory, valid for the duration of the
-                // post (verbs' contract; the lkey is ignored).
-                .map(|s| unsafe {
-                    std::slice::from_raw_parts(s.addr as *const u8, s.length as usize)
-                })
-                .collect();
-            let (s, n) = inline_sge(sh, &bufs)?;
-            (s, Some(n))
-        }
-        _ => (p.sges, None),
-    };
-    let wr = SendWr {
-        wr_id: p.wr_id,
-        op: p.op,
-        sg_list,
-        signaled,
-        fence,
-    };
-    match post.push(wr) {
-        Ok(()) => {
-            if let Some(n) = slot {
-                inline_advance(sh, n);
+                // post (verbs' contract; the lkey is ignored), and the push
+                // copies them before the post returns.
+                *buf =
+                    unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.length as usize) };
             }
-            Ok(())
         }
-        Err(e) => {
-            tracing::debug!("stag0: post_send refused: {e}");
-            Err(errno::of_device(&e))
-        }
-    }
+        post.push_inline(InlineWr {
+            wr_id: p.wr_id,
+            op: p.op,
+            data: &bufs[..p.sges.len()],
+            signaled,
+            fence,
+        })
+    } else {
+        post.push(SendWr {
+            wr_id: p.wr_id,
+            op: p.op,
+            sg_list: p.sges,
+            signaled,
+            fence,
+        })
+    };
+    pushed.map_err(|e| {
+        tracing::debug!("stag0: post_send refused: {e}");
+        errno::of_device(&e)
+    })
 }
 
 fn sends_payload(op: &SendOp) -> bool {
@@ -872,7 +757,6 @@ pub(crate) unsafe extern "C" fn post_send(
         let Some(sh) = unsafe { from_raw::<StagQp>(qp) }.map(StagQp::shared) else {
             return libc::EINVAL;
         };
-        sh.assist.posted();
         // The chain's WRs (those before a failing one) leave together.
         let mut post = sh.prov.start_post();
         // SAFETY: the caller's chain and out pointer.
@@ -969,7 +853,6 @@ impl WrBatch for QpShared {
 
     /// `wr_complete`: post the batch, or nothing if a call failed.
     fn batch_complete(&self) -> c_int {
-        self.assist.posted();
         let (wrs, error) = {
             let mut b = self.batch.lock().unwrap_or_else(|p| p.into_inner());
             (std::mem::take(&mut b.wrs), b.error.take())
@@ -999,7 +882,6 @@ impl WrBatch for QpShared {
 impl QpShared {
     /// Post a stagdv operation (RFC 7306 / Commit) through the legacy path.
     pub(crate) fn post_dv(&self, wr_id: u64, flags: c_uint, op: SendOp, sges: Vec<Sge>) -> c_int {
-        self.assist.posted();
         if let Err(e) = posting_allowed(self) {
             return e;
         }

@@ -21,6 +21,7 @@
 //! responses and framing; [`receive`] the dispatch of inbound ULPDUs, one
 //! function per RDMAP message; [`teardown`] Terminate, flush and close.
 
+mod inline;
 mod output;
 mod place;
 mod receive;
@@ -40,8 +41,11 @@ use crate::srq::{PostRecvError, Srq};
 use crate::wire::ddp::{Segments, UntaggedReassembly};
 use crate::wire::stream::{Deframer, DeframerConfig, Framer, FramerConfig};
 use crate::wire::TerminateCause;
-use crate::wr::{RecvWr, SendOp, SendWr, SendWrRef, Sge, WcOpcode, WcStatus, WorkCompletion};
+use crate::wr::{
+    InlineWr, RecvWr, SendOp, SendWr, SendWrRef, Sge, WcOpcode, WcStatus, WorkCompletion,
+};
 
+pub use inline::MAX_INLINE;
 pub use place::{PlaceRequest, HEADER_PEEK};
 pub use receive::{HELD_INPUT_MAX, HOLD_LIMIT};
 pub use transmit::CommitJob;
@@ -138,6 +142,23 @@ pub enum PostError {
     /// An atomic or Immediate Data with the wrong local buffer size.
     #[error("invalid work request: {0}")]
     Invalid(&'static str),
+}
+
+/// A send WR in the send queue.
+#[derive(Debug)]
+struct Queued {
+    wr: SendWr,
+    /// The payload is in the QP's inline slots: `wr.sg_list` is one SGE
+    /// whose `addr` is the offset there ([`inline::InlineSlots::get`]),
+    /// not memory of a region.
+    inline: bool,
+}
+
+impl std::ops::Deref for Queued {
+    type Target = SendWr;
+    fn deref(&self) -> &SendWr {
+        &self.wr
+    }
 }
 
 /// Where the stream is in its life. One value instead of a set of flags,
@@ -286,7 +307,9 @@ pub struct Connection {
     /// Reused for the payload pieces of one segment.
     pieces: Vec<output::Piece>,
 
-    sq: VecDeque<SendWr>,
+    sq: VecDeque<Queued>,
+    /// Inline payloads of queued WRs ([`inline`]).
+    inline: inline::InlineSlots,
     /// SGE lists of completed send WRs, emptied, for
     /// [`Connection::post_send_ref`] to fill instead of allocating.
     sge_pool: Vec<Vec<Sge>>,
@@ -387,6 +410,7 @@ impl Connection {
             scratch: Vec::new(),
             pieces: Vec::new(),
             sq: VecDeque::new(),
+            inline: inline::InlineSlots::default(),
             sge_pool: Vec::new(),
             cursor: TxCursor::default(),
             in_flight: VecDeque::new(),
@@ -438,7 +462,55 @@ impl Connection {
     /// `ibv_post_send`. In Error state the WR is accepted and completes with
     /// a flush error, as libibverbs does.
     pub fn post_send(&mut self, wr: SendWr, env: &Env) -> Result<(), PostError> {
-        if wr.sg_list.len() > self.caps.max_send_sge as usize {
+        self.post_queued(wr, None, env)
+    }
+
+    /// `ibv_post_send` with `IBV_SEND_INLINE`: a Send or Write whose
+    /// payload, `wr.data` (at most [`MAX_INLINE`] octets), is copied into
+    /// the QP now ([`inline`]), so the caller's buffers are free when this
+    /// returns. Allocates nothing in steady state.
+    pub fn post_inline(&mut self, wr: InlineWr<'_>, env: &Env) -> Result<(), PostError> {
+        if !matches!(
+            wr.op,
+            SendOp::Send { .. } | SendOp::Write { .. } | SendOp::WriteImm { .. }
+        ) {
+            return Err(PostError::Invalid(
+                "only Sends and Writes carry inline data",
+            ));
+        }
+        let total: usize = wr.data.iter().map(|d| d.len()).sum();
+        if total > MAX_INLINE {
+            return Err(PostError::Invalid(
+                "inline data over the device's max_inline_data",
+            ));
+        }
+        // One SGE, whose address is set to the slot once the WR is
+        // admitted: the WR's length wherever the queue sums its SGEs.
+        let mut sg_list = self.sge_pool.pop().unwrap_or_default();
+        sg_list.push(Sge {
+            addr: 0,
+            length: total as u32,
+            lkey: 0,
+        });
+        let queued = SendWr {
+            wr_id: wr.wr_id,
+            op: wr.op,
+            sg_list,
+            signaled: wr.signaled,
+            fence: wr.fence,
+        };
+        self.post_queued(queued, Some(wr.data), env)
+    }
+
+    /// Admit one send WR; `inline` is its payload when it has no SGEs of
+    /// its own (then `wr.sg_list` is the one SGE `post_inline` made).
+    fn post_queued(
+        &mut self,
+        mut wr: SendWr,
+        inline: Option<&[&[u8]]>,
+        env: &Env,
+    ) -> Result<(), PostError> {
+        if inline.is_none() && wr.sg_list.len() > self.caps.max_send_sge as usize {
             return Err(PostError::TooManySges(
                 wr.sg_list.len(),
                 self.caps.max_send_sge,
@@ -495,6 +567,13 @@ impl Connection {
             self.complete_send(&wr.op, wr.wr_id, WcStatus::WrFlushErr, 0, 0);
             return Ok(());
         }
+        if let Some(data) = inline {
+            let slots = self.caps.max_send_wr as usize;
+            let (start, _) = self.inline.copy_in(slots, data);
+            wr.sg_list[0].addr = start as u64;
+            self.sq.push_back(Queued { wr, inline: true });
+            return Ok(());
+        }
         // Local protection is checked at post time so that a bad SGE fails
         // its own WR before anything of it reaches the wire.
         let write = matches!(
@@ -515,7 +594,7 @@ impl Connection {
                 return Ok(());
             }
         }
-        self.sq.push_back(wr);
+        self.sq.push_back(Queued { wr, inline: false });
         Ok(())
     }
 

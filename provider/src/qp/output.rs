@@ -27,6 +27,10 @@ pub(super) enum Piece {
     Local { lkey: u32, addr: u64, len: u32 },
     /// A payload in a peer-readable region (Read Response).
     Remote { stag: u32, to: u64, len: u32 },
+    /// A payload in the QP's inline slots (an inline Send or Write): the
+    /// framer copies it (`Connection::frame_pieces`), so it never reaches
+    /// the queue.
+    Inline { start: u32, len: u32 },
     /// Payload bytes that could not be read at write time: zeros keep the
     /// framing intact, and the CRC, computed over what was there at
     /// framing time, makes the peer terminate. A deregistration never
@@ -40,9 +44,10 @@ impl Piece {
     pub(super) fn len(&self) -> usize {
         match *self {
             Piece::Bytes { start, end } => end - start,
-            Piece::Local { len, .. } | Piece::Remote { len, .. } | Piece::Zeros { len } => {
-                len as usize
-            }
+            Piece::Local { len, .. }
+            | Piece::Remote { len, .. }
+            | Piece::Inline { len, .. }
+            | Piece::Zeros { len } => len as usize,
         }
     }
 
@@ -57,7 +62,7 @@ impl Piece {
             Piece::Local { lkey, addr, len } => scope.local(lkey, pd, addr, len),
             Piece::Remote { stag, to, len } => scope.remote(stag, pd, to, len),
             Piece::Zeros { len } => Ok(&ZEROS[..(len as usize).min(ZEROS.len())]),
-            Piece::Bytes { .. } => Ok(&[]),
+            Piece::Bytes { .. } | Piece::Inline { .. } => Ok(&[]),
         }
     }
 
@@ -74,7 +79,7 @@ impl Piece {
         match *self {
             Piece::Local { lkey, addr, .. } => Some((lkey, addr)),
             Piece::Remote { stag, to, .. } => Some((stag, to)),
-            Piece::Bytes { .. } | Piece::Zeros { .. } => None,
+            Piece::Bytes { .. } | Piece::Inline { .. } | Piece::Zeros { .. } => None,
         }
     }
 }

@@ -59,7 +59,7 @@ impl Connection {
         if let Some(head) = self.in_flight.iter_mut().find(|f| f.status.is_none()) {
             head.status = Some(status_for_remote(cause));
             head.vendor_err = pack_cause(cause);
-        } else if let Some(wr) = self.sq.pop_front() {
+        } else if let Some(wr) = self.sq.pop_front().map(|q| q.wr) {
             let status = status_for_remote(cause);
             self.in_flight.push_back(InFlight {
                 wr_id: wr.wr_id,
@@ -94,7 +94,7 @@ impl Connection {
             f.tx_mark = 0;
         }
         self.deliver_completions();
-        while let Some(wr) = self.sq.pop_front() {
+        while let Some(wr) = self.sq.pop_front().map(|q| q.wr) {
             self.complete_send(&wr.op, wr.wr_id, WcStatus::WrFlushErr, 0, 0);
         }
         self.cursor = TxCursor::default();

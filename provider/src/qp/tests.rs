@@ -658,3 +658,116 @@ fn a_held_send_that_expires_is_the_no_buffer_terminate() {
     deliver(&term, &mut a, &mem);
     assert_eq!(a.state(), QpState::Error);
 }
+
+/// Inline WRs (siw's inline SQEs): the payload is copied at post time, so
+/// the caller rewriting its buffer right after the post changes nothing on
+/// the wire, and the slots wrap (a queue of 4, 5 rounds of 4) without one
+/// WR's bytes overwriting another's still queued.
+#[test]
+fn inline_payloads_are_copied_at_post_and_their_slots_wrap() {
+    let mem = MrTable::new();
+    let env = Env {
+        mem: &mem,
+        srq: None,
+    };
+    let caps = QpCaps {
+        max_send_wr: 4,
+        ..QpCaps::default()
+    };
+    let mut a = Connection::new(1, PD, caps, negotiated(true, None), false);
+    let mut b = Connection::new(2, PD, caps, negotiated(false, None), false);
+    let (dst, dst_va) = region(&mem, 4 * 64, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let mut buf = [0u8; 40];
+    for round in 0..5u8 {
+        for i in 0..4u8 {
+            let tag = round * 4 + i;
+            buf.fill(tag);
+            let len = 20 + i as usize * 5;
+            a.post_inline(
+                InlineWr {
+                    wr_id: tag as u64,
+                    op: SendOp::Write {
+                        remote: Remote {
+                            addr: dst_va + i as u64 * 64,
+                            rkey: dst,
+                        },
+                    },
+                    data: &[&buf[..8], &buf[8..len]],
+                    signaled: true,
+                    fence: false,
+                },
+                &env,
+            )
+            .expect("post");
+            // The caller reuses its buffer at once.
+            buf.fill(0xee);
+        }
+        let full = a.post_inline(
+            InlineWr {
+                wr_id: 99,
+                op: SendOp::Send {
+                    solicited: false,
+                    invalidate: None,
+                },
+                data: &[&buf[..1]],
+                signaled: true,
+                fence: false,
+            },
+            &env,
+        );
+        assert!(matches!(full, Err(PostError::SendQueueFull(4))), "{full:?}");
+        deliver(&transmit(&mut a, &mem), &mut b, &mem);
+        // SAFETY: `region` leaked the buffer, and nothing writes it now.
+        let placed = unsafe { std::slice::from_raw_parts(dst_va as *const u8, 4 * 64) };
+        for i in 0..4usize {
+            let len = 20 + i * 5;
+            let tag = round * 4 + i as u8;
+            assert!(
+                placed[i * 64..i * 64 + len].iter().all(|&x| x == tag),
+                "round {round}, WR {i}: {:?}",
+                &placed[i * 64..i * 64 + len]
+            );
+        }
+        let done: Vec<_> = completions(&mut a)
+            .into_iter()
+            .map(|(_, wc)| (wc.wr_id, wc.status, wc.byte_len))
+            .collect();
+        let want: Vec<_> = (0..4u8)
+            .map(|i| ((round * 4 + i) as u64, WcStatus::Success, 20 + i as u32 * 5))
+            .collect();
+        assert_eq!(done, want);
+    }
+}
+
+#[test]
+fn inline_is_refused_past_max_inline_and_for_other_ops() {
+    let mem = MrTable::new();
+    let env = Env {
+        mem: &mem,
+        srq: None,
+    };
+    let (mut a, _) = pair(None);
+    let big = [7u8; MAX_INLINE + 1];
+    let remote = Remote {
+        addr: 0x1000,
+        rkey: 0x42,
+    };
+    for (op, data) in [
+        (SendOp::Write { remote }, &big[..]),
+        (SendOp::Read { remote }, &big[..8]),
+    ] {
+        let r = a.post_inline(
+            InlineWr {
+                wr_id: 1,
+                op,
+                data: &[data],
+                signaled: true,
+                fence: false,
+            },
+            &env,
+        );
+        assert!(matches!(r, Err(PostError::Invalid(_))), "{op:?}: {r:?}");
+    }
+    assert!(transmit(&mut a, &mem).is_empty());
+    assert!(completions(&mut a).is_empty());
+}

@@ -193,7 +193,11 @@ impl Connection {
         repr.emit(&mut header[..hlen]);
         let payload_len: usize = self.pieces.iter().map(|p| p.len()).sum();
         let pd = self.pd;
-        if self.framer.config().markers || payload_len <= SNAPSHOT_MAX {
+        let inline = self
+            .pieces
+            .iter()
+            .any(|p| matches!(p, Piece::Inline { .. }));
+        if self.framer.config().markers || payload_len <= SNAPSHOT_MAX || inline {
             // Markers fall inside payloads every 512 octets: copy (rare;
             // siw does not ask for them by default). A small payload is
             // copied too: as cheap as an iovec, and the octets sent are
@@ -201,10 +205,15 @@ impl Connection {
             // socket takes them.
             let mut payload = std::mem::take(&mut self.scratch);
             payload.clear();
-            let pieces = &self.pieces;
+            let (pieces, slots) = (&self.pieces, &self.inline);
             let copied = env.mem.read_scope(|scope| {
                 pieces.iter().try_for_each(|piece| {
-                    payload.extend_from_slice(piece.try_payload(scope, pd)?);
+                    match *piece {
+                        Piece::Inline { start, len } => {
+                            payload.extend_from_slice(slots.get(start, len))
+                        }
+                        _ => payload.extend_from_slice(piece.try_payload(scope, pd)?),
+                    }
                     Ok(())
                 })
             });
@@ -263,7 +272,7 @@ impl Connection {
     /// `IBV_WC_LOC_PROT_ERR`, as on an RNIC, and the QP goes to Error.
     fn fail_head_local(&mut self) {
         self.cursor = TxCursor::default();
-        if let Some(wr) = self.sq.pop_front() {
+        if let Some(wr) = self.sq.pop_front().map(|q| q.wr) {
             self.in_flight.push_back(InFlight {
                 wr_id: wr.wr_id,
                 op: wr.op,
@@ -706,7 +715,7 @@ impl Connection {
 
     /// The head WR's request is out: it now waits for its response.
     fn start_response_wait(&mut self, req_id: u32) {
-        let Some(wr) = self.sq.pop_front() else {
+        let Some(wr) = self.sq.pop_front().map(|q| q.wr) else {
             return;
         };
         self.cursor = TxCursor::default();
@@ -728,7 +737,7 @@ impl Connection {
     /// The head WR's last segment is out: it is done.
     fn finish_head(&mut self, total: u64) {
         self.cursor = TxCursor::default();
-        if let Some(wr) = self.sq.pop_front() {
+        if let Some(wr) = self.sq.pop_front().map(|q| q.wr) {
             self.in_flight.push_back(InFlight {
                 wr_id: wr.wr_id,
                 op: wr.op,
@@ -749,6 +758,15 @@ impl Connection {
         let Some(wr) = self.sq.front() else {
             return;
         };
+        if wr.inline {
+            // The one SGE `post_inline` made names the slot.
+            let start = wr.sg_list[0].addr as u32 + span.offset;
+            self.pieces.push(Piece::Inline {
+                start,
+                len: span.len,
+            });
+            return;
+        }
         let mut off = span.offset as u64;
         let mut left = span.len;
         for sge in &wr.sg_list {

@@ -23,7 +23,33 @@ pub mod rdmap;
 pub mod stream;
 pub mod terminate;
 
-pub use terminate::{ErrorType, Layer, TerminateCause};
+pub use terminate::{ErrorType, TerminateCause};
+
+/// The protocol layer an error belongs to, as the Terminate Control field
+/// names it (bits 0..3). It lives here, beside [`Error`], because every
+/// layer's codec reports errors by it; `terminate` only encodes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Layer {
+    /// RDMAP (0x0).
+    Rdmap = 0x0,
+    /// DDP (0x1).
+    Ddp = 0x1,
+    /// The lower-layer protocol, MPA over TCP (0x2).
+    Llp = 0x2,
+}
+
+impl Layer {
+    /// Decode the 4-bit layer field; 0x3..0xF are not defined.
+    pub fn from_u8(value: u8) -> Option<Layer> {
+        match value {
+            0x0 => Some(Layer::Rdmap),
+            0x1 => Some(Layer::Ddp),
+            0x2 => Some(Layer::Llp),
+            _ => None,
+        }
+    }
+}
 
 /// A byte range inside a header.
 pub(crate) type Field = core::ops::Range<usize>;

@@ -41,31 +41,7 @@
 //! length minus the opcode's header length).
 
 use super::ddp::{Control, TAGGED_HEADER_LEN, UNTAGGED_HEADER_LEN};
-use super::{Error, Field, Result};
-
-/// The layer that detected the error (Terminate Control, bits 0..3).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Layer {
-    /// RDMAP (0x0).
-    Rdmap = 0x0,
-    /// DDP (0x1).
-    Ddp = 0x1,
-    /// The lower-layer protocol, MPA over TCP (0x2).
-    Llp = 0x2,
-}
-
-impl Layer {
-    /// Decode the 4-bit layer field; 0x3..0xF are not defined.
-    pub fn from_u8(value: u8) -> Option<Layer> {
-        match value {
-            0x0 => Some(Layer::Rdmap),
-            0x1 => Some(Layer::Ddp),
-            0x2 => Some(Layer::Llp),
-            _ => None,
-        }
-    }
-}
+use super::{Error, Field, Layer, Result};
 
 /// The error type within a layer (Terminate Control, bits 4..7).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,4 +1,5 @@
-//! Receive assist after an RDMA Write completes.
+//! The receive assist: a progress policy for a thread that reaps its own
+//! RDMA Write's completion and then waits for the peer's answer in memory.
 //!
 //! A program that waits for its peer's RDMA Write by spinning on memory
 //! (perftest's `ib_write_lat`, any ring-buffer protocol) never enters the
@@ -9,26 +10,24 @@
 //! latency of a program that polls its CQ while it waits.
 //!
 //! Such a program does enter the provider once per message: it reaps its
-//! own Write's completion. So when `poll_cq` hands out a successful RDMA
-//! Write completion and leaves the CQ empty, and the program posted at
-//! most once to that QP since the last such reap (a sender that keeps
-//! its queue full posts many times per reap), the polling thread keeps
-//! driving that QP for a short while, until input arrives (the peer's
-//! answer, placed by this thread) or the window ends. The window adapts
-//! per QP: it grows towards twice the wait that found input, and halves
-//! on each miss down to none, after which only one reap in
-//! [`PROBE_EVERY`] tries a short window. A miss also hands the QP back to
-//! the engine at once. So a program that waits for the peer gets its
-//! answer placed without a wake-up, and one that does not (a bandwidth
-//! sender, a program that sleeps on a channel) loses a few windows and
-//! then nearly nothing.
+//! own Write's completion. So when a poll ([`Device::poll_cq`]) hands out a
+//! successful RDMA Write completion and leaves the CQ empty, and the
+//! program started at most one post list on that QP since the last such
+//! reap (a sender that keeps its queue full posts many times per reap),
+//! the polling thread keeps driving that QP for a short while, until input
+//! arrives (the peer's answer, placed by this thread) or the window ends.
+//! The window adapts per QP: it grows towards twice the wait that found
+//! input, and halves on each miss down to none, after which only one reap
+//! in [`PROBE_EVERY`] tries a short window. A miss also releases the QP to
+//! the engine at once. So a program that waits for the peer gets its answer
+//! placed without a wake-up, and one that does not (a bandwidth sender, a
+//! program that sleeps on a channel) loses a few windows and then nearly
+//! nothing.
+//!
+//! [`Device::poll_cq`]: crate::device::Device::poll_cq
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock, Weak};
 use std::time::{Duration, Instant};
-
-use provider::device::QueuePair;
 
 /// The longest window.
 const MAX_WINDOW: Duration = Duration::from_micros(50);
@@ -43,27 +42,30 @@ const PROBE_WINDOW: Duration = Duration::from_micros(20);
 pub(crate) const PROBE_EVERY: u32 = 32;
 
 /// One QP's assist state.
-pub(crate) struct QpAssist {
-    qp: Weak<QueuePair>,
+#[derive(Debug)]
+pub(crate) struct Assist {
     /// The current window in ns (0: none).
     window_ns: AtomicU64,
     /// Reaps since the window closed.
     skipped: AtomicU32,
-    /// `ibv_post_send` calls since the last assisted reap.
+    /// Post lists started since the last assisted reap.
     posts: AtomicU32,
 }
 
-impl QpAssist {
-    /// The program posted to this QP.
-    pub(crate) fn posted(&self) {
-        self.posts.fetch_add(1, Ordering::Relaxed);
+impl Default for Assist {
+    fn default() -> Self {
+        Assist {
+            window_ns: AtomicU64::new(PROBE_WINDOW.as_nanos() as u64),
+            skipped: AtomicU32::new(0),
+            posts: AtomicU32::new(0),
+        }
     }
 }
 
 /// What one assist did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Outcome {
-    /// No window now.
+    /// No window now, or not a program waiting for an answer.
     Skipped,
     /// Input arrived within the window.
     Hit,
@@ -71,56 +73,28 @@ pub(crate) enum Outcome {
     Miss,
 }
 
-/// The QPs by number.
-#[derive(Default)]
-pub(crate) struct Assists(RwLock<HashMap<u32, Arc<QpAssist>>>);
-
-/// The process's assists.
-pub(crate) fn assists() -> &'static Assists {
-    static A: std::sync::OnceLock<Assists> = std::sync::OnceLock::new();
-    A.get_or_init(Assists::default)
-}
-
-impl Assists {
-    /// A new QP; its state, for counting its posts.
-    pub(crate) fn register(&self, qp: &Arc<QueuePair>) -> Arc<QpAssist> {
-        let a = Arc::new(QpAssist {
-            qp: Arc::downgrade(qp),
-            window_ns: AtomicU64::new(PROBE_WINDOW.as_nanos() as u64),
-            skipped: AtomicU32::new(0),
-            posts: AtomicU32::new(0),
-        });
-        let mut m = self.0.write().unwrap_or_else(|p| p.into_inner());
-        m.retain(|_, a| a.qp.strong_count() > 0);
-        m.insert(qp.qp_num(), a.clone());
-        a
+impl Assist {
+    /// The program started a post list on this QP.
+    pub(crate) fn posted(&self) {
+        self.posts.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// The polling thread just reaped a Write of QP `qpn` and left its CQ
-    /// empty: drive the QP until input arrives or the window ends.
-    pub(crate) fn after_write(&self, qpn: u32) -> Outcome {
-        let Some(a) = self
-            .0
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&qpn)
-            .cloned()
-        else {
-            return Outcome::Skipped;
-        };
-        if a.posts.swap(0, Ordering::Relaxed) > 1 {
+    /// The polling thread just reaped a Write of this QP and left its CQ
+    /// empty: unless the program posted more than once since the last
+    /// reap, [`run`](Self::run).
+    pub(crate) fn after_write(
+        &self,
+        drive: impl FnMut() -> bool,
+        release: impl FnOnce(),
+    ) -> Outcome {
+        if self.posts.swap(0, Ordering::Relaxed) > 1 {
             // More than one post per reap: a sender keeping its queue
             // full, not a program waiting for an answer.
             return Outcome::Skipped;
         }
-        let Some(qp) = a.qp.upgrade() else {
-            return Outcome::Skipped;
-        };
-        a.run(|| qp.try_progress_reading(), || qp.release_to_engine())
+        self.run(drive, release)
     }
-}
 
-impl QpAssist {
     /// One assist: `drive` drives the QP and tells whether it read input;
     /// `release` hands it back to the engine.
     fn run(&self, mut drive: impl FnMut() -> bool, release: impl FnOnce()) -> Outcome {
@@ -166,22 +140,13 @@ impl QpAssist {
 mod tests {
     use super::*;
 
-    fn assist() -> QpAssist {
-        QpAssist {
-            qp: Weak::new(),
-            window_ns: AtomicU64::new(PROBE_WINDOW.as_nanos() as u64),
-            skipped: AtomicU32::new(0),
-            posts: AtomicU32::new(0),
-        }
-    }
-
     /// A QP whose peer answers keeps its window (and the drive that found
     /// input ends it); one whose peer never does loses it in a few misses,
     /// each handing the QP back to the engine, then probes once in
     /// PROBE_EVERY reaps; a probe that hits opens the window again.
     #[test]
     fn window_follows_the_peer() {
-        let a = assist();
+        let a = Assist::default();
         let mut calls = 0;
         assert_eq!(
             a.run(
@@ -223,25 +188,17 @@ mod tests {
         assert!(a.window_ns.load(Ordering::Relaxed) >= PROBE_WINDOW.as_nanos() as u64);
     }
 
-    /// Through the registry: a reap after one post assists (and misses
-    /// on a QP with no peer), a reap after several posts does not; an
-    /// unknown QP is skipped.
+    /// A reap after one post list assists, a reap after several does not.
     #[test]
     fn only_one_post_per_reap_is_assisted() {
-        use provider::device::Device;
-        use provider::qp::QpCaps;
-
-        let dev = Device::open("assist-test").unwrap();
-        let pd = dev.alloc_pd();
-        let cq = provider::cq::CompletionQueue::new(4).unwrap();
-        let qp = Arc::new(pd.create_qp(QpCaps::default(), &cq, &cq, None));
-        let reg = Assists::default();
-        let a = reg.register(&qp);
+        let a = Assist::default();
         a.posted();
-        assert_eq!(reg.after_write(qp.qp_num()), Outcome::Miss);
+        assert_eq!(a.after_write(|| false, || {}), Outcome::Miss);
         a.posted();
         a.posted();
-        assert_eq!(reg.after_write(qp.qp_num()), Outcome::Skipped);
-        assert_eq!(reg.after_write(qp.qp_num() + 1000), Outcome::Skipped);
+        assert_eq!(
+            a.after_write(|| panic!("driven"), || panic!("released")),
+            Outcome::Skipped
+        );
     }
 }

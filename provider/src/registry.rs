@@ -1,0 +1,156 @@
+//! The device's QPs, in one registry, and the progress policies that act on
+//! several of them for a thread that polls a CQ ([`Device::poll_cq`]):
+//!
+//! - **sweep**: a poll that finds its CQ empty also progresses, once, the
+//!   device's QPs whose CQs no thread polled since the previous sweep (with
+//!   `try_progress`, so a QP another thread is driving is left to it). A
+//!   hardware RNIC answers RDMA Reads and atomics without the host; here
+//!   some thread has to read the socket. A program that busy-polls one CQ
+//!   while a QP on another CQ only answers (perftest's READ/ATOMIC latency
+//!   server spins on the CQ of its rdma_cm side channel) would otherwise
+//!   need three running threads on a two-process loopback test, the two
+//!   spinning ones and the server's engine; on two cores the engine is the
+//!   one that waits for a core, and every request pays for it. The
+//!   spinning thread becomes the responder, and the engine parks those QPs
+//!   (it sees an application thread driving them).
+//! - **assist** ([`crate::assist`]): a poll that reaps an RDMA Write's
+//!   completion keeps driving that QP for a short adaptive window.
+//!
+//! Deregistration walks the same registry to find the output that still
+//! reads a region.
+//!
+//! [`Device::poll_cq`]: crate::device::Device::poll_cq
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock, Weak};
+
+use crate::assist::{Assist, Outcome};
+use crate::cq::{CompletionQueue, CqQp, PollMark};
+use crate::driver::QpShared;
+
+/// One QP as the registry knows it.
+#[derive(Debug)]
+struct Entry {
+    qp: Weak<QpShared>,
+    assist: Arc<Assist>,
+    /// Its CQs' poll counts (held here, so that a sweep reads them without
+    /// taking a reference to the QP).
+    send: Arc<PollMark>,
+    recv: Arc<PollMark>,
+    /// Its CQs' poll counts at the previous sweep.
+    swept: AtomicU64,
+}
+
+/// The QPs of one device, by number.
+#[derive(Debug, Default)]
+pub(crate) struct QpRegistry(RwLock<HashMap<u32, Entry>>);
+
+impl QpRegistry {
+    /// Make a new QP known; forgotten once it is gone.
+    pub(crate) fn register(&self, qp: &Arc<QpShared>, assist: Arc<Assist>) {
+        let mut qps = self.0.write().unwrap_or_else(|p| p.into_inner());
+        qps.retain(|_, e| e.qp.strong_count() > 0);
+        qps.insert(
+            qp.qpn,
+            Entry {
+                qp: Arc::downgrade(qp),
+                assist,
+                send: qp.send_cq.mark().clone(),
+                recv: qp.recv_cq.mark().clone(),
+                // Matches no real count at first: a new QP is swept only
+                // after its CQs have been seen idle for a whole sweep.
+                swept: AtomicU64::new(u64::MAX),
+            },
+        );
+    }
+
+    /// The QPs alive now.
+    pub(crate) fn live(&self) -> Vec<Arc<QpShared>> {
+        let qps = self.0.read().unwrap_or_else(|p| p.into_inner());
+        qps.values().filter_map(|e| e.qp.upgrade()).collect()
+    }
+
+    /// The sweep: the thread polling `polling` found it empty; progress
+    /// the QPs on other CQs that no thread polled since the last sweep.
+    /// Returns how many it progressed.
+    pub(crate) fn sweep(&self, polling: &CompletionQueue) -> usize {
+        let qps = self.0.read().unwrap_or_else(|p| p.into_inner());
+        let mut driven = 0;
+        let polling = polling.mark();
+        for e in qps.values() {
+            if Arc::ptr_eq(&e.send, polling) || Arc::ptr_eq(&e.recv, polling) {
+                // Polling this CQ already drove it.
+                continue;
+            }
+            let marks = e.send.get().wrapping_add(e.recv.get());
+            if e.swept.swap(marks, Ordering::Relaxed) != marks {
+                // Someone polls its CQs (or it is new): theirs to drive.
+                continue;
+            }
+            let Some(qp) = e.qp.upgrade() else {
+                continue;
+            };
+            CqQp::try_progress(&*qp, true);
+            driven += 1;
+        }
+        driven
+    }
+
+    /// The assist: the polling thread just reaped a Write of QP `qpn` and
+    /// left its CQ empty.
+    pub(crate) fn after_write(&self, qpn: u32) -> Outcome {
+        let found = {
+            let qps = self.0.read().unwrap_or_else(|p| p.into_inner());
+            qps.get(&qpn)
+                .and_then(|e| Some((e.qp.upgrade()?, e.assist.clone())))
+        };
+        let Some((qp, assist)) = found else {
+            return Outcome::Skipped;
+        };
+        assist.after_write(
+            || qp.try_progress_reading(),
+            || CqQp::release_to_engine(&*qp),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Device;
+    use crate::qp::QpCaps;
+
+    /// A QP on CQs nobody polls is swept from another CQ's poller once its
+    /// CQs have been seen idle; not while its own CQ is being polled, never
+    /// from a poller of its own CQ, and not after it is gone (whose entry
+    /// the next registration prunes). The assist finds QPs by number.
+    #[test]
+    fn sweeps_only_qps_nobody_polls() {
+        let dev = Device::open("sweep-test").unwrap();
+        let pd = dev.alloc_pd();
+        let (mine, theirs) = (
+            CompletionQueue::new(4).unwrap(),
+            CompletionQueue::new(4).unwrap(),
+        );
+        let qp = pd.create_qp(QpCaps::default(), &theirs, &theirs, None);
+        let reg = QpRegistry::default();
+        reg.register(qp.shared(), Arc::default());
+        assert_eq!(reg.sweep(&mine), 0, "new: its CQs not yet seen idle");
+        assert_eq!(reg.sweep(&mine), 1, "idle since the last sweep");
+        assert_eq!(reg.sweep(&mine), 1);
+        theirs.mark().bump();
+        assert_eq!(reg.sweep(&mine), 0, "its CQ was polled meanwhile");
+        assert_eq!(reg.sweep(&mine), 1, "idle again");
+        assert_eq!(reg.sweep(&theirs), 0, "its own poller never sweeps it");
+        assert_eq!(reg.after_write(qp.qp_num() + 1000), Outcome::Skipped);
+        let qpn = qp.qp_num();
+        drop(qp);
+        assert_eq!(reg.sweep(&mine), 0, "gone");
+        assert_eq!(reg.after_write(qpn), Outcome::Skipped, "gone");
+        let other = pd.create_qp(QpCaps::default(), &mine, &theirs, None);
+        reg.register(other.shared(), Arc::default());
+        assert_eq!(reg.0.read().unwrap().len(), 1, "the dead entry was pruned");
+        assert_eq!(reg.live().len(), 1);
+    }
+}
