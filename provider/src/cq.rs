@@ -40,6 +40,11 @@ pub(crate) trait CqQp: Send + Sync {
     /// socket. While one does, the engine does not watch it: the arrival
     /// wakes the waiter alone, which drives the QP.
     fn set_waiting(&self, on: bool);
+    /// An application thread stops sleeping on the socket in an event
+    /// loop: it keeps the socket out of the engine's set for its next
+    /// wait, and the engine takes the QP back at its next recheck unless
+    /// a thread sleeps on it again ([`crate::engine::Engine::hold`]).
+    fn end_wait_holding(&self);
     /// Hand the QP to the device's engine: the application is going to
     /// sleep without driving it.
     fn release_to_engine(&self);
@@ -413,7 +418,7 @@ impl CompletionQueue {
             };
             let polled = nix::poll::poll(&mut fds, left);
             for qp in &sleeping {
-                qp.set_waiting(false);
+                qp.end_wait_holding();
             }
             if fds[0].any().unwrap_or(false) {
                 return Ok(true);

@@ -464,6 +464,19 @@ impl EngineQp for QpShared {
         self.own.armed.store(true, Ordering::Relaxed);
         engine.arm(self.qpn as u64, sock.as_fd(), io.input, io.writable_wanted);
     }
+
+    fn engine_unhold(&self) {
+        let mut io = self.lock();
+        self.drive(&mut io);
+        if !self.own.unhold() || io.closed {
+            return;
+        }
+        let (Some(engine), Some(sock)) = (self.engine.upgrade(), self.sock.get()) else {
+            return;
+        };
+        self.own.armed.store(true, Ordering::Relaxed);
+        engine.arm(self.qpn as u64, sock.as_fd(), io.input, io.writable_wanted);
+    }
 }
 
 impl QpShared {
@@ -523,6 +536,21 @@ impl CqQp for QpShared {
             // else is answered at once.
             self.own.armed.store(true, Ordering::Relaxed);
             engine.arm(self.qpn as u64, sock.as_fd(), io.input, io.writable_wanted);
+        }
+    }
+
+    fn end_wait_holding(&self) {
+        // Under the io lock, as every change of the socket's epoll flags.
+        // Otherwise another thread still sleeps on the socket, or the
+        // engine parked or holds the QP already: nothing to hand over.
+        let io = self.lock();
+        if self.own.end_wait_holding() && !io.closed {
+            match self.engine.upgrade() {
+                Some(engine) => engine.hold(self.me.clone() as Weak<dyn EngineQp>),
+                None => {
+                    self.own.unhold();
+                }
+            }
         }
     }
 

@@ -35,6 +35,10 @@
 //!   at once (arming a CQ's notification, `QueuePair::release_to_engine`).
 //! - **wait**: a thread asleep on a CQ polls the QPs' sockets itself; the
 //!   sockets leave the engine's epoll set until it wakes.
+//! - **hold**: a thread woken in a completion channel wait keeps the
+//!   sockets out of the engine's set for its next wait; the engine takes
+//!   them back at its next recheck unless a thread sleeps on them again
+//!   ([`Engine::hold`]).
 //!
 //! Two policies of a thread that polls a CQ (`Device::poll_cq`, which
 //! the rdma-core plugin's `poll_cq` calls), in these words, over the device's one QP registry
@@ -70,7 +74,8 @@
 //! [`PARK_RECHECK`]; once the application has stopped driving it, the
 //! engine drives the QP and re-arms. That recheck is the one timer left:
 //! it matters only to a program that polls a CQ unarmed and then stops
-//! without arming or waiting. While the engine owns a QP its socket stays
+//! without arming or waiting, or that leaves a completion channel wait
+//! and does not come back to the provider (a held QP). While the engine owns a QP its socket stays
 //! armed, level-triggered: no `epoll_ctl` per message. An application
 //! that arms a CQ's notifications or sleeps on the CQ in the polling modes
 //! hands its QPs back at once ([`Ownership::release`]), and a poll of an
@@ -211,6 +216,10 @@ pub(crate) struct Ownership {
     engine_seen: AtomicU64,
     /// Engine only: in the engine's parked list.
     parked: AtomicBool,
+    /// A thread's wait on the socket ended and the socket stayed out of
+    /// the engine's set for that thread's next wait: in the engine's
+    /// held list until its recheck ([`Engine::hold`]).
+    held: AtomicBool,
     /// The socket's epoll registration is armed. Set by the driver (under
     /// its QP's lock, so the flags match its state); cleared by the engine
     /// when it parks the QP.
@@ -259,6 +268,24 @@ impl Ownership {
         self.app_waiters.fetch_sub(1, Ordering::SeqCst) == 1 && !self.parked.load(Ordering::SeqCst)
     }
 
+    /// The last application thread sleeping on the socket stops, and it
+    /// keeps the socket for its next wait (under the QP's io lock):
+    /// whether the QP must join the engine's held list (it is neither
+    /// parked nor held already, and nobody else sleeps on it).
+    pub(crate) fn end_wait_holding(&self) -> bool {
+        self.app_waiters.fetch_sub(1, Ordering::SeqCst) == 1
+            && !self.parked.load(Ordering::SeqCst)
+            && !self.held.swap(true, Ordering::SeqCst)
+    }
+
+    /// The engine takes a held QP back (under the QP's io lock): whether
+    /// to re-arm its socket now (nobody sleeps on it and it is not
+    /// parked for a polling thread).
+    pub(crate) fn unhold(&self) -> bool {
+        self.held.store(false, Ordering::SeqCst);
+        !self.waited_on() && !self.parked.load(Ordering::SeqCst)
+    }
+
     /// Whether an application thread sleeps on the socket (and drives
     /// the QP when it wakes).
     fn waited_on(&self) -> bool {
@@ -288,6 +315,9 @@ pub(crate) trait EngineQp: Send + Sync {
     /// if `rearm` (the QP was parked), take it back
     /// ([`Ownership::unpark`]) and re-arm the socket.
     fn engine_drive(&self, rearm: bool);
+    /// Take a held QP back ([`Engine::hold`]): drive it and re-arm its
+    /// socket unless a thread sleeps on it again ([`Ownership::unhold`]).
+    fn engine_unhold(&self);
 }
 
 /// The registered QPs, by epoll token.
@@ -296,6 +326,10 @@ type QpMap = Mutex<HashMap<u64, Weak<dyn EngineQp>>>;
 /// QPs to drive at a time of their choosing ([`Engine::drive_at`]).
 type Timers = Mutex<Vec<(Instant, Weak<dyn EngineQp>)>>;
 
+/// QPs handed to the engine by [`Engine::hold`], and whether the engine
+/// knows it has held QPs to look at (else the next hold wakes it).
+type Held = Mutex<(Vec<Weak<dyn EngineQp>>, bool)>;
+
 /// The per-device progress engine.
 pub(crate) struct Engine {
     progress: Progress,
@@ -303,6 +337,7 @@ pub(crate) struct Engine {
     wake: Arc<EventFd>,
     qps: Arc<QpMap>,
     timers: Arc<Timers>,
+    held: Arc<Held>,
     /// QPs registered (armed or parked).
     registered: Arc<AtomicUsize>,
     /// Arrivals the engine left to an application thread (parks).
@@ -334,6 +369,7 @@ impl Engine {
         )?;
         let qps: Arc<QpMap> = Arc::default();
         let timers: Arc<Timers> = Arc::default();
+        let held: Arc<Held> = Arc::default();
         let registered = Arc::new(AtomicUsize::new(0));
         let parks = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
@@ -343,6 +379,8 @@ impl Engine {
                 wake: wake.clone(),
                 qps: qps.clone(),
                 timers: timers.clone(),
+                held: held.clone(),
+                holds: Vec::new(),
                 registered: registered.clone(),
                 parks: parks.clone(),
                 stop: stop.clone(),
@@ -364,6 +402,7 @@ impl Engine {
             wake,
             qps,
             timers,
+            held,
             registered,
             parks,
             stop,
@@ -446,6 +485,28 @@ impl Engine {
             .push((at, qp));
         // A sleeping engine must shorten its sleep.
         self.kick();
+    }
+
+    /// A thread's wait on `qp`'s socket ended and the socket stays out of
+    /// the epoll set ([`Ownership::end_wait_holding`]): the thread is
+    /// about to take the completion it woke for and, in an event loop,
+    /// to sleep on the socket again. An arrival in between would
+    /// otherwise wake the engine, which would race that thread for the
+    /// QP's lock and hand the completion over through the channel's pipe:
+    /// two more wake-ups per message than the thread reading it itself.
+    /// The engine takes the QP back at its next recheck, within
+    /// [`PARK_RECHECK`] (the longest an inbound request waits when the
+    /// thread does not come back), unless a thread sleeps on it again.
+    /// At most one wake-up of the engine per recheck period.
+    pub(crate) fn hold(&self, qp: Weak<dyn EngineQp>) {
+        let kick = {
+            let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+            held.0.push(qp);
+            !std::mem::replace(&mut held.1, true)
+        };
+        if kick {
+            self.kick();
+        }
     }
 
     /// Make the engine look at its parked QPs now.
@@ -664,6 +725,9 @@ struct Run {
     wake: Arc<EventFd>,
     qps: Arc<QpMap>,
     timers: Arc<Timers>,
+    held: Arc<Held>,
+    /// Held QPs and when to take each back.
+    holds: Vec<(Instant, Weak<dyn EngineQp>)>,
     registered: Arc<AtomicUsize>,
     parks: Arc<AtomicU64>,
     stop: Arc<AtomicBool>,
@@ -679,6 +743,7 @@ impl Run {
         let mut events = vec![EpollEvent::empty(); 64];
         while !self.stop.load(Ordering::Acquire) {
             let now = Instant::now();
+            self.take_holds(now);
             let owns = self.registered.load(Ordering::Relaxed) > self.parked.len();
             let timeout = if self.spinner.polling(owns, now) {
                 EpollTimeout::ZERO
@@ -687,7 +752,14 @@ impl Run {
             } else {
                 EpollTimeout::try_from(PARK_RECHECK).unwrap_or(EpollTimeout::ZERO)
             };
-            let timeout = match self.next_timer() {
+            let next = match (
+                self.next_timer(),
+                self.holds.iter().map(|(at, _)| *at).min(),
+            ) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let timeout = match next {
                 Some(at) => {
                     // Rounded up: a wake-up a little late, not a spin.
                     let left = at.saturating_duration_since(now) + Duration::from_micros(999);
@@ -749,6 +821,7 @@ impl Run {
             }
             let now = Instant::now();
             self.fire_timers(now);
+            self.fire_holds(now);
             if traffic {
                 self.spinner.traffic(now);
             }
@@ -777,6 +850,32 @@ impl Run {
     fn next_timer(&self) -> Option<Instant> {
         let timers = self.timers.lock().unwrap_or_else(|p| p.into_inner());
         timers.iter().map(|(at, _)| *at).min()
+    }
+
+    /// Move the QPs application threads held ([`Engine::hold`]) into the
+    /// engine's list, each to be taken back a recheck period from now;
+    /// with none held, the next hold wakes the engine.
+    fn take_holds(&mut self, now: Instant) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let at = now + PARK_RECHECK;
+        self.holds.extend(held.0.drain(..).map(|qp| (at, qp)));
+        held.1 = !self.holds.is_empty();
+    }
+
+    /// Take back the held QPs whose recheck has come.
+    fn fire_holds(&mut self, now: Instant) {
+        if self.holds.iter().all(|(at, _)| *at > now) {
+            return;
+        }
+        let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.holds)
+            .into_iter()
+            .partition(|(at, _)| *at <= now);
+        self.holds = later;
+        for (_, qp) in due {
+            if let Some(qp) = qp.upgrade() {
+                qp.engine_unhold();
+            }
+        }
     }
 
     /// Drive the QPs whose deadline has come.

@@ -280,3 +280,54 @@ fn no_wake_up_is_lost_between_drain_and_arm() {
         assert!(sleeps >= total / burst - 1, "{mode}: slept {sleeps} times");
     }
 }
+
+/// A thread woken in `wait_notified` by its socket keeps that socket for
+/// its next wait (the engine holds the QP until its recheck); when it
+/// does not come back, the engine still answers the peer: 50 Reads
+/// posted after the waiter left, with nobody on the responder's side
+/// polling or waiting, all complete (in every mode; a held QP that the
+/// engine never took back would leave them unanswered for 10 s).
+#[test]
+fn a_socket_kept_after_a_wait_goes_back_to_the_engine() {
+    for mode in MODES {
+        let (a, b) = pair_in(mode);
+        b.recv(100, 4096, 64);
+        b.mr.region().store_u64(64, 7).unwrap();
+        let (armed_tx, armed_rx) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            let b = &b;
+            let waiter = s.spawn(move || {
+                b.cq.req_notify(false);
+                armed_tx.send(()).unwrap();
+                CompletionQueue::wait_notified(
+                    b.cq.as_fd(),
+                    std::slice::from_ref(&b.cq),
+                    Some(Duration::from_secs(10)),
+                    &|| false,
+                )
+                .unwrap()
+            });
+            armed_rx.recv().unwrap();
+            send(&a, 1, false);
+            assert!(waiter.join().unwrap(), "{mode}: no notification in 10 s");
+        });
+        b.cq.ack_events();
+        // The waiter has gone; b's QP is not polled again.
+        for i in 0..50u64 {
+            a.post(
+                10 + i,
+                SendOp::Read {
+                    remote: b.mr.remote(64),
+                },
+                vec![a.mr.sge(0, 8)],
+            );
+            let c = wait_cq(&a.cq, if i == 0 { 2 } else { 1 });
+            assert!(
+                c.iter().all(|c| c.status == WcStatus::Success),
+                "{mode}: {c:?}"
+            );
+            assert_eq!(a.mr.region().load_u64(0).unwrap(), 7, "{mode}");
+        }
+        assert_eq!(b.cq.len(), 1, "{mode}: only the Receive completed on b");
+    }
+}
