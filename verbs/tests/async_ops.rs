@@ -440,6 +440,46 @@ fn pattern(n: usize) -> Vec<u8> {
     (0..n).map(|i| (i * 131 % 251) as u8).collect()
 }
 
+/// The smallest ring there is (two slots of 32 payload bytes): the
+/// writer's messages go round the peer's ring thousands of times, each
+/// write a post list of two, and the reader takes them with reads that
+/// straddle slots; every byte arrives in order.
+#[test]
+fn a_two_slot_ring_wraps_thousands_of_times_in_order() {
+    multi_thread().block_on(async {
+        let opts = StreamOptions {
+            slots: 2,
+            slot_size: 48,
+            ..StreamOptions::default()
+        };
+        let (mut c, mut s, _cc, _sc) = stream_pair(opts).await;
+        let data = pattern(200_000);
+        let send = data.clone();
+        let writer = tokio::spawn(async move {
+            for chunk in send.chunks(7_919) {
+                c.write_all(chunk).await.unwrap();
+            }
+            c.shutdown().await.unwrap();
+            c
+        });
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1_000];
+        loop {
+            let n = tokio::time::timeout(LIMIT, s.read(&mut buf))
+                .await
+                .expect("in time")
+                .unwrap();
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&buf[..n]);
+        }
+        let _c = writer.await.unwrap();
+        assert_eq!(got.len(), data.len());
+        assert!(got == data, "the bytes differ from what was sent");
+    });
+}
+
 #[test]
 fn a_stream_carries_bytes_both_ways_and_closes_gracefully() {
     multi_thread().block_on(async {
