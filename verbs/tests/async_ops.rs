@@ -16,8 +16,8 @@ use verbs::r#async::{
     AsyncCompletionQueue, AsyncListener, AsyncQueuePair, Op, OpError, RdmaStream, StreamOptions,
 };
 use verbs::{
-    CompletionKind, ConnectOptions, Context, DeregisterError, MemoryRegion, ProtectionDomain,
-    WcStatus,
+    CompletionKind, ConnectOptions, Context, ContextOptions, DeregisterError, MemoryRegion, OpKind,
+    ProtectionDomain, WcStatus,
 };
 
 /// Nothing here may take longer: a hang fails the test instead.
@@ -423,8 +423,16 @@ fn a_peer_that_disconnects_mid_flight_fails_every_future() {
 }
 
 async fn stream_pair(opts: StreamOptions) -> (RdmaStream, RdmaStream, Context, Context) {
+    stream_pair_on(opts, &ContextOptions::default()).await
+}
+
+/// [`stream_pair`] whose client opens its device with `client`.
+async fn stream_pair_on(
+    opts: StreamOptions,
+    client: &ContextOptions,
+) -> (RdmaStream, RdmaStream, Context, Context) {
     let sctx = Context::open(&device()).unwrap();
-    let cctx = Context::open(&device()).unwrap();
+    let cctx = Context::open_with(&device(), client).unwrap();
     let spd = sctx.alloc_pd().unwrap();
     let cpd = cctx.alloc_pd().unwrap();
     let listener = AsyncListener::bind(&sctx, listen_addr()).unwrap();
@@ -477,6 +485,51 @@ fn a_two_slot_ring_wraps_thousands_of_times_in_order() {
         let _c = writer.await.unwrap();
         assert_eq!(got.len(), data.len());
         assert!(got == data, "the bytes differ from what was sent");
+    });
+}
+
+/// Where the connection has no native Write with Immediate (here one end
+/// forces its emulation, as a libibverbs device has it) the stream's
+/// data goes as Sends, and every byte still arrives in order.
+#[test]
+fn without_native_write_imm_a_stream_sends_its_data() {
+    multi_thread().block_on(async {
+        let opts = StreamOptions {
+            slots: 3,
+            slot_size: 4096,
+            ..StreamOptions::default()
+        };
+        let forced = ContextOptions {
+            force_emulation: vec![OpKind::WriteImm],
+            ..ContextOptions::default()
+        };
+        let (c, s, _cc, _sc) = stream_pair_on(opts, &forced).await;
+        // The client sends, the server (whose peer's device does run
+        // them) writes with Immediate: the echo takes both paths.
+        assert!(!c.qp().capabilities().get(OpKind::WriteImm).is_native());
+        assert!(s.qp().capabilities().get(OpKind::WriteImm).is_native());
+        let echo = tokio::spawn(async move {
+            let (mut r, mut w) = tokio::io::split(s);
+            tokio::io::copy(&mut r, &mut w).await.unwrap();
+            w.shutdown().await.unwrap();
+        });
+        let data = pattern(300_000);
+        let (mut r, mut w) = tokio::io::split(c);
+        let send = data.clone();
+        let writer = tokio::spawn(async move {
+            for chunk in send.chunks(10_007) {
+                w.write_all(chunk).await.unwrap();
+            }
+            w.shutdown().await.unwrap();
+        });
+        let mut back = Vec::new();
+        tokio::time::timeout(LIMIT, r.read_to_end(&mut back))
+            .await
+            .expect("in time")
+            .unwrap();
+        writer.await.unwrap();
+        echo.await.unwrap();
+        assert!(back == data, "the echo differs from what was sent");
     });
 }
 

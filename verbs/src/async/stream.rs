@@ -4,16 +4,18 @@
 //!
 //! Data goes as RDMA Writes with Immediate into a ring of slots the
 //! peer registered (its address and rkey travel in the connection's
-//! private data, 12 bytes: address then rkey, little endian): each side
-//! registers one region holding `slots` ring slots (written by the peer),
-//! `slots` send slots (each `slot_size` bytes) where a message is staged,
-//! and small buffers for control messages. The ring slot a message goes
-//! to is the sender's choice, in turn (0, 1, ..., `slots - 1`, 0, ...),
-//! and the Immediate Data names it; the Immediate consumes one of the
-//! receives the peer keeps posted, which are only tokens (16-byte
-//! buffers, reposted at once) for that and for control messages. Credit
-//! updates are Sends of a bare header into those buffers. A message is a
-//! 16-byte header then its payload:
+//! private data, 12 bytes: address then rkey, little endian), where the
+//! connection runs Write with Immediate natively (stag0 to stag0), and as
+//! Sends into the peer's posted receives where it does not (libibverbs
+//! devices, whose 4-byte immediate stag emulates with three work
+//! requests and an agent: a Send is cheaper there). Each side registers
+//! one region holding `slots` ring slots (written by the peer), `slots`
+//! send slots where a message is staged, `slots` + [`CONTROL_SLOTS`]
+//! receive slots (each `slot_size` bytes) and small control buffers. A
+//! ring slot is the sender's choice, in turn (0, 1, ..., `slots - 1`,
+//! 0, ...), and the Immediate Data names it; the Immediate consumes a
+//! receive, which is reposted at once. Credit updates are Sends of a bare
+//! header. A message is a 16-byte header then its payload:
 //!
 //! | bytes | field |
 //! |---|---|
@@ -23,18 +25,19 @@
 //! | 12..16 | payload length |
 //!
 //! **Credits.** A side may have at most `slots` data messages (ring
-//! slots) and [`CONTROL_SLOTS`] control messages (credit updates)
-//! unanswered. The reader empties ring slots in the order they were
-//! written (RC order), so a credit says which slot is free next: the
-//! oldest one. A ring slot's credit goes back once the reader has taken
-//! all its bytes, on the next message of any kind; a side with nothing
-//! to send returns credits in a credit update once half the window is
-//! free, spending a control credit (whose receive the peer reposts at
-//! once and returns on its next message). So returning credits never
-//! needs data credits, and two writers that both stopped reading block
-//! each other only as two TCP sockets with full buffers do. The
-//! receives outnumber what may be outstanding (`slots` data plus
-//! [`CONTROL_SLOTS`] control), so an Immediate always finds one.
+//! slots, or receives) and [`CONTROL_SLOTS`] control messages (credit
+//! updates) unanswered. The reader empties ring slots in the order they
+//! were written (RC order), so a credit says which slot is free next:
+//! the oldest one. A data message's credit goes back once the reader has
+//! taken all its bytes (a receive that held them is reposted then), on
+//! the next message of any kind; a side with nothing to send returns
+//! credits in a credit update once half the window is free, spending a
+//! control credit (whose receive the peer reposts at once and returns on
+//! its next message). So returning credits never needs data credits, and
+//! two writers that both stopped reading block each other only as two
+//! TCP sockets with full buffers do. The receives outnumber what may be
+//! outstanding (`slots` data plus [`CONTROL_SLOTS`] control), so a
+//! message always finds one.
 //!
 //! **Backpressure.** `poll_write` is pending while the peer has no free
 //! receive (no data credit) or every send slot is still in flight.
@@ -44,17 +47,14 @@
 //! before it, then end of stream. A stream dropped without shutdown
 //! drops the connection: the peer's reads fail with `ConnectionReset`.
 //!
-//! **Why Writes with Immediate, not Sends.** Both cost one message and
-//! one receive per chunk, but on stag0 a Send's payload is read from the
-//! socket into a buffer of the driver and copied again into the receive
-//! (only tagged segments, RDMA Writes, are placed straight from the
-//! socket into registered memory). Session 8's profile of the reader
+//! **Why Writes with Immediate, where native.** Both cost one message
+//! and one receive per chunk, but on stag0 a Send's payload is read from
+//! the socket into a buffer of the driver and copied again into the
+//! receive (only tagged segments, RDMA Writes, are placed straight from
+//! the socket into registered memory). Session 8's profile of the reader
 //! (`perf record -g`, 1 MiB writes, Sends) had 29% of its samples in the
 //! engine thread's `memmove` into the receive, more than its socket reads
-//! (`_copy_to_iter`, 8%); with Writes that copy is gone. On devices
-//! without Write with Immediate (kernel siw) it is emulated (a Write, a
-//! mailbox Write and a zero-length Send), which is still one message's
-//! worth of data.
+//! (`_copy_to_iter`, 8%); with Writes that copy is gone (4% left).
 //!
 //! **Where the time goes** (session 7, Sends; see the README's async
 //! table for the figures since): under load the writer spent most of
@@ -74,6 +74,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::cq::AsyncCompletionQueue;
 use super::AsyncListener;
+use crate::caps::OpKind;
 use crate::cm::ConnectOptions;
 use crate::cq::{Completion, CompletionKind, WcStatus};
 use crate::error::{Error, Result};
@@ -156,7 +157,7 @@ impl StreamOptions {
     }
 
     fn recv_offset(&self, i: usize) -> usize {
-        2 * self.slots * self.slot_size + i * HEADER
+        (2 * self.slots + i) * self.slot_size
     }
 
     fn control_offset(&self, i: usize) -> usize {
@@ -208,15 +209,18 @@ struct StreamShared {
     mr: MemoryRegion,
     /// The peer's ring (its slot 0).
     peer_ring: Remote,
+    /// Data goes as Writes with Immediate into `peer_ring` (this
+    /// connection runs them natively), else as Sends.
+    write_imm: bool,
     opts: StreamOptions,
     state: Mutex<StreamState>,
 }
 
 #[derive(Default)]
 struct StreamState {
-    /// Received data not yet read, oldest ring slot first: (next byte,
-    /// end) in the region.
-    inbox: VecDeque<(usize, usize)>,
+    /// Received data not yet read, oldest first: (the receive it came
+    /// in, for a Send; next byte, end) in the region.
+    inbox: VecDeque<(Option<usize>, usize, usize)>,
     /// The peer sent close: after `inbox`, end of stream.
     peer_closed: bool,
     /// The connection failed (a flushed or failed completion).
@@ -298,7 +302,7 @@ impl RdmaStream {
             for i in 0..opts.recv_slots() {
                 qp.post_recv(
                     TAG_RECV | i as u64,
-                    &[mr.slice(opts.recv_offset(i), HEADER)?],
+                    &[mr.slice(opts.recv_offset(i), opts.slot_size)?],
                 )?;
             }
             Ok(())
@@ -329,12 +333,14 @@ impl RdmaStream {
             free_control: (0..CONTROL_SLOTS).collect(),
             ..StreamState::default()
         };
+        let write_imm = qp.capabilities().get(OpKind::WriteImm).is_native();
         Ok(RdmaStream {
             shared: Arc::new(StreamShared {
                 qp,
                 cq,
                 mr,
                 peer_ring,
+                write_imm,
                 opts,
                 state: Mutex::new(state),
             }),
@@ -430,8 +436,7 @@ impl StreamShared {
                 self.received(st, ring as usize);
             }
             (TAG_RECV, CompletionKind::Recv { len, .. }) => {
-                self.control_received(st, slot, len as usize);
-                self.repost(st, slot);
+                self.send_received(st, slot, len as usize)
             }
             _ => {}
         }
@@ -461,7 +466,8 @@ impl StreamShared {
         let payload = len.min(self.opts.slot_size - HEADER);
         match kind {
             KIND_DATA if payload > 0 => {
-                st.inbox.push_back((base + HEADER, base + HEADER + payload))
+                st.inbox
+                    .push_back((None, base + HEADER, base + HEADER + payload))
             }
             KIND_CLOSE => {
                 st.peer_closed = true;
@@ -472,19 +478,40 @@ impl StreamShared {
         }
     }
 
-    /// A Send (credit update) landed in receive buffer `slot`.
-    fn control_received(&self, st: &mut StreamState, slot: usize, len: usize) {
+    /// A Send landed in receive `slot`: a credit update, or data (or a
+    /// close) from a peer whose connection has no native Write with
+    /// Immediate.
+    fn send_received(&self, st: &mut StreamState, slot: usize, len: usize) {
+        let base = self.opts.recv_offset(slot);
         let header = (len >= HEADER)
-            .then(|| self.read_header(self.opts.recv_offset(slot)).ok())
+            .then(|| self.read_header(base).ok())
             .flatten();
-        let Some((kind, data, control, _)) = header else {
+        let Some((kind, data, control, payload)) = header else {
             st.broken.get_or_insert(WcStatus::LocLenErr);
             return;
         };
         st.data_credits += data;
         st.control_credits += control;
-        if kind == KIND_CREDIT {
-            st.control_owed += 1;
+        let payload = payload.min(len - HEADER);
+        match kind {
+            // Reposted once read.
+            KIND_DATA if payload > 0 => {
+                st.inbox
+                    .push_back((Some(slot), base + HEADER, base + HEADER + payload))
+            }
+            KIND_CREDIT => {
+                self.repost(st, slot);
+                st.control_owed += 1;
+            }
+            KIND_CLOSE => {
+                st.peer_closed = true;
+                self.repost(st, slot);
+                st.data_owed += 1;
+            }
+            _ => {
+                self.repost(st, slot);
+                st.data_owed += 1;
+            }
         }
     }
 
@@ -493,7 +520,7 @@ impl StreamShared {
     fn repost(&self, st: &mut StreamState, slot: usize) {
         let posted = self
             .mr
-            .slice(self.opts.recv_offset(slot), HEADER)
+            .slice(self.opts.recv_offset(slot), self.opts.slot_size)
             .and_then(|s| self.qp.post_recv(TAG_RECV | slot as u64, &[s]));
         if posted.is_err() {
             st.broken.get_or_insert(WcStatus::LocQpOpErr);
@@ -594,12 +621,16 @@ impl StreamShared {
             .enumerate()
             .map(|(k, (slice, &i))| {
                 let ring = (st.ring_next + k) % self.opts.slots;
-                let op = SendOp::WriteImm {
-                    remote: Remote {
-                        addr: self.peer_ring.addr + self.opts.ring_offset(ring) as u64,
-                        rkey: self.peer_ring.rkey,
-                    },
-                    imm: ring as u64,
+                let op = if self.write_imm {
+                    SendOp::WriteImm {
+                        remote: Remote {
+                            addr: self.peer_ring.addr + self.opts.ring_offset(ring) as u64,
+                            rkey: self.peer_ring.rkey,
+                        },
+                        imm: ring as u64,
+                    }
+                } else {
+                    send_op()
                 };
                 WorkRequest::new(TAG_SEND | i as u64, op, std::slice::from_ref(slice))
             })
@@ -661,7 +692,7 @@ impl AsyncRead for RdmaStream {
         loop {
             // As much as `buf` takes, across the messages that arrived.
             let mut took = false;
-            while let Some(&(at, end)) = st.inbox.front() {
+            while let Some(&(recv, at, end)) = st.inbox.front() {
                 if buf.remaining() == 0 {
                     break;
                 }
@@ -673,9 +704,12 @@ impl AsyncRead for RdmaStream {
                 if at + n == end {
                     // Ring slots empty in the order they were written.
                     st.inbox.pop_front();
+                    if let Some(slot) = recv {
+                        sh.repost(&mut st, slot);
+                    }
                     st.data_owed += 1;
                 } else if let Some(front) = st.inbox.front_mut() {
-                    front.0 = at + n;
+                    front.1 = at + n;
                 }
             }
             if took {
