@@ -30,11 +30,15 @@ use tonic::transport::{Endpoint, Server};
 type Res<T> = Result<T, Box<dyn Error>>;
 
 /// The streams' shape; `GRPC_SPIN_US` sets their CQs' spin
-/// (`StreamOptions::spin`), unset the default.
+/// (`StreamOptions::spin`), unset the default; `GRPC_SENDS` set: data as
+/// Sends (`StreamOptions::write_imm` false).
 fn stream_options() -> Res<StreamOptions> {
     let mut o = StreamOptions::default();
     if let Ok(v) = std::env::var("GRPC_SPIN_US") {
         o.spin = Duration::from_micros(v.parse()?);
+    }
+    if std::env::var_os("GRPC_SENDS").is_some() {
+        o.write_imm = false;
     }
     Ok(o)
 }

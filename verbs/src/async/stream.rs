@@ -109,6 +109,10 @@ pub struct StreamOptions {
     /// [`DEFAULT_SPIN`](Self::DEFAULT_SPIN) by default, zero to sleep at
     /// once. Local: the peer's may differ.
     pub spin: std::time::Duration,
+    /// Send data as Writes with Immediate into the peer's ring where the
+    /// connection runs them natively (true by default); false: always as
+    /// Sends. Local: the peer reads either.
+    pub write_imm: bool,
 }
 
 impl Default for StreamOptions {
@@ -117,6 +121,7 @@ impl Default for StreamOptions {
             slots: 16,
             slot_size: 64 * 1024,
             spin: StreamOptions::DEFAULT_SPIN,
+            write_imm: true,
         }
     }
 }
@@ -333,7 +338,7 @@ impl RdmaStream {
             free_control: (0..CONTROL_SLOTS).collect(),
             ..StreamState::default()
         };
-        let write_imm = qp.capabilities().get(OpKind::WriteImm).is_native();
+        let write_imm = opts.write_imm && qp.capabilities().get(OpKind::WriteImm).is_native();
         Ok(RdmaStream {
             shared: Arc::new(StreamShared {
                 qp,
