@@ -69,11 +69,13 @@ impl AsRawFd for CqFd {
 /// measured (`taskset -c 0` on both sides: 31 µs; every run in the mode
 /// whenever a CPU hog held the other core). So a spin yields at every empty
 /// look, which on a core of its own is one cheap syscall. The other
-/// neighbour is a thread that runs until preempted (another program's busy
-/// loop): a yield to it costs a whole time slice (milliseconds), so after a
-/// yield that kept the core away for `YIELD_SLOW` (200 µs) the spin keeps its core
-/// for `YIELD_AFTER` (20 µs) before each yield, until a yield comes back quickly
-/// again.
+/// neighbour is a thread that runs until preempted (another program's
+/// busy loop): a yield to it costs a whole time slice (milliseconds), so
+/// for 50 ms after a yield that kept the core away for 200 µs the spin
+/// goes back to keeping its core for 20 µs before each yield, as before.
+/// A ping-pong whose two processes share a core with such a thread still
+/// runs at ~31 µs then (seen at load 10); one whose processes have the
+/// cores, or share one only with each other, runs at 5-10 µs.
 #[derive(Clone)]
 pub struct AsyncCompletionQueue {
     pub(super) shared: Arc<Shared>,
@@ -97,8 +99,11 @@ pub(super) struct Shared {
     /// Since when every look found the CQ empty (while spinning).
     idle_since: Mutex<Option<Instant>>,
     /// After how long an empty spin yields the thread at each look
-    /// (nanoseconds): zero, or [`YIELD_AFTER`] after a slow yield.
-    yield_after_ns: AtomicU64,
+    /// (zero), until this many nanoseconds after `epoch`, set by a slow
+    /// yield; [`YIELD_AFTER`] before then.
+    slow_until_ns: AtomicU64,
+    /// When the CQ was wrapped: the origin of `slow_until_ns`.
+    epoch: Instant,
 }
 
 #[derive(Default)]
@@ -133,6 +138,14 @@ const YIELD_AFTER: Duration = Duration::from_micros(20);
 /// that had a few microseconds of work, such as the peer's spinning task
 /// answering a ping.
 const YIELD_SLOW: Duration = Duration::from_micros(200);
+
+/// How long a slow yield keeps the spin from yielding before
+/// [`YIELD_AFTER`]: a core shared with a thread that runs until preempted
+/// stays shared for a while, and on a loaded machine a quick yield now and
+/// then says little (session 8: tonic unary calls with 1 ms spins at load
+/// 10 took 125-470 µs when every quick yield went back to yielding at
+/// once, as a fixed 20 µs did 130-280).
+const SLOW_HOLD: Duration = Duration::from_millis(50);
 
 /// Completions taken from the CQ per round.
 const DRAIN: usize = 64;
@@ -174,7 +187,8 @@ impl AsyncCompletionQueue {
                 state: Mutex::new(State::default()),
                 spin,
                 idle_since: Mutex::new(None),
-                yield_after_ns: AtomicU64::new(0),
+                slow_until_ns: AtomicU64::new(0),
+                epoch: Instant::now(),
             }),
         })
     }
@@ -265,22 +279,19 @@ impl Shared {
         if idle >= self.spin {
             return false;
         }
-        let yield_after = Duration::from_nanos(self.yield_after_ns.load(Ordering::Relaxed));
-        if idle >= yield_after {
+        let since_epoch = |t: Instant| t.duration_since(self.epoch).as_nanos() as u64;
+        let slow = since_epoch(now) < self.slow_until_ns.load(Ordering::Relaxed);
+        if !slow || idle >= YIELD_AFTER {
             // Let this core's other runnable threads in (see "Spinning"
             // above): the peer's spinning task when the scheduler put
             // both on this core, or the device's engine. How long the
             // core was gone says which kind of neighbour it was.
-            let t = Instant::now();
             std::thread::yield_now();
-            let gone = t.elapsed();
-            let next = if gone >= YIELD_SLOW {
-                YIELD_AFTER
-            } else {
-                Duration::ZERO
-            };
-            self.yield_after_ns
-                .store(next.as_nanos() as u64, Ordering::Relaxed);
+            let back = Instant::now();
+            if back.duration_since(now) >= YIELD_SLOW {
+                self.slow_until_ns
+                    .store(since_epoch(back + SLOW_HOLD), Ordering::Relaxed);
+            }
         }
         cx.waker().wake_by_ref();
         true
