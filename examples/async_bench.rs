@@ -60,17 +60,21 @@ fn spin() -> Res<std::time::Duration> {
 
 /// `ASYNC_BENCH_SLOT_KIB` / `ASYNC_BENCH_SLOTS`: the RdmaStream's shape
 /// (both sides must agree); unset, `StreamOptions::default()`. Its CQ
-/// spins `ASYNC_BENCH_SPIN_US`.
+/// spins `ASYNC_BENCH_SPIN_US` (unset: the default spin);
+/// `ASYNC_BENCH_SENDS` set: data as Sends, not Writes with Immediate.
 fn stream_options() -> Res<StreamOptions> {
-    let mut o = StreamOptions {
-        spin: spin()?,
-        ..StreamOptions::default()
-    };
+    let mut o = StreamOptions::default();
+    if std::env::var_os("ASYNC_BENCH_SPIN_US").is_some() {
+        o.spin = spin()?;
+    }
     if let Ok(v) = std::env::var("ASYNC_BENCH_SLOT_KIB") {
         o.slot_size = v.parse::<usize>()? * 1024;
     }
     if let Ok(v) = std::env::var("ASYNC_BENCH_SLOTS") {
         o.slots = v.parse()?;
+    }
+    if std::env::var_os("ASYNC_BENCH_SENDS").is_some() {
+        o.write_imm = false;
     }
     Ok(o)
 }

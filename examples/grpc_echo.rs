@@ -30,16 +30,17 @@ use tonic::transport::{Endpoint, Server};
 type Res<T> = Result<T, Box<dyn Error>>;
 
 /// The streams' shape; `GRPC_SPIN_US` sets their CQs' spin
-/// (`StreamOptions::spin`), unset none.
+/// (`StreamOptions::spin`), unset the default; `GRPC_SENDS` set: data as
+/// Sends (`StreamOptions::write_imm` false).
 fn stream_options() -> Res<StreamOptions> {
-    let us: u64 = match std::env::var("GRPC_SPIN_US") {
-        Ok(v) => v.parse()?,
-        Err(_) => 0,
-    };
-    Ok(StreamOptions {
-        spin: Duration::from_micros(us),
-        ..StreamOptions::default()
-    })
+    let mut o = StreamOptions::default();
+    if let Ok(v) = std::env::var("GRPC_SPIN_US") {
+        o.spin = Duration::from_micros(v.parse()?);
+    }
+    if std::env::var_os("GRPC_SENDS").is_some() {
+        o.write_imm = false;
+    }
+    Ok(o)
 }
 
 #[tokio::main(flavor = "current_thread")]

@@ -9,10 +9,11 @@
 #     trip of one Op future), against `stag lat` for the same op, busy
 #     polling and --blocking (event-driven, as the runtime is); and the
 #     same with the CQ spinning SPIN_US before it sleeps, against busy;
-#   - RdmaStream, 1 MiB writes, against `stag bw write -s 1048576` and a
-#     tokio TcpStream;
+#   - RdmaStream, 1 MiB writes (its defaults; no CQ spin; Sends), against
+#     `stag bw write -s 1048576` and a tokio TcpStream;
 #   - tonic unary RPC latency (examples/grpc_echo.rs, GRPC_CALLS calls)
-#     over RdmaStream against tonic over TCP.
+#     over RdmaStream (CQ spin none; SPIN_US; SPIN_US with Sends)
+#     against tonic over TCP.
 #
 #   scripts/bench/bench-async.sh   (ROUNDS=3 ITERS=5000 MIB=512 SPIN_US=1000 OUT=target/bench-async)
 set -euo pipefail
@@ -102,12 +103,19 @@ for round in $(seq "$ROUNDS"); do
     pair stag-bw-write $STAG bw write -s 1048576 -n "$BW_ITERS" -p $port --json -- \
         $STAG bw write -s 1048576 -n "$BW_ITERS" -p $port --json 127.0.0.1
     pair rdma-stream $BENCH server stream $port -- $BENCH client stream 127.0.0.1:$port "$MIB"
+    pair rdma-stream-nospin env ASYNC_BENCH_SPIN_US=0 $BENCH server stream $port -- \
+        env ASYNC_BENCH_SPIN_US=0 $BENCH client stream 127.0.0.1:$port "$MIB"
+    pair rdma-stream-sends env ASYNC_BENCH_SENDS=1 $BENCH server stream $port -- \
+        env ASYNC_BENCH_SENDS=1 $BENCH client stream 127.0.0.1:$port "$MIB"
     pair tcp-stream $BENCH server tcp $port -- $BENCH client tcp 127.0.0.1:$port "$MIB"
     for t in rdma tcp; do
-        serve "grpc-unary-$t" $GRPC server $t $port -- $GRPC client $t 127.0.0.1:$port "$GRPC_CALLS"
+        serve "grpc-unary-$t" env GRPC_SPIN_US=0 $GRPC server $t $port -- \
+            env GRPC_SPIN_US=0 $GRPC client $t 127.0.0.1:$port "$GRPC_CALLS"
     done
     serve grpc-unary-rdma-spin env GRPC_SPIN_US=$SPIN_US $GRPC server rdma $port -- \
         env GRPC_SPIN_US=$SPIN_US $GRPC client rdma 127.0.0.1:$port "$GRPC_CALLS"
+    serve grpc-unary-rdma-spin-sends env GRPC_SENDS=1 GRPC_SPIN_US=$SPIN_US $GRPC server rdma $port -- \
+        env GRPC_SENDS=1 GRPC_SPIN_US=$SPIN_US $GRPC client rdma 127.0.0.1:$port "$GRPC_CALLS"
 done
 
 python3 - "$OUT" <<'PY'
@@ -142,13 +150,21 @@ for op in ["send", "write-imm", "fetch-add"]:
 st, sb, tc = bw("rdma-stream"), bw("stag-bw-write"), bw("tcp-stream")
 rows.append(f"| RdmaStream 1 MiB (MB/s) | {st:.0f} | stag bw write {sb:.0f} | {st/sb:.2f}× | ≥ 0.8× |")
 rows.append(f"| RdmaStream 1 MiB (MB/s) | {st:.0f} | tokio TcpStream {tc:.0f} | {st/tc:.2f}× | ≥ 0.8× |")
-report["stream"] = {"rdma_stream_mb_s": st, "stag_bw_write_mb_s": sb, "tcp_mb_s": tc}
+sn = bw("rdma-stream-nospin")
+rows.append(f"| RdmaStream 1 MiB, CQ spin 0 (MB/s) | {sn:.0f} | tokio TcpStream {tc:.0f} | {sn/tc:.2f}× | (compare) |")
+ss = bw("rdma-stream-sends")
+rows.append(f"| RdmaStream 1 MiB, Sends (MB/s) | {ss:.0f} | tokio TcpStream {tc:.0f} | {ss/tc:.2f}× | (compare) |")
+report["stream"] = {"rdma_stream_mb_s": st, "rdma_stream_nospin_mb_s": sn,
+                    "rdma_stream_sends_mb_s": ss, "stag_bw_write_mb_s": sb, "tcp_mb_s": tc}
 gr, gt = lat("grpc-unary-rdma"), lat("grpc-unary-tcp")
 rows.append(f"| tonic unary RPC latency (µs, median) | {gr:.1f} | tonic over TCP {gt:.1f} | {gr/gt:.2f}× | (compare) |")
 report["grpc-unary"] = {"rdma_us": gr, "tcp_us": gt, "ratio": gr / gt}
 gs = lat("grpc-unary-rdma-spin")
 rows.append(f"| tonic unary RPC latency, stream CQ spin (µs, median) | {gs:.1f} | tonic over TCP {gt:.1f} | {gs/gt:.2f}× | (compare) |")
 report["grpc-unary-spin"] = {"rdma_us": gs, "tcp_us": gt, "ratio": gs / gt}
+gss = lat("grpc-unary-rdma-spin-sends")
+rows.append(f"| tonic unary RPC latency, stream CQ spin, Sends (µs, median) | {gss:.1f} | tonic over TCP {gt:.1f} | {gss/gt:.2f}× | (compare) |")
+report["grpc-unary-spin-sends"] = {"rdma_us": gss, "tcp_us": gt, "ratio": gss / gt}
 (out / "report.md").write_text("\n".join(rows) + "\n")
 (out / "report.json").write_text(json.dumps(report, indent=2))
 print("\n".join(rows))

@@ -16,8 +16,8 @@ use verbs::r#async::{
     AsyncCompletionQueue, AsyncListener, AsyncQueuePair, Op, OpError, RdmaStream, StreamOptions,
 };
 use verbs::{
-    CompletionKind, ConnectOptions, Context, DeregisterError, MemoryRegion, ProtectionDomain,
-    WcStatus,
+    CompletionKind, ConnectOptions, Context, ContextOptions, DeregisterError, MemoryRegion, OpKind,
+    ProtectionDomain, WcStatus,
 };
 
 /// Nothing here may take longer: a hang fails the test instead.
@@ -423,8 +423,16 @@ fn a_peer_that_disconnects_mid_flight_fails_every_future() {
 }
 
 async fn stream_pair(opts: StreamOptions) -> (RdmaStream, RdmaStream, Context, Context) {
+    stream_pair_on(opts, &ContextOptions::default()).await
+}
+
+/// [`stream_pair`] whose client opens its device with `client`.
+async fn stream_pair_on(
+    opts: StreamOptions,
+    client: &ContextOptions,
+) -> (RdmaStream, RdmaStream, Context, Context) {
     let sctx = Context::open(&device()).unwrap();
-    let cctx = Context::open(&device()).unwrap();
+    let cctx = Context::open_with(&device(), client).unwrap();
     let spd = sctx.alloc_pd().unwrap();
     let cpd = cctx.alloc_pd().unwrap();
     let listener = AsyncListener::bind(&sctx, listen_addr()).unwrap();
@@ -438,6 +446,90 @@ async fn stream_pair(opts: StreamOptions) -> (RdmaStream, RdmaStream, Context, C
 
 fn pattern(n: usize) -> Vec<u8> {
     (0..n).map(|i| (i * 131 % 251) as u8).collect()
+}
+
+/// The smallest ring there is (two slots of 32 payload bytes): the
+/// writer's messages go round the peer's ring thousands of times, each
+/// write a post list of two, and the reader takes them with reads that
+/// straddle slots; every byte arrives in order.
+#[test]
+fn a_two_slot_ring_wraps_thousands_of_times_in_order() {
+    multi_thread().block_on(async {
+        let opts = StreamOptions {
+            slots: 2,
+            slot_size: 48,
+            ..StreamOptions::default()
+        };
+        let (mut c, mut s, _cc, _sc) = stream_pair(opts).await;
+        let data = pattern(200_000);
+        let send = data.clone();
+        let writer = tokio::spawn(async move {
+            for chunk in send.chunks(7_919) {
+                c.write_all(chunk).await.unwrap();
+            }
+            c.shutdown().await.unwrap();
+            c
+        });
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1_000];
+        loop {
+            let n = tokio::time::timeout(LIMIT, s.read(&mut buf))
+                .await
+                .expect("in time")
+                .unwrap();
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&buf[..n]);
+        }
+        let _c = writer.await.unwrap();
+        assert_eq!(got.len(), data.len());
+        assert!(got == data, "the bytes differ from what was sent");
+    });
+}
+
+/// Where the connection has no native Write with Immediate (here one end
+/// forces its emulation, as a libibverbs device has it) the stream's
+/// data goes as Sends, and every byte still arrives in order.
+#[test]
+fn without_native_write_imm_a_stream_sends_its_data() {
+    multi_thread().block_on(async {
+        let opts = StreamOptions {
+            slots: 3,
+            slot_size: 4096,
+            ..StreamOptions::default()
+        };
+        let forced = ContextOptions {
+            force_emulation: vec![OpKind::WriteImm],
+            ..ContextOptions::default()
+        };
+        let (c, s, _cc, _sc) = stream_pair_on(opts, &forced).await;
+        // The client sends. On stag0 the server (whose peer's device
+        // runs them) writes with Immediate: the echo takes both paths.
+        assert!(!c.qp().capabilities().get(OpKind::WriteImm).is_native());
+        let echo = tokio::spawn(async move {
+            let (mut r, mut w) = tokio::io::split(s);
+            tokio::io::copy(&mut r, &mut w).await.unwrap();
+            w.shutdown().await.unwrap();
+        });
+        let data = pattern(300_000);
+        let (mut r, mut w) = tokio::io::split(c);
+        let send = data.clone();
+        let writer = tokio::spawn(async move {
+            for chunk in send.chunks(10_007) {
+                w.write_all(chunk).await.unwrap();
+            }
+            w.shutdown().await.unwrap();
+        });
+        let mut back = Vec::new();
+        tokio::time::timeout(LIMIT, r.read_to_end(&mut back))
+            .await
+            .expect("in time")
+            .unwrap();
+        writer.await.unwrap();
+        echo.await.unwrap();
+        assert!(back == data, "the echo differs from what was sent");
+    });
 }
 
 #[test]

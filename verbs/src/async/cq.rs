@@ -58,6 +58,24 @@ impl AsRawFd for CqFd {
 /// tasks run between looks), but its thread never idles while a spin
 /// lasts: use it where a core is given to the runtime, as with busy
 /// polling.
+///
+/// A spinning task also yields its thread (`sched_yield`) between looks,
+/// because the thread that will produce the completion may be waiting for
+/// this very core. Over loopback the scheduler often puts both processes of
+/// a ping-pong on one core (the peer's Send wakes the sleeping side from
+/// the sender's core, and the wake-up places it there), and then a spin
+/// that kept the core for 20 µs before yielding made every half round trip
+/// cost those 20 µs: this was the "bimodal" ~31 µs mode of session 7,
+/// measured (`taskset -c 0` on both sides: 31 µs; every run in the mode
+/// whenever a CPU hog held the other core). So a spin yields at every empty
+/// look, which on a core of its own is one cheap syscall. The other
+/// neighbour is a thread that runs until preempted (another program's
+/// busy loop): a yield to it costs a whole time slice (milliseconds), so
+/// for 50 ms after a yield that kept the core away for 200 µs the spin
+/// goes back to keeping its core for 20 µs before each yield, as before.
+/// A ping-pong whose two processes share a core with such a thread still
+/// runs at ~31 µs then (seen at load 10); one whose processes have the
+/// cores, or share one only with each other, runs at 5-10 µs.
 #[derive(Clone)]
 pub struct AsyncCompletionQueue {
     pub(super) shared: Arc<Shared>,
@@ -80,6 +98,12 @@ pub(super) struct Shared {
     spin: Duration,
     /// Since when every look found the CQ empty (while spinning).
     idle_since: Mutex<Option<Instant>>,
+    /// After how long an empty spin yields the thread at each look
+    /// (zero), until this many nanoseconds after `epoch`, set by a slow
+    /// yield; [`YIELD_AFTER`] before then.
+    slow_until_ns: AtomicU64,
+    /// When the CQ was wrapped: the origin of `slow_until_ns`.
+    epoch: Instant,
 }
 
 #[derive(Default)]
@@ -105,8 +129,23 @@ enum Slot {
     Abandoned,
 }
 
-/// How long a spin looks without giving the core to other threads.
+/// How long a spin looks without giving the core to other threads, once a
+/// yield was found to cost a time slice.
 const YIELD_AFTER: Duration = Duration::from_micros(20);
+
+/// A yield that kept the core away this long gave it to a thread that
+/// runs until preempted (a time slice is milliseconds), not to a thread
+/// that had a few microseconds of work, such as the peer's spinning task
+/// answering a ping.
+const YIELD_SLOW: Duration = Duration::from_micros(200);
+
+/// How long a slow yield keeps the spin from yielding before
+/// [`YIELD_AFTER`]: a core shared with a thread that runs until preempted
+/// stays shared for a while, and on a loaded machine a quick yield now and
+/// then says little (session 8: tonic unary calls with 1 ms spins at load
+/// 10 took 125-470 µs when every quick yield went back to yielding at
+/// once, as a fixed 20 µs did 130-280).
+const SLOW_HOLD: Duration = Duration::from_millis(50);
 
 /// Completions taken from the CQ per round.
 const DRAIN: usize = 64;
@@ -126,17 +165,12 @@ impl AsyncCompletionQueue {
     /// for `spin`, and only then sleep: see "Spinning" above.
     ///
     /// On stag0, measured with `scripts/bench/bench-async.sh` (8-byte send
-    /// ping-pong, two processes, a 2-core machine at load 12-16), a run
-    /// settles in one of two modes: the spinning task drives the QP itself
-    /// (5-7 µs a half round trip, as `stag lat` busy polling), or the
-    /// engine thread keeps delivering (about 31 µs, as without spinning,
-    /// 28 µs). Which one a run takes varies from run to run; why the
-    /// spinning poller does not take the QP back from the engine in the
-    /// second is not found yet. A spin of 1 ms works best there (shorter
-    /// ones fell into the second mode more often). After
-    /// 20 µs of spinning each look also yields the thread, so
-    /// that an engine preempted by the spin gets the core: without that,
-    /// the second mode cost the whole spin per message.
+    /// ping-pong, two processes, 2 cores): 5-7 µs a half round trip when
+    /// the two processes run on two cores (as `stag lat` busy polling),
+    /// about 10 µs when the scheduler puts them on one core (both pinned
+    /// with `taskset -c 0`; `stag lat` busy polling costs a time slice,
+    /// 4 ms, there). A spin of 1 ms works well there: the CQ of a
+    /// ping-pong is never empty that long.
     #[allow(unsafe_code)]
     pub fn with_spin(cq: CompletionQueue, spin: Duration) -> Result<AsyncCompletionQueue> {
         tokio::runtime::Handle::try_current().map_err(std::io::Error::other)?;
@@ -153,6 +187,8 @@ impl AsyncCompletionQueue {
                 state: Mutex::new(State::default()),
                 spin,
                 idle_since: Mutex::new(None),
+                slow_until_ns: AtomicU64::new(0),
+                epoch: Instant::now(),
             }),
         })
     }
@@ -243,12 +279,19 @@ impl Shared {
         if idle >= self.spin {
             return false;
         }
-        if idle >= YIELD_AFTER {
-            // Let this core's other runnable threads in: the device's
-            // engine may hold the QP (after an arm) and have been
-            // preempted by this spin, so the completion would come only
-            // once the spin ran out.
+        let since_epoch = |t: Instant| t.duration_since(self.epoch).as_nanos() as u64;
+        let slow = since_epoch(now) < self.slow_until_ns.load(Ordering::Relaxed);
+        if !slow || idle >= YIELD_AFTER {
+            // Let this core's other runnable threads in (see "Spinning"
+            // above): the peer's spinning task when the scheduler put
+            // both on this core, or the device's engine. How long the
+            // core was gone says which kind of neighbour it was.
             std::thread::yield_now();
+            let back = Instant::now();
+            if back.duration_since(now) >= YIELD_SLOW {
+                self.slow_until_ns
+                    .store(since_epoch(back + SLOW_HOLD), Ordering::Relaxed);
+            }
         }
         cx.waker().wake_by_ref();
         true

@@ -2,10 +2,20 @@
 //!
 //! # Protocol
 //!
-//! Data goes as Sends into receives the peer posted in advance: each side
-//! registers one region holding `slots` receive slots, `slots` send slots
-//! (each `slot_size` bytes) and a few control slots. A message is a
-//! 16-byte header then its payload:
+//! Data goes as RDMA Writes with Immediate into a ring of slots the
+//! peer registered (its address and rkey travel in the connection's
+//! private data, 12 bytes: address then rkey, little endian), where the
+//! connection runs Write with Immediate natively (stag0 to stag0), and as
+//! Sends into the peer's posted receives where it does not (libibverbs
+//! devices, whose 4-byte immediate stag emulates with three work
+//! requests and an agent: a Send is cheaper there). Each side registers
+//! one region holding `slots` ring slots (written by the peer), `slots`
+//! send slots where a message is staged, `slots` + [`CONTROL_SLOTS`]
+//! receive slots (each `slot_size` bytes) and small control buffers. A
+//! ring slot is the sender's choice, in turn (0, 1, ..., `slots - 1`,
+//! 0, ...), and the Immediate Data names it; the Immediate consumes a
+//! receive, which is reposted at once. Credit updates are Sends of a bare
+//! header. A message is a 16-byte header then its payload:
 //!
 //! | bytes | field |
 //! |---|---|
@@ -14,16 +24,20 @@
 //! | 8..12 | control credits returned |
 //! | 12..16 | payload length |
 //!
-//! **Credits.** A side may have at most `slots` data messages and
-//! [`CONTROL_SLOTS`] control messages (credit updates) unanswered: the
-//! peer posted that many receives. A receive slot of data is reposted
-//! when the reader has taken all its bytes, and its credit goes back on
+//! **Credits.** A side may have at most `slots` data messages (ring
+//! slots, or receives) and [`CONTROL_SLOTS`] control messages (credit
+//! updates) unanswered. The reader empties ring slots in the order they
+//! were written (RC order), so a credit says which slot is free next:
+//! the oldest one. A data message's credit goes back once the reader has
+//! taken all its bytes (a receive that held them is reposted then), on
 //! the next message of any kind; a side with nothing to send returns
 //! credits in a credit update once half the window is free, spending a
 //! control credit (whose receive the peer reposts at once and returns on
 //! its next message). So returning credits never needs data credits, and
 //! two writers that both stopped reading block each other only as two
-//! TCP sockets with full buffers do.
+//! TCP sockets with full buffers do. The receives outnumber what may be
+//! outstanding (`slots` data plus [`CONTROL_SLOTS`] control), so a
+//! message always finds one.
 //!
 //! **Backpressure.** `poll_write` is pending while the peer has no free
 //! receive (no data credit) or every send slot is still in flight.
@@ -33,29 +47,21 @@
 //! before it, then end of stream. A stream dropped without shutdown
 //! drops the connection: the peer's reads fail with `ConnectionReset`.
 //!
-//! **Why Sends, not Writes with Immediate.** Both cost one message and
-//! one receive per chunk; Write with Immediate saves the receiver a copy
-//! only if the application reads from the ring in place, which
-//! `AsyncRead`'s caller-owned buffer does not allow, and on devices that
-//! lack Write with Immediate it is emulated (two work requests). Sends
-//! run natively everywhere and keep the ring management on the receiver.
+//! **Why Writes with Immediate, where native.** Both cost one message
+//! and one receive per chunk, but on stag0 a Send's payload is read from
+//! the socket into a buffer of the driver and copied again into the
+//! receive (only tagged segments, RDMA Writes, are placed straight from
+//! the socket into registered memory). Session 8's profile of the reader
+//! (`perf record -g`, 1 MiB writes, Sends) had 29% of its samples in the
+//! engine thread's `memmove` into the receive, more than its socket reads
+//! (`_copy_to_iter`, 8%); with Writes that copy is gone (4% left).
 //!
-//! **Where the time goes** (session 7, stag0, `perf record -g` of both
-//! sides of `async_bench ... stream`, 1 MiB writes). Under load (load
-//! average 13) the writer spent 84% in the kernel, mostly the TCP send's
-//! copy; the stream's own copy into a send slot (`memmove`) was 8% and
-//! CRC32c 2%. On a quieter machine (load 3) the stream ran at 0.37-0.55x
-//! of a tokio TcpStream while `stag bw write` ran above TCP, so there the
-//! stream's own costs matter: on the reader's side the device's engine
-//! thread does the socket reads (41% of the samples: `_copy_to_iter`) and
-//! hands each message's completion to the reading task, which wakes
-//! (`finish_task_switch` in both threads) and copies the bytes out again
-//! (`memmove` 6%). Next steps, not done: let the reader drive the QP
-//! itself (a spinning CQ, `StreamOptions::spin`, gained little: 1420 vs
-//! 1272 MB/s medians of 4), fewer and larger messages (256 KiB slots
-//! beat 64 KiB in one quiet run, 1799 vs 1272 MB/s, all samples apart,
-//! but not clearly in a second, so the default stays 16 x 64 KiB, about
-//! 2 MiB registered per side), and Writes with Immediate read in place.
+//! **Where the time goes** (session 7, Sends; `scripts/bench-async.sh`
+//! measures what changed since): under load the writer spent most of
+//! its time in the kernel (the TCP send's copy); its own copy into a
+//! send slot and CRC32c were a few percent each. The reader's engine
+//! thread did the socket reads and handed each message's completion to
+//! the reading task, which wakes and copies the bytes out once more.
 
 use std::collections::VecDeque;
 use std::io;
@@ -68,13 +74,14 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::cq::AsyncCompletionQueue;
 use super::AsyncListener;
+use crate::caps::OpKind;
 use crate::cm::ConnectOptions;
 use crate::cq::{Completion, CompletionKind, WcStatus};
 use crate::error::{Error, Result};
 use crate::mr::{Access, MemoryRegion};
 use crate::pd::ProtectionDomain;
 use crate::qp::{QpCaps, QueuePair, WorkRequest};
-use provider::wr::SendOp;
+use provider::wr::{Remote, SendOp};
 
 /// Control slots per side (credit updates in flight).
 pub const CONTROL_SLOTS: usize = 2;
@@ -98,9 +105,14 @@ pub struct StreamOptions {
     /// Bytes per slot, header included.
     pub slot_size: usize,
     /// The stream's CQ spins this long before sleeping
-    /// ([`AsyncCompletionQueue::with_spin`]); zero by default. Local:
-    /// the peer's may differ.
+    /// ([`AsyncCompletionQueue::with_spin`]);
+    /// [`DEFAULT_SPIN`](Self::DEFAULT_SPIN) by default, zero to sleep at
+    /// once. Local: the peer's may differ.
     pub spin: std::time::Duration,
+    /// Send data as Writes with Immediate into the peer's ring where the
+    /// connection runs them natively (true by default); false: always as
+    /// Sends. Local: the peer reads either.
+    pub write_imm: bool,
 }
 
 impl Default for StreamOptions {
@@ -108,12 +120,24 @@ impl Default for StreamOptions {
         StreamOptions {
             slots: 16,
             slot_size: 64 * 1024,
-            spin: std::time::Duration::ZERO,
+            spin: StreamOptions::DEFAULT_SPIN,
+            write_imm: true,
         }
     }
 }
 
 impl StreamOptions {
+    /// The spin of a stream's CQ by default ([`spin`](Self::spin)): while
+    /// bytes flow, the task reading or writing finds the next completion
+    /// itself, driving the QP from its own thread (on stag0 it reads the
+    /// socket), rather than sleeping until the device's engine thread has
+    /// read it and signalled the CQ: a hand-off and a wake-up per message.
+    /// Session 8, `async_bench ... stream`, 1 MiB writes, 6 alternating
+    /// rounds at load 4-5, medians: no spin 1416 MB/s, 50 µs 2056, 200 µs
+    /// 2879, 1 ms 1874, tokio's TcpStream 3005. An idle stream spins once,
+    /// this long, then sleeps.
+    pub const DEFAULT_SPIN: std::time::Duration = std::time::Duration::from_micros(200);
+
     fn check(&self) -> Result<()> {
         if self.slots < 2 || self.slot_size <= HEADER || self.slot_size > u32::MAX as usize {
             return Err(Error::InvalidRequest(
@@ -127,31 +151,41 @@ impl StreamOptions {
         self.slots + CONTROL_SLOTS
     }
 
-    /// Region layout: receive slots, send slots, control headers.
-    fn recv_offset(&self, i: usize) -> usize {
+    /// Region layout: ring slots (the peer writes them), send slots,
+    /// receive buffers, control headers.
+    fn ring_offset(&self, i: usize) -> usize {
         i * self.slot_size
     }
 
     fn send_offset(&self, i: usize) -> usize {
-        (self.recv_slots() + i) * self.slot_size
+        (self.slots + i) * self.slot_size
+    }
+
+    fn recv_offset(&self, i: usize) -> usize {
+        (2 * self.slots + i) * self.slot_size
     }
 
     fn control_offset(&self, i: usize) -> usize {
-        (self.recv_slots() + self.slots) * self.slot_size + i * HEADER
+        self.recv_offset(self.recv_slots()) + i * HEADER
     }
 
     fn region_len(&self) -> usize {
         self.control_offset(CONTROL_SLOTS)
     }
 
-    fn connect_options(&self) -> ConnectOptions {
+    /// `ring`: this side's ring, for the peer (private data).
+    fn connect_options(&self, ring: &MemoryRegion) -> ConnectOptions {
         let depth = (self.slots + CONTROL_SLOTS + 1) as u32;
+        let place = ring.remote(0);
+        let mut private_data = place.addr.to_le_bytes().to_vec();
+        private_data.extend_from_slice(&place.rkey.to_le_bytes());
         ConnectOptions {
             caps: QpCaps {
                 max_send_wr: depth,
                 max_recv_wr: depth,
                 max_sge: 1,
             },
+            private_data,
             ..ConnectOptions::default()
         }
     }
@@ -178,14 +212,20 @@ struct StreamShared {
     qp: QueuePair,
     cq: AsyncCompletionQueue,
     mr: MemoryRegion,
+    /// The peer's ring (its slot 0).
+    peer_ring: Remote,
+    /// Data goes as Writes with Immediate into `peer_ring` (this
+    /// connection runs them natively), else as Sends.
+    write_imm: bool,
     opts: StreamOptions,
     state: Mutex<StreamState>,
 }
 
 #[derive(Default)]
 struct StreamState {
-    /// Received data not yet read: (receive slot, next byte, end).
-    inbox: VecDeque<(usize, usize, usize)>,
+    /// Received data not yet read, oldest first: (the receive it came
+    /// in, for a Send; next byte, end) in the region.
+    inbox: VecDeque<(Option<usize>, usize, usize)>,
     /// The peer sent close: after `inbox`, end of stream.
     peer_closed: bool,
     /// The connection failed (a flushed or failed completion).
@@ -197,6 +237,8 @@ struct StreamState {
     /// Credits owed to the peer (receives reposted since the last return).
     data_owed: u32,
     control_owed: u32,
+    /// The peer's ring slot the next data message goes to.
+    ring_next: usize,
     /// Send slots free to fill, and control slots.
     free_send: Vec<usize>,
     free_control: Vec<usize>,
@@ -223,8 +265,9 @@ impl RdmaStream {
     ) -> Result<RdmaStream> {
         let (mr, cq) = Self::resources(pd, &opts)?;
         let pre = Self::pre_post(mr.clone(), opts);
-        let (qp, _) = super::connect_with(pd, &cq, addr, &opts.connect_options(), pre).await?;
-        Ok(Self::started(qp.qp().clone(), cq, mr, opts))
+        let (qp, private) =
+            super::connect_with(pd, &cq, addr, &opts.connect_options(&mr), pre).await?;
+        Self::started(qp.qp().clone(), cq, mr, &private, opts)
     }
 
     /// Accept the next connection of `listener` as a stream.
@@ -235,10 +278,10 @@ impl RdmaStream {
     ) -> Result<RdmaStream> {
         let (mr, cq) = Self::resources(pd, &opts)?;
         let pre = Self::pre_post(mr.clone(), opts);
-        let (qp, _) = listener
-            .accept_with(pd, &cq, &opts.connect_options(), pre)
+        let (qp, private) = listener
+            .accept_with(pd, &cq, &opts.connect_options(&mr), pre)
             .await?;
-        Ok(Self::started(qp.qp().clone(), cq, mr, opts))
+        Self::started(qp.qp().clone(), cq, mr, &private, opts)
     }
 
     fn resources(
@@ -246,13 +289,16 @@ impl RdmaStream {
         opts: &StreamOptions,
     ) -> Result<(MemoryRegion, AsyncCompletionQueue)> {
         opts.check()?;
-        let mr = pd.alloc_mr(opts.region_len(), Access::LOCAL_WRITE)?;
+        let mr = pd.alloc_mr(
+            opts.region_len(),
+            Access::LOCAL_WRITE.union(Access::REMOTE_WRITE),
+        )?;
         let depth = 2 * (opts.slots + CONTROL_SLOTS) as u32 + 2;
         let cq = AsyncCompletionQueue::with_spin(pd.context().create_cq(depth)?, opts.spin)?;
         Ok((mr, cq))
     }
 
-    /// Post every receive slot before the connection exists.
+    /// Post every receive before the connection exists.
     fn pre_post(
         mr: MemoryRegion,
         opts: StreamOptions,
@@ -272,8 +318,19 @@ impl RdmaStream {
         qp: QueuePair,
         cq: AsyncCompletionQueue,
         mr: MemoryRegion,
+        private: &[u8],
         opts: StreamOptions,
-    ) -> RdmaStream {
+    ) -> Result<RdmaStream> {
+        let (Some(addr), Some(rkey)) = (private.get(..8), private.get(8..12)) else {
+            // Dropping the QP disconnects: the peer's stream fails.
+            return Err(Error::InvalidRequest(
+                "the peer sent no ring in its private data: not an RdmaStream",
+            ));
+        };
+        let peer_ring = Remote {
+            addr: u64::from_le_bytes(addr.try_into().unwrap_or_default()),
+            rkey: u32::from_le_bytes(rkey.try_into().unwrap_or_default()),
+        };
         let state = StreamState {
             data_credits: opts.slots,
             control_credits: CONTROL_SLOTS,
@@ -281,15 +338,18 @@ impl RdmaStream {
             free_control: (0..CONTROL_SLOTS).collect(),
             ..StreamState::default()
         };
-        RdmaStream {
+        let write_imm = opts.write_imm && qp.capabilities().get(OpKind::WriteImm).is_native();
+        Ok(RdmaStream {
             shared: Arc::new(StreamShared {
                 qp,
                 cq,
                 mr,
+                peer_ring,
+                write_imm,
                 opts,
                 state: Mutex::new(state),
             }),
-        }
+        })
     }
 
     /// The QP underneath.
@@ -371,51 +431,104 @@ impl StreamShared {
                 st.in_flight -= 1;
                 st.free_control.push(slot);
             }
-            (TAG_RECV, CompletionKind::Recv { len, .. }) => self.received(st, slot, len as usize),
+            (
+                TAG_RECV,
+                CompletionKind::Recv {
+                    imm: Some(ring), ..
+                },
+            ) => {
+                self.repost(st, slot);
+                self.received(st, ring as usize);
+            }
+            (TAG_RECV, CompletionKind::Recv { len, .. }) => {
+                self.send_received(st, slot, len as usize)
+            }
             _ => {}
         }
     }
 
-    /// A message landed in receive slot `slot`.
-    fn received(&self, st: &mut StreamState, slot: usize, len: usize) {
-        let base = self.opts.recv_offset(slot);
+    /// Read a 16-byte header at `at`: (kind, data credits, control
+    /// credits, payload length).
+    fn read_header(&self, at: usize) -> Result<(u8, usize, usize, usize)> {
         let mut h = [0u8; HEADER];
-        if len < HEADER || self.mr.read_at(base, &mut h).is_err() {
-            st.broken = Some(WcStatus::LocLenErr);
+        self.mr.read_at(at, &mut h)?;
+        let word = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]) as usize;
+        Ok((h[0], word(4), word(8), word(12)))
+    }
+
+    /// A data (or close) message landed in ring slot `ring`.
+    fn received(&self, st: &mut StreamState, ring: usize) {
+        let base = self.opts.ring_offset(ring);
+        let header = (ring < self.opts.slots)
+            .then(|| self.read_header(base).ok())
+            .flatten();
+        let Some((kind, data, control, len)) = header else {
+            st.broken.get_or_insert(WcStatus::LocLenErr);
             return;
-        }
-        let word = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
-        st.data_credits += word(4) as usize;
-        st.control_credits += word(8) as usize;
-        let payload = (word(12) as usize).min(len - HEADER);
-        match h[0] {
+        };
+        st.data_credits += data;
+        st.control_credits += control;
+        let payload = len.min(self.opts.slot_size - HEADER);
+        match kind {
             KIND_DATA if payload > 0 => {
                 st.inbox
-                    .push_back((slot, base + HEADER, base + HEADER + payload))
+                    .push_back((None, base + HEADER, base + HEADER + payload))
             }
             KIND_CLOSE => {
                 st.peer_closed = true;
-                self.repost(st, slot, true);
+                st.data_owed += 1;
             }
-            KIND_CREDIT => self.repost(st, slot, false),
-            _ => self.repost(st, slot, true),
+            // The slot is empty: free at once.
+            _ => st.data_owed += 1,
         }
     }
 
-    /// Give receive slot `slot` back to the QP; its credit is owed.
-    fn repost(&self, st: &mut StreamState, slot: usize, data: bool) {
+    /// A Send landed in receive `slot`: a credit update, or data (or a
+    /// close) from a peer whose connection has no native Write with
+    /// Immediate.
+    fn send_received(&self, st: &mut StreamState, slot: usize, len: usize) {
+        let base = self.opts.recv_offset(slot);
+        let header = (len >= HEADER)
+            .then(|| self.read_header(base).ok())
+            .flatten();
+        let Some((kind, data, control, payload)) = header else {
+            st.broken.get_or_insert(WcStatus::LocLenErr);
+            return;
+        };
+        st.data_credits += data;
+        st.control_credits += control;
+        let payload = payload.min(len - HEADER);
+        match kind {
+            // Reposted once read.
+            KIND_DATA if payload > 0 => {
+                st.inbox
+                    .push_back((Some(slot), base + HEADER, base + HEADER + payload))
+            }
+            KIND_CREDIT => {
+                self.repost(st, slot);
+                st.control_owed += 1;
+            }
+            KIND_CLOSE => {
+                st.peer_closed = true;
+                self.repost(st, slot);
+                st.data_owed += 1;
+            }
+            _ => {
+                self.repost(st, slot);
+                st.data_owed += 1;
+            }
+        }
+    }
+
+    /// Give receive `slot` back to the QP (its credit, if any, is the
+    /// caller's to count).
+    fn repost(&self, st: &mut StreamState, slot: usize) {
         let posted = self
             .mr
             .slice(self.opts.recv_offset(slot), self.opts.slot_size)
             .and_then(|s| self.qp.post_recv(TAG_RECV | slot as u64, &[s]));
         if posted.is_err() {
             st.broken.get_or_insert(WcStatus::LocQpOpErr);
-            return;
-        }
-        if data {
-            st.data_owed += 1;
-        } else {
-            st.control_owed += 1;
         }
     }
 
@@ -458,33 +571,95 @@ impl StreamShared {
         h
     }
 
-    /// Post one data (or close) message of `payload`, when a send slot and
-    /// a data credit are free; `None` when not.
-    fn try_send(&self, st: &mut StreamState, kind: u8, payload: &[u8]) -> Result<Option<usize>> {
-        if st.data_credits == 0 {
+    /// Post as much of `payload` as the free send slots and data credits
+    /// take, one message of `kind` per slot (a close: one empty message),
+    /// each a Write with Immediate into the peer's next ring slot, as one
+    /// post list (on stag0 one write to the socket). The bytes posted, or
+    /// `None` when no slot or credit is free.
+    fn send_messages(
+        &self,
+        st: &mut StreamState,
+        kind: u8,
+        payload: &[u8],
+    ) -> Result<Option<usize>> {
+        let room = self.opts.slot_size - HEADER;
+        let mut slices = Vec::new();
+        let mut slots = Vec::new();
+        let mut at_byte = 0;
+        while (slots.is_empty() || at_byte < payload.len()) && slots.len() < st.data_credits {
+            let Some(i) = st.free_send.pop() else {
+                break;
+            };
+            slots.push(i);
+            let n = (payload.len() - at_byte).min(room);
+            let at = self.opts.send_offset(i);
+            // The first message returns every owed credit, the rest none.
+            let header = if slices.is_empty() {
+                self.header(st, kind, n)
+            } else {
+                plain_header(kind, n)
+            };
+            let filled = self
+                .mr
+                .write_at(at, &header)
+                .and_then(|()| {
+                    self.mr
+                        .write_at(at + HEADER, &payload[at_byte..at_byte + n])
+                })
+                .and_then(|()| self.mr.slice(at, HEADER + n));
+            match filled {
+                Ok(slice) => slices.push(slice),
+                Err(e) => {
+                    st.free_send.extend(slots);
+                    return Err(e);
+                }
+            }
+            at_byte += n;
+        }
+        if slices.is_empty() {
+            st.free_send.extend(slots);
             return Ok(None);
         }
-        let Some(i) = st.free_send.pop() else {
-            return Ok(None);
+        let wrs: Vec<WorkRequest<'_>> = slices
+            .iter()
+            .zip(&slots)
+            .enumerate()
+            .map(|(k, (slice, &i))| {
+                let ring = (st.ring_next + k) % self.opts.slots;
+                let op = if self.write_imm {
+                    SendOp::WriteImm {
+                        remote: Remote {
+                            addr: self.peer_ring.addr + self.opts.ring_offset(ring) as u64,
+                            rkey: self.peer_ring.rkey,
+                        },
+                        imm: ring as u64,
+                    }
+                } else {
+                    send_op()
+                };
+                WorkRequest::new(TAG_SEND | i as u64, op, std::slice::from_ref(slice))
+            })
+            .collect();
+        let (posted, failed) = match self.qp.post_send_list(&wrs) {
+            Ok(()) => (wrs.len(), None),
+            Err(e) => (e.posted, Some(e.source)),
         };
-        let n = payload.len().min(self.opts.slot_size - HEADER);
-        let at = self.opts.send_offset(i);
-        let sent = (|| {
-            self.mr.write_at(at, &self.header(st, kind, n))?;
-            self.mr.write_at(at + HEADER, &payload[..n])?;
-            let slice = self.mr.slice(at, HEADER + n)?;
-            let wr = WorkRequest::new(TAG_SEND | i as u64, send_op(), std::slice::from_ref(&slice));
-            self.qp.post_send(wr)
-        })();
-        if let Err(e) = sent {
-            st.free_send.push(i);
-            return Err(e);
+        // Slots past the posted ones were never handed to the device.
+        st.free_send.extend(slots.drain(posted..));
+        if posted == 0 {
+            return Err(failed.unwrap_or(Error::InvalidRequest("nothing posted")));
         }
-        st.data_credits -= 1;
-        st.in_flight += 1;
+        st.ring_next = (st.ring_next + posted) % self.opts.slots;
+        st.data_credits -= posted;
+        st.in_flight += posted;
         st.data_owed = 0;
         st.control_owed = 0;
-        Ok(Some(n))
+        Ok(Some(
+            slices[..posted]
+                .iter()
+                .map(|s| s.len() as usize - HEADER)
+                .sum(),
+        ))
     }
 
     fn broken_error(st: &StreamState) -> io::Error {
@@ -494,6 +669,14 @@ impl StreamShared {
             format!("the RDMA stream's connection failed ({status})"),
         )
     }
+}
+
+/// A header returning no credits.
+fn plain_header(kind: u8, len: usize) -> [u8; HEADER] {
+    let mut h = [0u8; HEADER];
+    h[0] = kind;
+    h[12..16].copy_from_slice(&(len as u32).to_le_bytes());
+    h
 }
 
 fn send_op() -> SendOp {
@@ -512,18 +695,30 @@ impl AsyncRead for RdmaStream {
         let sh = &*self.shared;
         let mut st = sh.lock();
         loop {
-            if let Some(&(slot, at, end)) = st.inbox.front() {
+            // As much as `buf` takes, across the messages that arrived.
+            let mut took = false;
+            while let Some(&(recv, at, end)) = st.inbox.front() {
+                if buf.remaining() == 0 {
+                    break;
+                }
                 let n = (end - at).min(buf.remaining());
                 let dst = buf.initialize_unfilled_to(n);
                 sh.mr.read_at(at, dst).map_err(io_err)?;
                 buf.advance(n);
+                took = true;
                 if at + n == end {
+                    // Ring slots empty in the order they were written.
                     st.inbox.pop_front();
-                    sh.repost(&mut st, slot, true);
-                    sh.return_credits(&mut st, false).map_err(io_err)?;
+                    if let Some(slot) = recv {
+                        sh.repost(&mut st, slot);
+                    }
+                    st.data_owed += 1;
                 } else if let Some(front) = st.inbox.front_mut() {
                     front.1 = at + n;
                 }
+            }
+            if took {
+                sh.return_credits(&mut st, false).map_err(io_err)?;
                 return Poll::Ready(Ok(()));
             }
             if st.peer_closed {
@@ -563,7 +758,7 @@ impl AsyncWrite for RdmaStream {
             if buf.is_empty() {
                 return Poll::Ready(Ok(0));
             }
-            if let Some(n) = sh.try_send(&mut st, KIND_DATA, buf).map_err(io_err)? {
+            if let Some(n) = sh.send_messages(&mut st, KIND_DATA, buf).map_err(io_err)? {
                 return Poll::Ready(Ok(n));
             }
             if sh.poll_progress(&mut st, cx, Side::Write)?.is_pending() {
@@ -586,7 +781,7 @@ impl AsyncWrite for RdmaStream {
             }
             if !st.closed
                 && sh
-                    .try_send(&mut st, KIND_CLOSE, &[])
+                    .send_messages(&mut st, KIND_CLOSE, &[])
                     .map_err(io_err)?
                     .is_some()
             {
