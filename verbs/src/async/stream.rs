@@ -56,7 +56,7 @@
 //! engine thread's `memmove` into the receive, more than its socket reads
 //! (`_copy_to_iter`, 8%); with Writes that copy is gone (4% left).
 //!
-//! **Where the time goes** (session 7, Sends; `scripts/bench-async.sh`
+//! **Where the time goes** (session 7, Sends; `scripts/bench/bench-async.sh`
 //! measures what changed since): under load the writer spent most of
 //! its time in the kernel (the TCP send's copy); its own copy into a
 //! send slot and CRC32c were a few percent each. The reader's engine
