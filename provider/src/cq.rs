@@ -409,6 +409,8 @@ impl CompletionQueue {
             // nothing is lost between the look and the sleep.
             let left = match deadline {
                 None => PollTimeout::NONE,
+                // A look without sleeping (a non-blocking channel).
+                Some(_) if timeout.is_some_and(|t| t.is_zero()) => PollTimeout::ZERO,
                 Some(d) => {
                     // Round up so that a short remainder still sleeps.
                     let left =

@@ -151,9 +151,17 @@ pub(crate) unsafe fn get_cq_event(
         let fd = unsafe { (*ch).fd };
         // SAFETY: as above.
         let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        // A channel fd the program made non-blocking (libfabric's verbs
+        // provider does, then reads events until EAGAIN) is looked at once:
+        // the QPs are driven without sleeping, and an empty channel
+        // answers EAGAIN from the read below, as the kernel's would.
+        // SAFETY: F_GETFL on an fd we checked is open; no memory involved.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        let nonblocking = flags >= 0 && flags & libc::O_NONBLOCK != 0;
+        let timeout = nonblocking.then_some(std::time::Duration::ZERO);
         WAITING.with(|w| w.borrow_mut().0 = ch as usize);
         let waited = loop {
-            let waited = CompletionQueue::wait_notified(borrowed, &cqs, None, &|| {
+            let waited = CompletionQueue::wait_notified(borrowed, &cqs, timeout, &|| {
                 WAITING.with(|w| !w.borrow().1.is_empty())
             });
             // libibverbs' read(2) of the channel is restarted after a
@@ -177,7 +185,7 @@ pub(crate) unsafe fn get_cq_event(
             let mut desc = [0u8; 8];
             // SAFETY: reads 8 bytes into a local buffer. Blocks only if
             // another thread took the record first, as libibverbs' own
-            // read would.
+            // read would; on a non-blocking channel, fails with EAGAIN.
             let n = unsafe { libc::read(fd, desc.as_mut_ptr().cast(), desc.len()) };
             if n != desc.len() as isize {
                 if n >= 0 {

@@ -13,6 +13,10 @@
  *   4. a thread asleep in ibv_get_cq_event: a signal whose handler has
  *      SA_RESTART does not end the wait (libibverbs' read(2) restarts),
  *      one without SA_RESTART ends it with EINTR.
+ *   5. a channel fd made non-blocking (as libfabric's verbs provider
+ *      does before it reads events until EAGAIN): ibv_get_cq_event on an
+ *      empty channel fails at once with EAGAIN, returns the event once
+ *      poll(2) says the fd is readable, then fails with EAGAIN again.
  * The requester waits for a reply before each group, so every wake-up is
  * caused by an arrival that came while the responder slept. A missed
  * wake-up fails a 10 s poll (or the 60 s alarm). Run under `stag run`.
@@ -20,6 +24,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -337,6 +342,44 @@ static void signal_during_wait(void)
 	chan_close(&c);
 }
 
+/* 5: a non-blocking channel answers EAGAIN instead of sleeping. */
+static void nonblocking_channel(void)
+{
+	struct chan c;
+	struct ibv_cq *ev_cq = NULL;
+	void *ctx;
+	chan_open(&c);
+	int fl = fcntl(c.cc->fd, F_GETFL);
+	if (fl < 0 || fcntl(c.cc->fd, F_SETFL, fl | O_NONBLOCK))
+		DIE("O_NONBLOCK");
+	if (ibv_req_notify_cq(c.cq, 0))
+		DIE("req_notify");
+	/* A blocking wait here would hang until the 60 s alarm. */
+	errno = 0;
+	int rc = ibv_get_cq_event(c.cc, &ev_cq, &ctx);
+	CHECK(rc == -1 && errno == EAGAIN, "non-blocking: an empty channel gives EAGAIN (%d, %s)",
+	      rc, strerror(errno));
+	post_recv(c.qp, c.mr, 77); /* flushed: one completion, one event */
+	struct pollfd pfd = { .fd = c.cc->fd, .events = POLLIN };
+	int got = -1;
+	for (int i = 0; i < 100 && got != 0; i++) {
+		poll(&pfd, 1, 100);
+		got = ibv_get_cq_event(c.cc, &ev_cq, &ctx);
+		CHECK(got == 0 || errno == EAGAIN, "non-blocking: only EAGAIN while waiting (%s)",
+		      strerror(errno));
+	}
+	CHECK(got == 0 && ev_cq == c.cq, "non-blocking: the event arrives");
+	if (got == 0)
+		ibv_ack_cq_events(ev_cq, 1);
+	struct ibv_wc wc;
+	CHECK(ibv_poll_cq(c.cq, 1, &wc) == 1 && wc.status == IBV_WC_WR_FLUSH_ERR,
+	      "non-blocking: its completion is there");
+	errno = 0;
+	rc = ibv_get_cq_event(c.cc, &ev_cq, &ctx);
+	CHECK(rc == -1 && errno == EAGAIN, "non-blocking: drained, EAGAIN again (%d)", rc);
+	chan_close(&c);
+}
+
 int main(void)
 {
 	alarm(60);
@@ -389,5 +432,6 @@ int main(void)
 	free(buf);
 	destroy_waits_for_ack();
 	signal_during_wait();
+	nonblocking_channel();
 	return test_summary();
 }
