@@ -269,7 +269,8 @@ one_round() {
         for prov in tcp verbs; do
             log "round $r/$ROUNDS: libfabric RMA and atomics ($prov;ofi_rxm)"
             tag=fi-$prov wrap=()
-            [[ $prov == verbs ]] && wrap=("$STAG" run --)
+            # (not "stag run --": run_pair splits its arguments at "--")
+            [[ $prov == verbs ]] && wrap=("$STAG" run)
             fi_peer_pair() {
                 local name=$1 m=$2
                 shift 2

@@ -31,7 +31,8 @@
  * the client says done. Latencies are medians of the per-operation
  * times after 100 untimed warm-up operations. The client's stdout is one
  * line (JSON with stag's keys under --json: t_typical_us, t_avg_us,
- * t_min_us, p99_us, or bw_avg_mb_s). A peer that stops answering for 30 s
+ * t_min_us, p99_us, or bw_avg_mb_s, counted until a message sent after
+ * the last operation has been answered). A peer that stops answering for 30 s
  * is an error, as is any completion error; the exit status is then 1.
  *
  * Build: cc -O2 -Wall -o fi_peer fi_peer.c -lfabric (Debian: libfabric-dev) */
@@ -370,7 +371,7 @@ static void run_client(const char *prov, const char *node, const char *port, enu
     double *t = calloc(iters + WARMUP, sizeof *t);
     if (!t)
         die("out of memory");
-    double bw = 0;
+    double bw = 0, bw_t0 = 0;
     size_t lat_factor = 1;
     switch (op) {
     case OP_WRITE:
@@ -426,9 +427,11 @@ static void run_client(const char *prov, const char *node, const char *port, enu
             if (t0 == 0 && p.tx_done - base >= window)
                 t0 = now_ns();
         }
-        double secs = (now_ns() - t0) / 1e9;
-        /* Timed: the ITERS operations completed after the warm-up window. */
-        bw = (double)iters * (double)size / secs / 1048576.0;
+        /* Timed: the ITERS operations after the warm-up window, until the
+         * goodbye below has made its round trip: a Write's completion may
+         * only mean its data left, but the server answers the done message
+         * after every Write before it (RC order on verbs, one stream on tcp). */
+        bw_t0 = t0;
         break;
     }
     default:
@@ -439,6 +442,8 @@ static void run_client(const char *prov, const char *node, const char *port, enu
     c->reply_out = (struct reply){.magic = MAGIC, .op = OP_DONE};
     send_msg(&p, &c->reply_out, sizeof c->reply_out);
     wait_count(&p, &p.rx_done, 2, "the server's goodbye");
+    if (op == OP_BW_WRITE || op == OP_BW_READ)
+        bw = (double)iters * (double)size / ((now_ns() - bw_t0) / 1e9) / 1048576.0;
     if (op == OP_FETCH_ADD && c->reply_in.counter != iters + WARMUP)
         die("the server's counter is %" PRIu64 " after %" PRIu64 " fetch-adds",
             c->reply_in.counter, iters + WARMUP);
