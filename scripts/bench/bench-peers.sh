@@ -264,7 +264,8 @@ one_round() {
     fi
     if [[ -n $FI_PEER && -n $FI_ADDR ]]; then
         # RMA and atomics (fi_peer.c), over TCP and over stag0. verbs;ofi_rxm
-        # runs busy only: its blocking bandwidth run hangs (see fi_peer.c).
+        # runs busy only: in blocking mode it hangs on stag0, whose
+        # ibv_get_cq_event waits on an O_NONBLOCK channel (see fi_peer.c).
         local prov tag wrap mode
         for prov in tcp verbs; do
             log "round $r/$ROUNDS: libfabric RMA and atomics ($prov;ofi_rxm)"

@@ -28,7 +28,11 @@
  * progress); blocking waits in fi_cq_sread on the CQ's wait object, as
  * stag's and the floor's blocking modes wait in the kernel (not for write:
  * its ping-pong polls memory). The server does nothing but progress until
- * the client says done. Latencies are medians of the per-operation
+ * the client says done. On stag0, verbs;ofi_rxm hangs in blocking mode
+ * (libfabric 1.17's vrb_cq_trywait drains the completion channel, which it
+ * made O_NONBLOCK, with ibv_get_cq_event until that fails with EAGAIN;
+ * stag's plugin waits in it instead), so bench-peers runs it busy only.
+ * Latencies are medians of the per-operation
  * times after 100 untimed warm-up operations. The client's stdout is one
  * line (JSON with stag's keys under --json: t_typical_us, t_avg_us,
  * t_min_us, p99_us, or bw_avg_mb_s, counted until a message sent after
