@@ -21,12 +21,22 @@
 # messages per floor stream of 8; an eighth of that per stream of 64),
 # PROGRESS_MODES ("busy adaptive blocking": each stag run once per mode),
 # SCALE_QPS (1024 QPs for `stag scale` and cmtime) and SCALE_IDLE (3 s of
-# rest), OUT (target/bench-peers). --quick: one round, few iterations
+# rest), OUT (target/bench-peers), FI_ADDR (the address libfabric's
+# programs use: the host's first global IPv4 address; libfabric's verbs
+# provider finds no device for 127.0.0.1, its tcp provider wants a
+# non-loopback interface to exist). --quick: one round, few iterations
 # (a smoke run, not a measurement).
 #
-# Needs cargo, gcc, python3, ss; installs ucx-utils, libfabric-bin and
-# time from Debian unless --no-install (missing peers are then reported
-# n/a).
+# libfabric's rows: fi_pingpong (send ping-pong, tcp provider) and
+# fi_peer.c (built here against libfabric-dev: RMA Write ping-pong, Read,
+# FetchAdd, 1 MiB Write/Read bandwidth over FI_EP_RDM), with tcp;ofi_rxm,
+# and the same fi_peer over stag0 through verbs;ofi_rxm under `stag run`.
+# A run whose client or server fails (a signal too) is logged, listed in
+# the report as failed, and its figure left out.
+#
+# Needs cargo, gcc, python3, ss; installs ucx-utils, libfabric-bin,
+# libfabric-dev and time from Debian unless --no-install (missing peers
+# are then reported n/a).
 set -euo pipefail
 
 cd "$(dirname "$0")/../.."
@@ -75,6 +85,7 @@ if [[ $INSTALL == 1 ]]; then
     need=()
     command -v ucx_perftest >/dev/null || need+=(ucx-utils)
     command -v fi_pingpong >/dev/null || need+=(libfabric-bin)
+    [[ -e /usr/include/rdma/fabric.h ]] || need+=(libfabric-dev)
     [[ -x /usr/bin/time ]] || need+=(time)
     if ((${#need[@]})); then
         log "installing ${need[*]}"
@@ -103,6 +114,12 @@ rm -rf "$RAW"
 mkdir -p "$RAW"
 gcc -O2 -Wall -o "$RAW/floor_check" scripts/bench/floor_check.c
 CHECK=$RAW/floor_check
+FI_PEER=""
+if [[ -e /usr/include/rdma/fabric.h ]]; then
+    gcc -O2 -Wall -o "$RAW/fi_peer" scripts/bench/fi_peer.c -lfabric
+    FI_PEER=$RAW/fi_peer
+fi
+FI_ADDR=${FI_ADDR:-$(ip -4 -o addr show scope global 2>/dev/null | awk '{split($4, a, "/"); print a[1]; exit}')}
 
 # `stag lat|bw --progress` once the provider has progress modes; the
 # environment variable says the same to a provider that reads it.
@@ -114,8 +131,9 @@ PORT=15000
 # background (waited for on its port), the client in the foreground, each
 # under GNU time. The client's stdout goes to $RAW/ROUND/NAME.out, the
 # CPU figures ("wall user sys") to NAME.{client,server}.time. Servers and
-# clients get PORT appended as "-p PORT" (or through @PORT@ in their
-# arguments).
+# clients get the port through @PORT@ in their arguments. A failed run
+# (the client's exit status not 0, or either side killed by a signal)
+# leaves no NAME.out, and the two statuses in NAME.failed.
 run_pair() {
     local name=$1 round=$2
     shift 3
@@ -140,13 +158,20 @@ run_pair() {
         wait "$spid" 2>/dev/null || true
         return 0
     fi
-    if ! timeout 180 /usr/bin/time -f '%e %U %S' -o "$dir/$name.client.time" \
-        "${cli[@]}" >"$dir/$name.out" 2>"$dir/$name.err"; then
-        log "$name failed (see $dir/$name.err)"
+    local crc=0 src=0
+    timeout 180 /usr/bin/time -f '%e %U %S' -o "$dir/$name.client.time" \
+        "${cli[@]}" >"$dir/$name.out" 2>"$dir/$name.err" || crc=$?
+    ((crc == 0)) || kill "$spid" 2>/dev/null || true
+    wait "$spid" 2>/dev/null || src=$?
+    # GNU time says "Command terminated by signal N" for a crash.
+    local crashed
+    crashed=$(grep -h 'terminated by signal' "$dir/$name.client.time" \
+        "$dir/$name.server.time" 2>/dev/null || true)
+    if ((crc != 0)) || [[ -n $crashed ]]; then
+        log "$name failed: client $crc, server $src $crashed (see $dir/$name.err, $dir/$name.server)"
+        printf 'client %s server %s %s\n' "$crc" "$src" "$crashed" >"$dir/$name.failed"
         rm -f "$dir/$name.out"
-        kill "$spid" 2>/dev/null || true
     fi
-    wait "$spid" 2>/dev/null || true
 }
 
 # stag_pair NAME ROUND MODE lat|bw OP ARGS...: a stag benchmark with
@@ -236,6 +261,33 @@ one_round() {
         # package has no RMA, atomic or streaming test.
         run_pair fi-pingpong-msg "$r" -- fi_pingpong -p tcp -e msg -B @PORT@ -I "$ITERS" -S 8 -- \
             fi_pingpong -p tcp -e msg -P @PORT@ -I "$ITERS" -S 8 127.0.0.1
+    fi
+    if [[ -n $FI_PEER && -n $FI_ADDR ]]; then
+        # RMA and atomics (fi_peer.c), over TCP and over stag0. verbs;ofi_rxm
+        # runs busy only: in blocking mode it hangs on stag0, whose
+        # ibv_get_cq_event waits on an O_NONBLOCK channel (see fi_peer.c).
+        local prov tag wrap mode
+        for prov in tcp verbs; do
+            log "round $r/$ROUNDS: libfabric RMA and atomics ($prov;ofi_rxm)"
+            tag=fi-$prov wrap=()
+            # (not "stag run --": run_pair splits its arguments at "--")
+            [[ $prov == verbs ]] && wrap=("$STAG" run)
+            fi_peer_pair() {
+                local name=$1 m=$2
+                shift 2
+                run_pair "$name" "$r" -- "${wrap[@]}" "$FI_PEER" -p "$prov;ofi_rxm" -b @PORT@ \
+                    "$FI_ADDR" -m "$m" -- \
+                    "${wrap[@]}" "$FI_PEER" -p "$prov;ofi_rxm" -P @PORT@ "$FI_ADDR" -m "$m" --json "$@"
+            }
+            fi_peer_pair "$tag-write" busy write -s 8 -n "$ITERS"
+            fi_peer_pair "$tag-read" busy read -s 8 -n "$ITERS"
+            fi_peer_pair "$tag-fetch-add" busy fetch-add -n "$ITERS"
+            for mode in busy blocking; do
+                [[ $prov == verbs && $mode == blocking ]] && continue
+                fi_peer_pair "$tag-bw-write-$mode" "$mode" bw-write -s "$MIB" -n "$BW_ITERS"
+                fi_peer_pair "$tag-bw-read-$mode" "$mode" bw-read -s "$MIB" -n "$BW_ITERS"
+            done
+        done
     fi
 }
 

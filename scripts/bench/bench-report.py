@@ -4,8 +4,9 @@
     bench-report.py RAW OUT ROUNDS "MODES" ELAPSED_S "KNOBS" PROGRESS_FLAG
 
 RAW/<round>/<name>.out holds each client's output (stag and `stag floor`
-JSON, the C check's JSON line, ucx_perftest -f's final line, fi_pingpong's
-table), <name>.{client,server}.time GNU time's "wall user sys". Every
+JSON, the C check's and fi_peer's JSON lines, ucx_perftest -f's final
+line, fi_pingpong's table), <name>.{client,server}.time GNU time's "wall
+user sys", <name>.failed the exit statuses of a run that failed. Every
 figure is the median over the rounds (min and max beside it); a ratio is
 one median over another.
 """
@@ -189,7 +190,20 @@ FLOOR_LABEL = {
 
 # ---- peers ---------------------------------------------------------------
 
-LF_NA = "n/a: no such test in libfabric-bin 1.17 (it ships fi_pingpong only)"
+LF_NA = ("n/a: no libfabric figure (fi_pingpong: send only; fi_peer.c: write, Read, FetchAdd, "
+         "1 MiB Write/Read)")
+
+
+def peer_fi_peer(prov, suffix, key, what):
+    """fi_peer.c's figure over provider prov (tcp or verbs); a bandwidth
+    (suffix bw-*) is, per round, the better of its busy and blocking runs,
+    as the TCP stream's floor is."""
+    if suffix.startswith("bw-"):
+        value = per_round_best(*(agg(series(lambda d, m=m: json_result(d, f"fi-{prov}-{suffix}-{m}", key)))
+                                 for m in ("busy", "blocking")))
+    else:
+        value = agg(series(lambda d: json_result(d, f"fi-{prov}-{suffix}", key)))
+    return {"what": what, "value": value}
 
 
 def peer_ucx(name, key):
@@ -202,38 +216,40 @@ def peer_fi(name, what):
 
 
 # test label, stag run suffix, metric, unit, higher is better, floor key,
-# target factor, UCX peer, libfabric peer
+# target factor, UCX peer, libfabric peer (tcp;ofi_rxm), fi_peer's suffix
+# (the same program over tcp;ofi_rxm and over stag0 through verbs;ofi_rxm)
 TESTS = [
     ("lat write 8 B, one-way", "lat-write", "t_typical_us", "us", False, "tcp_oneway_busy", 1.1,
-     None, None),
+     None, None, "write"),
     ("lat send 8 B, one-way", "lat-send", "t_typical_us", "us", False, "tcp_oneway_busy", 1.1,
      lambda: peer_ucx("ucx-ucp_am_lat", "p50"),
-     lambda: peer_fi("fi-pingpong-msg", "fi_pingpong -e msg, tcp (average)")),
+     lambda: peer_fi("fi-pingpong-msg", "fi_pingpong -e msg, tcp (average)"), None),
     ("lat read 8 B, round trip", "lat-read", "t_typical_us", "us", False, "tcp_rtt_busy", 1.1,
-     lambda: peer_ucx("ucx-ucp_get", "p50"), None),
+     lambda: peer_ucx("ucx-ucp_get", "p50"), None, "read"),
     ("lat fetch-add, round trip", "lat-fetch-add", "t_typical_us", "us", False, "tcp_rtt_busy", 1.1,
-     lambda: peer_ucx("ucx-ucp_fadd", "p50"), None),
+     lambda: peer_ucx("ucx-ucp_fadd", "p50"), None, "fetch-add"),
     ("lat cmp-swap, round trip", "lat-cmp-swap", "t_typical_us", "us", False, "tcp_rtt_busy", 1.1,
-     lambda: peer_ucx("ucx-ucp_cswap", "p50"), None),
+     lambda: peer_ucx("ucx-ucp_cswap", "p50"), None, None),
     ("lat swap, round trip", "lat-swap", "t_typical_us", "us", False, "tcp_rtt_busy", 1.1,
-     lambda: peer_ucx("ucx-ucp_swap", "p50"), None),
+     lambda: peer_ucx("ucx-ucp_swap", "p50"), None, None),
     ("lat commit 8 B (Write + Commit to a file)", "lat-commit", "t_typical_us", "us", False,
-     "tcp_rtt_plus_msync", 1.0, None, None),
+     "tcp_rtt_plus_msync", 1.0, None, None, None),
     ("lat send --blocking 8 B, one-way", "lat-send-blocking", "t_typical_us", "us", False,
-     "tcp_oneway_blocking", 1.1, None, None),
+     "tcp_oneway_blocking", 1.1, None, None, None),
     ("bw write 1 MiB", "bw-write", "bw_avg_mb_s", "MiB/s", True, "tcp_stream", 0.9,
-     lambda: peer_ucx("ucx-ucp_put_bw", "bw_overall"), None),
-    ("bw read 1 MiB", "bw-read", "bw_avg_mb_s", "MiB/s", True, "tcp_stream", 0.9, None, None),
+     lambda: peer_ucx("ucx-ucp_put_bw", "bw_overall"), None, "bw-write"),
+    ("bw read 1 MiB", "bw-read", "bw_avg_mb_s", "MiB/s", True, "tcp_stream", 0.9, None, None,
+     "bw-read"),
     ("bw write 1 MiB, no MPA CRC", "bw-write-nocrc", "bw_avg_mb_s", "MiB/s", True, "tcp_stream",
-     0.9, None, None),
+     0.9, None, None, None),
     ("bw read 1 MiB, no MPA CRC", "bw-read-nocrc", "bw_avg_mb_s", "MiB/s", True, "tcp_stream",
-     0.9, None, None),
+     0.9, None, None, None),
     ("bw write 8 B, 64 QPs, message rate", "bw-write-qps64", "msg_rate_mpps", "Mpps", True,
-     "tcp_streams", 0.9, None, None),
+     "tcp_streams", 0.9, None, None, None),
     ("bw write 8 B, 256 QPs, message rate", "bw-write-qps256", "msg_rate_mpps", "Mpps", True,
-     "tcp_streams", None, None, None),
+     "tcp_streams", None, None, None, None),
     ("bw write 8 B, 1024 QPs, message rate", "bw-write-qps1024", "msg_rate_mpps", "Mpps", True,
-     "tcp_streams", 0.8, None, None),
+     "tcp_streams", 0.8, None, None, None),
 ]
 
 
@@ -255,10 +271,16 @@ def ratio(a, b):
 
 
 rows = []
-for label, suffix, key, unit, higher, fkey, factor, ucx_peer, fi_peer in TESTS:
+for label, suffix, key, unit, higher, fkey, factor, ucx_peer, fi_peer, fi_op in TESTS:
     fl = floors.get(fkey)
     ucx_v = ucx_peer() if ucx_peer else None
     fi_v = fi_peer() if fi_peer else None
+    if fi_op:
+        fi_v = peer_fi_peer("tcp", fi_op, key, f"fi_peer {fi_op}, tcp;ofi_rxm (FI_EP_RDM)")
+    fi_stag = None
+    if fi_op:
+        fi_stag = peer_fi_peer("verbs", fi_op, key,
+                               f"fi_peer {fi_op}, verbs;ofi_rxm on stag0 (stag run; busy)")
     for mode in MODES:
         name = f"stag-{mode}-{suffix}"
         stag_v = agg(series(lambda d: json_result(d, name, key)))
@@ -278,6 +300,8 @@ for label, suffix, key, unit, higher, fkey, factor, ucx_peer, fi_peer in TESTS:
             "cores_busy": agg(series(lambda d: cores_busy(d, name))),
             "ucx": ucx_v and {**ucx_v, "over_floor": ratio(med(ucx_v["value"]), med(fl))},
             "libfabric": fi_v and {**fi_v, "over_floor": ratio(med(fi_v["value"]), med(fl))},
+            "libfabric_on_stag0": fi_stag and {**fi_stag,
+                                               "over_floor": ratio(med(fi_stag["value"]), med(fl))},
         })
 
 
@@ -299,10 +323,12 @@ md = [
     "Each figure: median of the rounds (min–max). Latency: typical (median) of the run, lower is "
     "better; bandwidth: MiB/s average, message rate: Mpps, higher is better. ratio = stag / floor. "
     "cores = CPU seconds (user + sys, client + server, connection setup included) per second of "
-    "the client's wall time. UCX/libfabric: their figure (their / floor).",
+    "the client's wall time. UCX/libfabric: their figure (their / floor); libfabric's RMA, "
+    "atomic and bandwidth figures are fi_peer.c's (FI_EP_RDM, busy polling; bandwidth the better "
+    "of busy and blocking), over tcp;ofi_rxm and over stag0 through verbs;ofi_rxm.",
     "",
-    "| test | progress | stag | floor | floor value | stag/floor | target | met | cores | UCX (tcp) | libfabric (tcp) |",
-    "| --- | --- | ---: | --- | ---: | ---: | --- | --- | ---: | ---: | ---: |",
+    "| test | progress | stag | floor | floor value | stag/floor | target | met | cores | UCX (tcp) | libfabric (tcp;ofi_rxm) | libfabric on stag0 (verbs;ofi_rxm) |",
+    "| --- | --- | ---: | --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |",
 ]
 MET = {True: "met", False: "**missed**", None: "n/a"}
 for row in rows:
@@ -313,7 +339,7 @@ for row in rows:
         f"{row['floor_label']} | {fmt_agg(row['floor_value'], unit)} | "
         f"{fmt(row['stag_over_floor'])} | {row['target']} | {met} | "
         f"{fmt(med(row['cores_busy']))} | {peer_cell(row['ucx'], 'n/a')} | "
-        f"{peer_cell(row['libfabric'], 'n/a¹')} |"
+        f"{peer_cell(row['libfabric'], 'n/a¹')} | {peer_cell(row['libfabric_on_stag0'], 'n/a¹')} |"
     )
 # The floor itself, and its check against plain C, in the same table.
 for key, label, unit in [
@@ -329,7 +355,7 @@ for key, label, unit in [
     md.append(
         f"| {label} [{unit}] | — | {fmt_agg(floor_raw[key], unit)} (stag floor) | plain C "
         f"(scripts/bench/floor_check.c) | {fmt_agg(c, unit)} | {fmt(check['paired_ratio'])} (paired) | "
-        f"within 3% of C | {met} | — | — | — |"
+        f"within 3% of C | {met} | — | — | — | — |"
     )
 for key, label, unit in [
     ("tcp_8streams_busy", "floor: 8 TCP streams of 8 B, busy", "Mpps"),
@@ -338,7 +364,7 @@ for key, label, unit in [
     ("tcp_64streams_blocking", "floor: 64 TCP streams of 8 B, blocking", "Mpps"),
     ("msync_8b", "floor: msync of 8 dirty bytes (file in $TMPDIR)", "us"),
 ]:
-    md.append(f"| {label} [{unit}] | — | {fmt_agg(floor_raw[key], unit)} | — | — | — | — | — | — | — | — |")
+    md.append(f"| {label} [{unit}] | — | {fmt_agg(floor_raw[key], unit)} | — | — | — | — | — | — | — | — | — |")
 
 # ---- scale ---------------------------------------------------------------
 
@@ -417,11 +443,25 @@ for row in scale_rows:
     tgt = "none" if t is None else f"{'≥' if row['higher_is_better'] else '≤'} {t} {row['unit']}"
     md.append(f"| {row['test']} [{row['unit']}] | {fmt_agg(row['value'], row['unit'])} | {tgt} | "
               f"{MET[row['met']]} |")
+# Runs that failed (a client's exit status, or either side killed by a
+# signal: bench-peers.sh leaves NAME.failed and no figure).
+failed_runs = []
+for r, d in enumerate(ROUND_DIRS, 1):
+    try:
+        names = sorted(n for n in os.listdir(d) if n.endswith(".failed"))
+    except OSError:
+        names = []
+    for n in names:
+        failed_runs.append({"round": r, "run": n.removesuffix(".failed"),
+                            "status": read(d, n, "").strip()})
 md += [
     "",
-    f"¹ {LF_NA}: Read, atomics and streaming bandwidth have no libfabric figure; fi_pingpong "
-    "reports an average one-way time, not a median. UCX's ucp_get/ucp_fadd/ucp_cswap/ucp_swap "
-    "are round trips, ucp_am_lat one-way; ucp_put_bw is MiB/s. Raw outputs: " + RAW,
+    f"¹ {LF_NA}. fi_pingpong reports an average one-way time, not a median. UCX's "
+    "ucp_get/ucp_fadd/ucp_cswap/ucp_swap are round trips, ucp_am_lat one-way; ucp_put_bw is "
+    "MiB/s. Raw outputs: " + RAW,
+    "",
+    "Failed runs (no figure taken): " + ("none" if not failed_runs else "; ".join(
+        f"round {f['round']} {f['run']} ({f['status']})" for f in failed_runs)),
 ]
 text = "\n".join(md) + "\n"
 with open(os.path.join(OUT, "report.md"), "w") as f:
@@ -432,5 +472,6 @@ with open(os.path.join(OUT, "report.json"), "w") as f:
         "knobs": KNOBS, "elapsed_s": int(ELAPSED),
         "floors": floors, "floor_raw": floor_raw, "c_check": check_rows,
         "rows": rows, "scale": scale_rows, "libfabric_missing": LF_NA,
+        "failed_runs": failed_runs,
     }, f, indent=2)
 print(text)
