@@ -28,10 +28,10 @@
  * progress); blocking waits in fi_cq_sread on the CQ's wait object, as
  * stag's and the floor's blocking modes wait in the kernel (not for write:
  * its ping-pong polls memory). The server does nothing but progress until
- * the client says done. On stag0, verbs;ofi_rxm hangs in blocking mode
- * (libfabric 1.17's vrb_cq_trywait drains the completion channel, which it
- * made O_NONBLOCK, with ibv_get_cq_event until that fails with EAGAIN;
- * stag's plugin waits in it instead), so bench-peers runs it busy only.
+ * the client says done. In blocking mode libfabric 1.17's verbs provider
+ * (vrb_cq_trywait) drains the completion channel, which it made
+ * O_NONBLOCK, with ibv_get_cq_event until that fails with EAGAIN; stag's
+ * plugin once slept in it there (fixed, cq_events.c case 5).
  * Latencies are medians of the per-operation
  * times after 100 untimed warm-up operations. The client's stdout is one
  * line (JSON with stag's keys under --json: t_typical_us, t_avg_us,
