@@ -134,6 +134,15 @@ PORT=15000
 # clients get the port through @PORT@ in their arguments. A failed run
 # (the client's exit status not 0, or either side killed by a signal)
 # leaves no NAME.out, and the two statuses in NAME.failed.
+# kill_tree PID: SIGTERM to PID and every descendant, leaves first.
+kill_tree() {
+    local child
+    for child in $(pgrep -P "$1" 2>/dev/null); do
+        kill_tree "$child"
+    done
+    kill "$1" 2>/dev/null || true
+}
+
 run_pair() {
     local name=$1 round=$2
     shift 3
@@ -161,8 +170,16 @@ run_pair() {
     local crc=0 src=0
     timeout 180 /usr/bin/time -f '%e %U %S' -o "$dir/$name.client.time" \
         "${cli[@]}" >"$dir/$name.out" 2>"$dir/$name.err" || crc=$?
-    ((crc == 0)) || kill "$spid" 2>/dev/null || true
+    if ((crc != 0)); then
+        kill "$spid" 2>/dev/null || true
+    elif [[ ${SERVER_RUNS_ON:-0} == 1 ]]; then
+        # A server that never exits by design (rdmacm-utils 44's cmtime
+        # server loops on rdma_get_cm_event until an error): its client
+        # is done, so the whole tree goes, as a user would stop it.
+        kill_tree "$spid"
+    fi
     wait "$spid" 2>/dev/null || src=$?
+    [[ ${SERVER_RUNS_ON:-0} == 1 ]] && src=0
     # GNU time says "Command terminated by signal N" for a crash.
     local crashed
     crashed=$(grep -h 'terminated by signal' "$dir/$name.client.time" \
@@ -241,7 +258,7 @@ one_round() {
     run_pair scale "$r" -- "$STAG" scale -p @PORT@ --json -- \
         "$STAG" scale 127.0.0.1 -p @PORT@ --qps "$SCALE_QPS" --idle "$SCALE_IDLE" --json
     if command -v cmtime >/dev/null; then
-        run_pair cmtime "$r" -- "$STAG" run cmtime -b 127.0.0.1 -p @PORT@ -c "$SCALE_QPS" -- \
+        SERVER_RUNS_ON=1 run_pair cmtime "$r" -- "$STAG" run cmtime -b 127.0.0.1 -p @PORT@ -c "$SCALE_QPS" -- \
             "$STAG" run cmtime -s 127.0.0.1 -p @PORT@ -c "$SCALE_QPS"
     fi
 
