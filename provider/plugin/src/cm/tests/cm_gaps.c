@@ -2,7 +2,7 @@
  * rdma_cm behaviours stag's cm lacked (#19), one process, one thread, run
  * under `stag run`:
  *
- *   cc -Wall -Wextra -Werror -o cm_gaps cm_gaps.c -lrdmacm -libverbs
+ *   cc -Wall -Wextra -Werror -I../../../tests/c -o cm_gaps cm_gaps.c -lrdmacm -libverbs
  *   stag run -- ./cm_gaps
  *
  * - qp_num: both sides connect a QP made with ibv_create_qp (id->qp NULL),
@@ -34,29 +34,16 @@
 #include <unistd.h>
 #include <rdma/rdma_cma.h>
 
-static int passed, failed;
-
-#define CHECK(cond, what)                                                   \
-	do {                                                                \
-		if (cond) {                                                 \
-			passed++;                                           \
-		} else {                                                    \
-			failed++;                                           \
-			fprintf(stderr, "FAIL %s (line %d, errno %d)\n", what, \
-				__LINE__, errno);                           \
-		}                                                           \
-	} while (0)
+#define TEST_NAME "cm_gaps"
+#include "stag_test.h"
 
 static double now_ms(void)
 {
-	struct timespec t;
-
-	clock_gettime(CLOCK_MONOTONIC, &t);
-	return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+	return now_s() * 1e3;
 }
 
 /* The next event of `ch` within `ms`, or NULL. */
-static struct rdma_cm_event *next_event(struct rdma_event_channel *ch, int ms)
+static struct rdma_cm_event *event_within(struct rdma_event_channel *ch, int ms)
 {
 	struct pollfd pfd = { .fd = ch->fd, .events = POLLIN };
 	struct rdma_cm_event *ev;
@@ -72,7 +59,7 @@ static struct rdma_cm_event *next_event(struct rdma_event_channel *ch, int ms)
 static int expect(struct rdma_event_channel *ch, enum rdma_cm_event_type type,
 		  struct rdma_cm_event **out)
 {
-	struct rdma_cm_event *ev = next_event(ch, 5000);
+	struct rdma_cm_event *ev = event_within(ch, 5000);
 
 	if (!ev) {
 		fprintf(stderr, "no event (wanted %s)\n", rdma_event_str(type));
@@ -312,10 +299,10 @@ static void disconnect_connecting(void)
 	CHECK(rdma_connect(id, &cp) == 0, "disconnect-connecting: rdma_connect");
 	/* The TCP connection is up; the MPA Request gets no reply. */
 	usleep(200 * 1000);
-	CHECK(next_event(ch, 0) == NULL, "disconnect-connecting: no reply, no event yet");
+	CHECK(event_within(ch, 0) == NULL, "disconnect-connecting: no reply, no event yet");
 	t0 = now_ms();
 	CHECK(rdma_disconnect(id) == 0, "disconnect-connecting: rdma_disconnect");
-	ev = next_event(ch, 3000);
+	ev = event_within(ch, 3000);
 	took = now_ms() - t0;
 	CHECK(ev && ev->event == RDMA_CM_EVENT_DISCONNECTED,
 	      "disconnect-connecting: DISCONNECTED arrives");
@@ -327,7 +314,7 @@ static void disconnect_connecting(void)
 		rdma_ack_cm_event(ev);
 	}
 	/* The abandoned connect ends (the MPA timeout) without an event. */
-	CHECK(next_event(ch, 500) == NULL, "disconnect-connecting: nothing after DISCONNECTED");
+	CHECK(event_within(ch, 500) == NULL, "disconnect-connecting: nothing after DISCONNECTED");
 	rdma_destroy_qp(id);
 out:
 	if (id)
@@ -357,7 +344,7 @@ static int route_timeout(const char *addr, const char *cmd)
 	CHECK(system(cmd) == 0, "route-timeout: the neighbour entry goes");
 	t0 = now_ms();
 	CHECK(rdma_resolve_route(id, 300) == 0, "route-timeout: rdma_resolve_route returns");
-	ev = next_event(ch, 5000);
+	ev = event_within(ch, 5000);
 	took = now_ms() - t0;
 	CHECK(ev && ev->event == RDMA_CM_EVENT_ROUTE_ERROR && ev->status == -ETIMEDOUT,
 	      "route-timeout: ROUTE_ERROR with -ETIMEDOUT");
@@ -371,7 +358,7 @@ static int route_timeout(const char *addr, const char *cmd)
 	/* Back to address-resolved, as the kernel's id: a retry is allowed. */
 	errno = 0;
 	CHECK(rdma_resolve_route(id, 100) == 0, "route-timeout: a retry is allowed");
-	ev = next_event(ch, 5000);
+	ev = event_within(ch, 5000);
 	CHECK(ev && ev->event == RDMA_CM_EVENT_ROUTE_ERROR, "route-timeout: and fails again");
 	if (ev)
 		rdma_ack_cm_event(ev);
@@ -380,8 +367,7 @@ out:
 		rdma_destroy_id(id);
 	if (ch)
 		rdma_destroy_event_channel(ch);
-	printf("cm_gaps: %d passed, %d failed\n", passed, failed);
-	return failed ? 1 : 0;
+	return test_summary();
 }
 
 int main(int argc, char **argv)
@@ -390,6 +376,5 @@ int main(int argc, char **argv)
 		return route_timeout(argv[2], argv[3]);
 	qp_num();
 	disconnect_connecting();
-	printf("cm_gaps: %d passed, %d failed\n", passed, failed);
-	return failed ? 1 : 0;
+	return test_summary();
 }
