@@ -49,7 +49,7 @@ static DEVICE_OPS: DeviceOps = DeviceOps(verbs_device_ops {
     match_table: &MATCH_NOTHING.0[0],
     static_providers: ptr::null_mut(),
     match_device: Some(match_device),
-    alloc_context: Some(crate::context::alloc_context),
+    alloc_context: Some(crate::ops::alloc_context),
     import_context: None,
     alloc_device: Some(alloc_device),
     uninit_device: Some(uninit_device),

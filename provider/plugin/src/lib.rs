@@ -26,7 +26,6 @@ mod ffi;
 
 mod async_events;
 mod c_list;
-mod context;
 mod cq;
 mod driver;
 mod errno;

@@ -4,7 +4,7 @@
 //! rdma_cm exports (librdmacm's public names bound to `cm/exports.rs`).
 //!
 //! This is the top of the plugin: it names every verb; nothing below
-//! names it (the driver reaches `alloc_context` through `context`).
+//! names it but the driver, which reaches `alloc_context` here.
 //! The context's state hangs off libibverbs' `verbs_context`
 //! ([`handle::StagContext`]); all contexts in a process share one
 //! userspace RNIC, so registrations, QPs and the progress engine are per
