@@ -101,8 +101,10 @@ fi
     exit 1
 }
 
-log "building stag (release)"
-cargo build --release -q -p stag
+log "building stag and its plugin (release)"
+# The plugin too: `stag run` preloads target/release's libstag_rdmav34.so, and
+# a stale one would stand in for this tree under every C program here.
+cargo build --release -q -p stag -p stag-rdma
 TARGET_DIR=$(cargo metadata --format-version 1 --no-deps |
     python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
 STAG=$TARGET_DIR/release/stag
