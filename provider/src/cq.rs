@@ -376,6 +376,10 @@ impl CompletionQueue {
         delivered: &dyn Fn() -> bool,
     ) -> nix::Result<bool> {
         let deadline = timeout.map(|t| Instant::now() + t);
+        // A look without sleeping (a non-blocking channel): the caller goes
+        // on to sleep elsewhere (poll(2) on the channel fd), not on these
+        // sockets, so they go back to the engine at once, not held.
+        let look = timeout.is_some_and(|t| t.is_zero());
         loop {
             if delivered() {
                 return Ok(true);
@@ -409,8 +413,7 @@ impl CompletionQueue {
             // nothing is lost between the look and the sleep.
             let left = match deadline {
                 None => PollTimeout::NONE,
-                // A look without sleeping (a non-blocking channel).
-                Some(_) if timeout.is_some_and(|t| t.is_zero()) => PollTimeout::ZERO,
+                Some(_) if look => PollTimeout::ZERO,
                 Some(d) => {
                     // Round up so that a short remainder still sleeps.
                     let left =
@@ -420,7 +423,11 @@ impl CompletionQueue {
             };
             let polled = nix::poll::poll(&mut fds, left);
             for qp in &sleeping {
-                qp.end_wait_holding();
+                if look {
+                    qp.set_waiting(false);
+                } else {
+                    qp.end_wait_holding();
+                }
             }
             if fds[0].any().unwrap_or(false) {
                 return Ok(true);
