@@ -3,8 +3,8 @@
 # qperf (-cm1, every RC test, waiting on completion channels (-cp 0) and
 # polling (-cp 1), ver_rc_compare_swap and ver_rc_fetch_add), fio's rdma
 # engine (write, read and send, iodepth 1 and 16), rping in its default event
-# mode verifying data, and stag's C programs over librdmacm (cm_stress.c:
-# rdma_cm under load). Each runs as two processes (server and client, one
+# mode verifying data, rdmacm-utils' cmtime (1024 connections at once), and
+# stag's C programs over librdmacm (cm_stress.c: rdma_cm under load). Each runs as two processes (server and client, one
 # for the C programs) over 127.0.0.1 under `stag run`. Nothing is retried:
 # a run that fails is a failure. Prints each case with its run time, then
 # "real-clients: N passed, M failed", and exits non-zero on any failure.
@@ -160,6 +160,29 @@ rping_case() {
     case_run "$name" "$(since "$t0")" "$rc"
 }
 
+# cmtime (rdmacm-utils): 1024 connections made, disconnected and
+# destroyed at once, in three rounds. Its client takes events on a thread
+# of its own while its main thread calls rdma_disconnect and
+# rdma_destroy_qp, the race that corrupted its heap on stag0 (issue #19).
+# Its server loops on rdma_get_cm_event forever by design: it is stopped
+# once the client is done.
+cmtime_case() {
+    local name=cmtime port=22710 t0 rc=0 round
+    t0=$(now)
+    timeout 120 "$STAG" run -- cmtime -b 127.0.0.1 -p "$port" -c 1024 >"$out/$name.server.log" 2>&1 &
+    local spid=$!
+    wait_port "$port" || rc=1
+    for round in 1 2 3; do
+        ((rc == 0)) || break
+        timeout 60 "$STAG" run -- cmtime -s 127.0.0.1 -p "$port" -c 1024 \
+            >"$out/$name.client.log" 2>&1 || rc=$?
+        ((rc == 0)) && ! grep -q '^destroy' "$out/$name.client.log" && rc=1
+    done
+    kill "$spid" 2>/dev/null
+    wait "$spid" 2>/dev/null
+    case_run "$name" "$(since "$t0")" "$rc"
+}
+
 # c_program NAME SOURCE PATTERN [ARGS...]: build SOURCE against the
 # system's libibverbs/librdmacm, run it under stag run; it must exit 0 and
 # print PATTERN. More C programs (fault suites) go in c_programs below.
@@ -192,6 +215,7 @@ for verb in write read send; do
     done
 done
 rping_case
+cmtime_case
 c_programs
 printf 'real-clients: %d passed, %d failed (%.1f s)\n' "$passed" "$failed" "$(since "$t_all")"
 ((failed == 0))

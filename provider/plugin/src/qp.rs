@@ -110,6 +110,21 @@ unsafe impl Sync for QpShared {}
 #[derive(Clone)]
 pub(crate) struct QpHandle(Arc<QpShared>);
 
+/// A weak [`QpHandle`]: what an id keeps of the QP whose state it
+/// mirrors, so that a thread other than the application's call on the id
+/// (the one taking its events) never reads `id->qp`, which the application
+/// may be destroying meanwhile (`rdma_destroy_qp`).
+#[derive(Clone, Debug)]
+pub(crate) struct WeakQpHandle(Weak<QpShared>);
+
+impl WeakQpHandle {
+    /// The QP, while its `QpShared` lives (after `ibv_destroy_qp` its
+    /// state mirror goes nowhere: `ibv` is NULL).
+    pub(crate) fn upgrade(&self) -> Option<QpHandle> {
+        self.0.upgrade().map(QpHandle)
+    }
+}
+
 /// The live QPs by number: the connection manager finds a QP the
 /// application made with `ibv_create_qp` by its `conn_param->qp_num`.
 fn by_num_table() -> std::sync::MutexGuard<'static, HashMap<u32, Weak<QpShared>>> {
@@ -129,6 +144,11 @@ pub(crate) fn by_num(qpn: u32) -> Option<QpHandle> {
 }
 
 impl QpHandle {
+    /// The handle held weakly.
+    pub(crate) fn downgrade(&self) -> WeakQpHandle {
+        WeakQpHandle(Arc::downgrade(&self.0))
+    }
+
     /// The userspace RNIC's QP behind the ibv_qp.
     pub(crate) fn provider(&self) -> &Arc<QueuePair> {
         &self.0.prov

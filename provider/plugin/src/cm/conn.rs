@@ -99,17 +99,20 @@ fn live_qp(st: &IdState) -> Option<Arc<QueuePair>> {
     st.qp.as_ref().and_then(Weak::upgrade)
 }
 
-/// Mirror a state change into `id->qp` (when it is still the connected
-/// QP). Application thread only, with the id's lock held.
+/// Mirror a state change into the `ibv_qp` the cm connected (`id->qp`
+/// then), when its stream is still the one the cm connected. With the
+/// id's lock held, on whichever thread takes the event.
 ///
-/// `id->qp` is only looked at while the RNIC QP it connected is alive.
-/// Nothing but the application's `ibv_qp` holds that QP then: the cm holds
-/// it weakly, its connect thread lets go before the outcome is visible, and
-/// the watcher upgrades only under the id's lock (held here). So an
-/// application that destroyed the QP with `ibv_destroy_qp`, leaving
-/// `id->qp` dangling, never has it dereferenced. While a connect runs (its
-/// thread holds the QP) only the RNIC QP is touched.
-fn mirror_state(id: &Id, st: &IdState, state: ffi::ibv_qp_state, set_error: bool) {
+/// Neither `id->qp` nor the `ibv_qp` is read here: the thread taking an
+/// event is often not the one that owns the id (cmtime takes them on a
+/// thread of its own while its main thread calls `rdma_disconnect` and
+/// `rdma_destroy_qp`), so `id->qp` may be being freed meanwhile. Reading
+/// it raced with that free: a `StagQp` whose last `Arc` was being dropped
+/// was cloned back to life and dropped twice, which corrupted cmtime's
+/// heap (1 run in 3 to 25 with 1024 connections). The id holds the QP's
+/// shared part weakly instead ([`IdState::mirror`]), whose mirror into
+/// `ibv_qp.state` is locked against `ibv_destroy_qp`.
+fn mirror_state(st: &IdState, state: ffi::ibv_qp_state, set_error: bool) {
     let Some(qp) = live_qp(st) else { return };
     if st.phase == Phase::Connecting {
         if set_error {
@@ -117,10 +120,7 @@ fn mirror_state(id: &Id, st: &IdState, state: ffi::ibv_qp_state, set_error: bool
         }
         return;
     }
-    // SAFETY: application thread inside a cm call on `id`.
-    let c = unsafe { id.c() };
-    // SAFETY: id->qp is NULL or the application's QP; from_raw checks.
-    if let Some(h) = unsafe { from_raw::<StagQp>(c.qp) }.map(StagQp::handle) {
+    if let Some(h) = st.mirror.as_ref().and_then(super::WeakQpHandle::upgrade) {
         if Arc::ptr_eq(h.provider(), &qp) {
             h.set_state(state);
         }
@@ -162,13 +162,13 @@ pub(crate) fn complete(id: &Arc<Id>) -> CmResult<()> {
 fn on_deliver(id: &Arc<Id>, kind: ffi::rdma_cm_event_type) {
     let st = id.state();
     match kind {
-        ffi::RDMA_CM_EVENT_ESTABLISHED => mirror_state(id, &st, ffi::IBV_QPS_RTS, false),
+        ffi::RDMA_CM_EVENT_ESTABLISHED => mirror_state(&st, ffi::IBV_QPS_RTS, false),
         // librdmacm moves the QP to error on a rejection.
         ffi::RDMA_CM_EVENT_REJECTED
         | ffi::RDMA_CM_EVENT_UNREACHABLE
-        | ffi::RDMA_CM_EVENT_CONNECT_ERROR => mirror_state(id, &st, ffi::IBV_QPS_ERR, true),
+        | ffi::RDMA_CM_EVENT_CONNECT_ERROR => mirror_state(&st, ffi::IBV_QPS_ERR, true),
         ffi::RDMA_CM_EVENT_DISCONNECTED => {
-            mirror_state(id, &st, ffi::IBV_QPS_ERR, false);
+            mirror_state(&st, ffi::IBV_QPS_ERR, false);
             if timewait_exit_wanted() && !st.sync {
                 // Behind the DISCONNECTED the application is taking now,
                 // so it always comes last; an id destroyed first never
@@ -310,7 +310,10 @@ pub(crate) fn connect(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmR
     if !id.state().phase.allows(Op::Connect) {
         return Err(libc::EINVAL);
     }
-    let h = id_qp(id, "rdma_connect", param)?.handle;
+    let CallQp {
+        handle: h,
+        owned_by_id,
+    } = id_qp(id, "rdma_connect", param)?;
     let stag = verbs::stag()?;
     let qp = h.provider().clone();
     let mut st = id.state();
@@ -322,6 +325,7 @@ pub(crate) fn connect(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmR
     st.connect_data.clear();
     st.phase = Phase::Connecting;
     st.qp = Some(Arc::downgrade(&qp));
+    st.mirror = owned_by_id.then(|| h.downgrade());
     // A source port the application named is where the connection leaves
     // from (on the resolved source address); else the TCP connection
     // picks its own and the reservation goes.
@@ -357,6 +361,7 @@ pub(crate) fn connect(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmR
         let mut st = id.state();
         st.phase = Phase::RouteResolved;
         st.qp = None;
+        st.mirror = None;
         return Err(libc::EAGAIN);
     }
     drop(h);
@@ -437,6 +442,7 @@ pub(crate) fn accept(id: &Arc<Id>, param: Option<&ffi::rdma_conn_param>) -> CmRe
     }
     st.phase = Phase::Connected;
     st.qp = Some(Arc::downgrade(&qp));
+    st.mirror = owned_by_id.then(|| h.downgrade());
     if owned_by_id {
         h.set_state(ffi::IBV_QPS_RTS);
     }
@@ -477,7 +483,7 @@ pub(crate) fn disconnect(id: &Arc<Id>) -> CmResult<()> {
             // application's cm thread meets it after the call returns, as
             // with the kernel.
             st.phase = Phase::Disconnecting;
-            mirror_state(id, &st, ffi::IBV_QPS_ERR, true);
+            mirror_state(&st, ffi::IBV_QPS_ERR, true);
             drop(st);
             poke_watcher();
             complete(id)
@@ -526,12 +532,13 @@ pub(crate) fn teardown(id: &Arc<Id>) {
         st.phase,
         Phase::Connected | Phase::Connecting | Phase::Disconnecting
     ) {
-        mirror_state(id, &st, ffi::IBV_QPS_ERR, true);
+        mirror_state(&st, ffi::IBV_QPS_ERR, true);
     }
     let listener = st.listener.take();
     let request = st.request.take();
     st.reservation = None;
     st.qp = None;
+    st.mirror = None;
     let channel = st.channel.clone();
     drop(st);
     if let Some(h) = listener {
@@ -698,6 +705,70 @@ mod tests {
             std::thread::sleep(Duration::from_micros(100));
         }
         assert_eq!(b.state(), QpState::Error);
+    }
+
+    /// Taking an event never reads `id->qp`: the application may be
+    /// freeing it on another thread (cmtime takes DISCONNECTED on its event
+    /// thread while its main thread calls `rdma_destroy_qp`, which once
+    /// corrupted its heap). Here `id->qp` points at a page that cannot be
+    /// read, so a read kills the test, while the connected QP behind the
+    /// id is alive, as it is up to the end of a concurrent destroy.
+    #[test]
+    fn taking_an_event_never_reads_id_qp() {
+        use provider::cq::CompletionQueue;
+        use provider::device::Device;
+        use provider::listener::Listener;
+        use provider::qp::{QpCaps, QpState};
+        use provider::setup::MpaParams;
+
+        let dev = Device::open("mirror-test").unwrap();
+        let pd = dev.alloc_pd();
+        let cq = CompletionQueue::new(8).unwrap();
+        let (a, b) = (
+            Arc::new(pd.create_qp(QpCaps::default(), &cq, &cq, None)),
+            pd.create_qp(QpCaps::default(), &cq, &cq, None),
+        );
+        let l = Listener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let req = l.accept().unwrap();
+                req.accept(&b, &MpaParams::default()).unwrap();
+            });
+            a.connect(addr, &MpaParams::default()).unwrap();
+        });
+
+        // SAFETY: a fresh anonymous mapping that nothing may touch.
+        let fence = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(fence, libc::MAP_FAILED);
+        let channel = super::super::channel::Channel::new().unwrap();
+        let id = Id::new_for_test(&channel);
+        {
+            let mut st = id.state();
+            st.phase = Phase::Connected;
+            st.qp = Some(Arc::downgrade(&a));
+        }
+        // SAFETY: the test's own id, on this thread only.
+        unsafe { id.c() }.qp = fence.cast();
+        on_deliver(&id, ffi::RDMA_CM_EVENT_ESTABLISHED);
+        on_deliver(&id, ffi::RDMA_CM_EVENT_DISCONNECTED);
+        // A rejection moves the RNIC's QP to Error without `id->qp`.
+        on_deliver(&id, ffi::RDMA_CM_EVENT_REJECTED);
+        assert_eq!(a.state(), QpState::Error);
+        // SAFETY: the test's own id; the mapping is unmapped once.
+        unsafe {
+            id.c().qp = std::ptr::null_mut();
+            libc::munmap(fence, 4096);
+        }
     }
 
     fn stag() -> Stag {

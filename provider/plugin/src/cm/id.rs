@@ -156,6 +156,13 @@ pub(crate) struct IdState {
     pub peer_ord: u8,
     /// The connection's QP, held weakly: `ibv_destroy_qp` closes it.
     pub qp: Option<Weak<QueuePair>>,
+    /// The `ibv_qp` whose state the cm mirrors (`id->qp` when the
+    /// connection was made or accepted; none for a QP the application
+    /// named by `conn_param->qp_num` and moves itself), held weakly. Event
+    /// delivery runs on whichever thread takes the event, maybe while the
+    /// application destroys `id->qp` on another, so it goes through this
+    /// and never through `id->qp`.
+    pub mirror: Option<super::WeakQpHandle>,
     /// `rdma_create_ep` on a passive endpoint: the QP attributes for the
     /// ids `rdma_get_request` returns.
     pub qp_init_attr: Option<EpAttr>,
@@ -237,6 +244,7 @@ impl Id {
                 peer_ird: 0,
                 peer_ord: 0,
                 qp: None,
+                mirror: None,
                 qp_init_attr: None,
                 connect_data: Vec::new(),
                 options: Options::default(),

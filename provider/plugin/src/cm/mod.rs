@@ -61,7 +61,7 @@ mod verbs;
 
 pub(crate) use crate::errno::Errno;
 pub(crate) use crate::handle::is_stag_context;
-pub(crate) use crate::qp::{QpHandle, StagQp};
+pub(crate) use crate::qp::{QpHandle, StagQp, WeakQpHandle};
 
 pub(crate) type CmResult<T> = Result<T, Errno>;
 
