@@ -107,6 +107,57 @@ impl ChannelWriter {
     }
 }
 
+/// Take the records naming `token` (a CQ being destroyed, which writes no
+/// more) out of the channel whose pipe reads at `read_fd`, and put the
+/// others back. As the kernel drops a destroyed CQ's unread events
+/// (`ib_uverbs_release_ucq`): a record left behind would hand the
+/// application a freed `ibv_cq` from a later `ibv_get_cq_event`, and keep
+/// the channel fd readable with nothing to read for a poller.
+///
+/// The application's read end may be blocking and other threads may read
+/// it meanwhile, so the records are read through a non-blocking
+/// description of the pipe of our own (`/proc/self/fd`), never blocking:
+/// a record another thread takes first is simply not seen here.
+fn withdraw_records(read_fd: c_int, writer: &ChannelWriter, token: u64) {
+    let path = format!("/proc/self/fd/{read_fd}\0");
+    // SAFETY: a NUL-terminated path; a new descriptor we close below.
+    let rx = unsafe {
+        libc::open(
+            path.as_ptr().cast(),
+            libc::O_RDONLY | libc::O_NONBLOCK | libc::O_CLOEXEC,
+        )
+    };
+    if rx < 0 {
+        tracing::debug!(
+            errno = nix::errno::Errno::last_raw(),
+            "stag0: destroy_cq: the channel's records could not be read back"
+        );
+        return;
+    }
+    // SAFETY: the descriptor just opened, ours to close.
+    let rx = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(rx) };
+    let mut others = Vec::new();
+    loop {
+        let mut desc = [0u8; 8];
+        // SAFETY: reads at most 8 bytes into a local buffer; never blocks.
+        let n = unsafe { libc::read(rx.as_raw_fd(), desc.as_mut_ptr().cast(), desc.len()) };
+        // Records go in and out whole (8-octet writes to a pipe are
+        // atomic), so a short read does not happen; EAGAIN ends it.
+        if n != desc.len() as isize {
+            break;
+        }
+        let t = u64::from_ne_bytes(desc);
+        if t != token {
+            others.push(desc);
+        }
+    }
+    for desc in others {
+        // SAFETY: writes 8 bytes from a local buffer to the channel's pipe,
+        // which has room: they were just read out of it.
+        let _ = unsafe { libc::write(writer.fd.as_raw_fd(), desc.as_ptr().cast(), desc.len()) };
+    }
+}
+
 /// The CQs of each completion channel: channel address → (`ibv_cq`
 /// address, its RNIC CQ).
 type ChannelCqs = HashMap<usize, Vec<(usize, Weak<CompletionQueue>)>>;
@@ -378,6 +429,10 @@ pub(crate) unsafe extern "C" fn destroy_cq(cq: *mut ibv_cq) -> c_int {
                     reported,
                 )
             };
+            // SAFETY: the CQ's live channel (a channel with CQs cannot be
+            // destroyed, EBUSY).
+            let read_fd = unsafe { (*sc.cq.channel).fd };
+            withdraw_records(read_fd, channel, raw as u64);
             let mut cqs = channel_cqs().lock().unwrap_or_else(|p| p.into_inner());
             let chan = sc.cq.channel as usize;
             if let Some(v) = cqs.get_mut(&chan) {

@@ -380,6 +380,44 @@ static void nonblocking_channel(void)
 	chan_close(&c);
 }
 
+/* 6: a CQ destroyed with an event unread takes it along, as the kernel's
+ * does: a later ibv_get_cq_event gives the live CQ's event, never the
+ * freed one's, and the channel is not readable for the dropped one. */
+static void destroyed_cq_takes_its_events(void)
+{
+	struct chan c;
+	chan_open(&c);
+	struct ibv_cq *cq2 = ibv_create_cq(c.ctx, 16, (void *)0x6e, c.cc, 0);
+	struct ibv_qp_init_attr qa = { .send_cq = cq2, .recv_cq = cq2,
+				       .qp_type = IBV_QPT_RC, .cap = { 4, 4, 1, 1, 0 } };
+	struct ibv_qp *qp2 = cq2 ? ibv_create_qp(c.pd, &qa) : NULL;
+	struct ibv_qp_attr a = { .qp_state = IBV_QPS_ERR };
+	if (!qp2 || ibv_modify_qp(qp2, &a, IBV_QP_STATE))
+		DIE("second cq");
+	chan_fire(&c); /* an event of c.cq, left unread */
+	struct pollfd pfd = { .fd = c.cc->fd, .events = POLLIN };
+	CHECK(poll(&pfd, 1, 5000) == 1, "destroyed cq: its event is in the channel");
+	ibv_destroy_qp(c.qp);
+	CHECK(ibv_destroy_cq(c.cq) == 0, "destroyed cq: destroyed with an event unread");
+	CHECK(poll(&pfd, 1, 0) == 0, "destroyed cq: the channel is no longer readable");
+	if (ibv_req_notify_cq(cq2, 0))
+		DIE("req_notify");
+	post_recv(qp2, c.mr, 78);
+	struct ibv_cq *ev_cq = NULL;
+	void *ctx = NULL;
+	CHECK(ibv_get_cq_event(c.cc, &ev_cq, &ctx) == 0 && ev_cq == cq2 && ctx == (void *)0x6e,
+	      "destroyed cq: the next event is the live cq's (%p, not %p)", (void *)ev_cq,
+	      (void *)c.cq);
+	if (ev_cq == cq2)
+		ibv_ack_cq_events(cq2, 1);
+	ibv_destroy_qp(qp2);
+	ibv_dereg_mr(c.mr);
+	ibv_destroy_cq(cq2);
+	ibv_destroy_comp_channel(c.cc);
+	ibv_dealloc_pd(c.pd);
+	ibv_close_device(c.ctx);
+}
+
 int main(void)
 {
 	alarm(60);
@@ -433,5 +471,6 @@ int main(void)
 	destroy_waits_for_ack();
 	signal_during_wait();
 	nonblocking_channel();
+	destroyed_cq_takes_its_events();
 	return test_summary();
 }
