@@ -657,25 +657,21 @@ fn watcher() {
 mod tests {
     use super::*;
 
-    /// The hook the watcher sleeps on fires when the peer closes the
-    /// stream, from the RNIC's engine (no application thread polls), and
-    /// the QP is in Error by then: the watcher's look finds it closed.
-    #[test]
-    fn a_closing_peer_fires_the_event_hook() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        use std::time::Instant;
-
+    /// Two RNIC QPs of a fresh device, connected to each other over
+    /// loopback; the device comes along to keep its engine.
+    fn connected_pair(
+        name: &str,
+    ) -> (
+        provider::device::Device,
+        provider::device::QueuePair,
+        provider::device::QueuePair,
+    ) {
         use provider::cq::CompletionQueue;
-        use provider::device::Device;
         use provider::listener::Listener;
-        use provider::qp::{QpCaps, QpState};
+        use provider::qp::QpCaps;
         use provider::setup::MpaParams;
 
-        static FIRED: AtomicUsize = AtomicUsize::new(0);
-        fn hook() {
-            FIRED.fetch_add(1, Ordering::SeqCst);
-        }
-        let dev = Device::open("hook-test").unwrap();
+        let dev = provider::device::Device::open(name).unwrap();
         let pd = dev.alloc_pd();
         let cq = CompletionQueue::new(8).unwrap();
         let (a, b) = (
@@ -691,6 +687,24 @@ mod tests {
             });
             a.connect(addr, &MpaParams::default()).unwrap();
         });
+        (dev, a, b)
+    }
+
+    /// The hook the watcher sleeps on fires when the peer closes the
+    /// stream, from the RNIC's engine (no application thread polls), and
+    /// the QP is in Error by then: the watcher's look finds it closed.
+    #[test]
+    fn a_closing_peer_fires_the_event_hook() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::time::Instant;
+
+        use provider::qp::QpState;
+
+        static FIRED: AtomicUsize = AtomicUsize::new(0);
+        fn hook() {
+            FIRED.fetch_add(1, Ordering::SeqCst);
+        }
+        let (_dev, a, b) = connected_pair("hook-test");
         assert!(b.set_event_hook(hook));
         assert!(!b.set_event_hook(hook), "one hook per QP");
         let before = FIRED.load(Ordering::SeqCst);
@@ -715,28 +729,10 @@ mod tests {
     /// id is alive, as it is up to the end of a concurrent destroy.
     #[test]
     fn taking_an_event_never_reads_id_qp() {
-        use provider::cq::CompletionQueue;
-        use provider::device::Device;
-        use provider::listener::Listener;
-        use provider::qp::{QpCaps, QpState};
-        use provider::setup::MpaParams;
+        use provider::qp::QpState;
 
-        let dev = Device::open("mirror-test").unwrap();
-        let pd = dev.alloc_pd();
-        let cq = CompletionQueue::new(8).unwrap();
-        let (a, b) = (
-            Arc::new(pd.create_qp(QpCaps::default(), &cq, &cq, None)),
-            pd.create_qp(QpCaps::default(), &cq, &cq, None),
-        );
-        let l = Listener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        std::thread::scope(|s| {
-            s.spawn(|| {
-                let req = l.accept().unwrap();
-                req.accept(&b, &MpaParams::default()).unwrap();
-            });
-            a.connect(addr, &MpaParams::default()).unwrap();
-        });
+        let (_dev, a, _b) = connected_pair("mirror-test");
+        let a = Arc::new(a);
 
         // SAFETY: a fresh anonymous mapping that nothing may touch.
         let fence = unsafe {
