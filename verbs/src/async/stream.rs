@@ -64,7 +64,7 @@
 //! the reading task, which wakes and copies the bytes out once more.
 
 use std::collections::VecDeque;
-use std::io;
+use std::io::{self, IoSlice};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -580,18 +580,21 @@ impl StreamShared {
         &self,
         st: &mut StreamState,
         kind: u8,
-        payload: &[u8],
+        payload: &[IoSlice<'_>],
     ) -> Result<Option<usize>> {
         let room = self.opts.slot_size - HEADER;
+        let total: usize = payload.iter().map(|b| b.len()).sum();
         let mut slices = Vec::new();
         let mut slots = Vec::new();
         let mut at_byte = 0;
-        while (slots.is_empty() || at_byte < payload.len()) && slots.len() < st.data_credits {
+        // Where the next byte comes from: buffer, offset in it.
+        let mut cursor = (0, 0);
+        while (slots.is_empty() || at_byte < total) && slots.len() < st.data_credits {
             let Some(i) = st.free_send.pop() else {
                 break;
             };
             slots.push(i);
-            let n = (payload.len() - at_byte).min(room);
+            let n = (total - at_byte).min(room);
             let at = self.opts.send_offset(i);
             // The first message returns every owed credit, the rest none.
             let header = if slices.is_empty() {
@@ -602,10 +605,7 @@ impl StreamShared {
             let filled = self
                 .mr
                 .write_at(at, &header)
-                .and_then(|()| {
-                    self.mr
-                        .write_at(at + HEADER, &payload[at_byte..at_byte + n])
-                })
+                .and_then(|()| self.gather(at + HEADER, n, payload, &mut cursor))
                 .and_then(|()| self.mr.slice(at, HEADER + n));
             match filled {
                 Ok(slice) => slices.push(slice),
@@ -660,6 +660,33 @@ impl StreamShared {
                 .map(|s| s.len() as usize - HEADER)
                 .sum(),
         ))
+    }
+
+    /// Copy the next `n` bytes of `bufs`, from `cursor` (buffer, offset
+    /// in it) on, to `at` in the region; `cursor` moves past them.
+    fn gather(
+        &self,
+        mut at: usize,
+        mut n: usize,
+        bufs: &[IoSlice<'_>],
+        cursor: &mut (usize, usize),
+    ) -> Result<()> {
+        while n > 0 {
+            let Some(buf) = bufs.get(cursor.0) else {
+                break;
+            };
+            let piece = &buf[cursor.1..];
+            let k = piece.len().min(n);
+            self.mr.write_at(at, &piece[..k])?;
+            at += k;
+            n -= k;
+            if k == piece.len() {
+                *cursor = (cursor.0 + 1, 0);
+            } else {
+                cursor.1 += k;
+            }
+        }
+        Ok(())
     }
 
     fn broken_error(st: &StreamState) -> io::Error {
@@ -743,6 +770,17 @@ impl AsyncWrite for RdmaStream {
         cx: &mut TaskContext<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        self.poll_write_vectored(cx, &[IoSlice::new(buf)])
+    }
+
+    /// Gathers `bufs` into as few messages as the slots hold: a caller
+    /// that writes several frames at once (hyper's HTTP/2 codec) sends one
+    /// message for them, where one `poll_write` each would send one each.
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
         let sh = &*self.shared;
         let mut st = sh.lock();
         loop {
@@ -755,16 +793,20 @@ impl AsyncWrite for RdmaStream {
                     "write after shutdown",
                 )));
             }
-            if buf.is_empty() {
+            if bufs.iter().all(|b| b.is_empty()) {
                 return Poll::Ready(Ok(0));
             }
-            if let Some(n) = sh.send_messages(&mut st, KIND_DATA, buf).map_err(io_err)? {
+            if let Some(n) = sh.send_messages(&mut st, KIND_DATA, bufs).map_err(io_err)? {
                 return Poll::Ready(Ok(n));
             }
             if sh.poll_progress(&mut st, cx, Side::Write)?.is_pending() {
                 return Poll::Pending;
             }
         }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
     }
 
     fn poll_flush(self: Pin<&mut Self>, _cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
