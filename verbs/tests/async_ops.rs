@@ -556,6 +556,53 @@ fn a_vectored_write_gathers_its_buffers_into_messages() {
     });
 }
 
+/// Streams that never spin sleep between messages (on stag0 on their
+/// QP's socket, which the engine then leaves to them): a ping-pong of
+/// small messages, each end's halves in tasks of their own on a
+/// multi-thread runtime, wakes for every message. A lost wake-up hangs a
+/// round (and fails at the limit).
+#[test]
+fn sleeping_streams_wake_for_every_message() {
+    for runtime in [current_thread(), multi_thread()] {
+        runtime.block_on(async {
+            let opts = StreamOptions {
+                spin: Duration::ZERO,
+                ..StreamOptions::default()
+            };
+            let (c, s, _cc, _sc) = stream_pair(opts).await;
+            let echo = tokio::spawn(async move {
+                let (mut r, mut w) = tokio::io::split(s);
+                tokio::io::copy(&mut r, &mut w).await.unwrap();
+                w.shutdown().await.unwrap();
+            });
+            let (mut r, mut w) = tokio::io::split(c);
+            let (to_writer, mut rounds) = tokio::sync::mpsc::channel::<Vec<u8>>(1);
+            let writer = tokio::spawn(async move {
+                while let Some(msg) = rounds.recv().await {
+                    w.write_all(&msg).await.unwrap();
+                }
+                w.shutdown().await.unwrap();
+            });
+            for i in 0..2_000usize {
+                let msg = pattern(1 + i % 200);
+                to_writer.send(msg.clone()).await.unwrap();
+                let mut back = vec![0u8; msg.len()];
+                tokio::time::timeout(LIMIT, r.read_exact(&mut back))
+                    .await
+                    .unwrap_or_else(|_| panic!("round {i} never came back"))
+                    .unwrap();
+                assert!(back == msg, "round {i} came back different");
+            }
+            drop(to_writer);
+            writer.await.unwrap();
+            let mut rest = Vec::new();
+            r.read_to_end(&mut rest).await.unwrap();
+            assert!(rest.is_empty());
+            echo.await.unwrap();
+        });
+    }
+}
+
 /// Where the connection has no native Write with Immediate (here one end
 /// forces its emulation, as a libibverbs device has it) the stream's
 /// data goes as Sends, and every byte still arrives in order.

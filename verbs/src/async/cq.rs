@@ -206,7 +206,20 @@ impl AsyncCompletionQueue {
         out: &mut Vec<Completion>,
         max: usize,
     ) -> Poll<Result<usize>> {
-        self.shared.poll_drain(cx, out, max)
+        self.shared.poll_drain(cx, out, max, &mut false)
+    }
+
+    /// [`poll_drain`](Self::poll_drain), telling on Pending whether the
+    /// task sleeps (the CQ is armed and `cx` registered on its fd), not
+    /// spinning.
+    pub(super) fn poll_drain_asleep(
+        &self,
+        cx: &mut TaskContext<'_>,
+        out: &mut Vec<Completion>,
+        max: usize,
+        asleep: &mut bool,
+    ) -> Poll<Result<usize>> {
+        self.shared.poll_drain(cx, out, max, asleep)
     }
 
     /// A fresh `wr_id`, and a slot waiting for its completion. The slot
@@ -242,7 +255,9 @@ impl Shared {
         cx: &mut TaskContext<'_>,
         out: &mut Vec<Completion>,
         max: usize,
+        asleep: &mut bool,
     ) -> Poll<Result<usize>> {
+        *asleep = false;
         loop {
             let n = self.cq().poll(out, max)?;
             if n > 0 {
@@ -253,6 +268,7 @@ impl Shared {
                 return Poll::Pending;
             }
             if self.arm_and_sleep(cx)?.is_pending() {
+                *asleep = true;
                 return Poll::Pending;
             }
         }
