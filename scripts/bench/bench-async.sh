@@ -40,6 +40,17 @@ BENCH=target/release/examples/async_bench
 GRPC=target/release/examples/grpc_echo
 port=$((20000 + RANDOM % 20000))
 
+# wait_listen PID: until the server listens on $port (a fixed sleep lost the
+# race under load: "Connection refused"), or it died, or 20 s passed.
+wait_listen() {
+    local i
+    for i in $(seq 200); do
+        ss -Hltn "sport = :$port" | grep -q . && return 0
+        kill -0 "$1" 2>/dev/null || return 0
+        sleep 0.1
+    done
+}
+
 # pair NAME SERVER_CMD... -- CLIENT_CMD...: one measurement, the client's
 # JSON appended to $OUT/NAME.json.
 pair() {
@@ -51,7 +62,7 @@ pair() {
     client=("$@")
     "${server[@]}" >"$OUT/server.log" 2>&1 &
     local spid=$!
-    sleep 0.3
+    wait_listen "$spid"
     if ! timeout 300 "${client[@]}" >"$OUT/client.out" 2>"$OUT/client.log"; then
         echo "bench-async: $name failed:" >&2
         cat "$OUT/client.log" "$OUT/server.log" >&2
@@ -75,7 +86,7 @@ serve() {
     client=("$@")
     "${server[@]}" >"$OUT/server.log" 2>&1 &
     local spid=$!
-    sleep 0.5
+    wait_listen "$spid"
     local rc=0
     timeout 300 "${client[@]}" >"$OUT/client.out" 2>"$OUT/client.log" || rc=$?
     kill "$spid" 2>/dev/null || true
@@ -171,8 +182,9 @@ if have("rdma-stream"):
     rows.append(f"| RdmaStream 1 MiB, Sends (MB/s) | {ss:.0f} | tokio TcpStream {tc:.0f} | {ss/tc:.2f}× | (compare) |")
     report["stream"] = {"rdma_stream_mb_s": st, "rdma_stream_nospin_mb_s": sn,
                         "rdma_stream_sends_mb_s": ss, "stag_bw_write_mb_s": sb, "tcp_mb_s": tc,
-                        "rounds": {n: [r["bw_avg_mb_s"] for r in runs(n)] for n in
-                                   ["rdma-stream", "stag-bw-write", "tcp-stream"]}}
+                        "rounds": {n: [(r["results"][0] if "results" in r else r)["bw_avg_mb_s"]
+                                       for r in runs(n)]
+                                   for n in ["rdma-stream", "stag-bw-write", "tcp-stream"]}}
 if have("grpc-unary-rdma"):
     gt = lat("grpc-unary-tcp")
     for name, what in [("grpc-unary-rdma", "CQ spin 0"), ("grpc-unary-rdma-spin", "stream CQ spin"),
