@@ -187,10 +187,15 @@ async fn call_alone(argv: &[String]) -> Res<()> {
             samples.push(t.elapsed().as_secs_f64() * 1e6);
         }
     }
+    let med = median(&mut samples);
+    // Sorted by `median`: the tail, to see a second mode.
+    let at = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
     println!(
-        "{{\"test\":\"grpc-unary\",\"transport\":\"{transport}\",\"iterations\":{},\"t_typical_us\":{:.3}}}",
+        "{{\"test\":\"grpc-unary\",\"transport\":\"{transport}\",\"iterations\":{},\"t_typical_us\":{med:.3},\"p10_us\":{:.3},\"p90_us\":{:.3},\"p99_us\":{:.3}}}",
         samples.len(),
-        median(&mut samples)
+        at(0.10),
+        at(0.90),
+        at(0.99),
     );
     Ok(())
 }

@@ -177,6 +177,33 @@ impl QueuePair {
     pub fn release_to_engine(&self) {
         crate::cq::CqQp::release_to_engine(&*self.shared);
     }
+
+    /// The QP's socket, for an event loop that sleeps on it in its own
+    /// poller (an async runtime's reactor) as [`CompletionQueue::wait`]
+    /// does in `poll(2)`, and whether writability is wanted as well;
+    /// `None` while the engine must watch it (before the connection, after
+    /// close, while input is paused).
+    ///
+    /// [`CompletionQueue::wait`]: crate::cq::CompletionQueue::wait
+    pub fn socket_wait_fd(&self) -> Option<(std::os::fd::BorrowedFd<'_>, bool)> {
+        crate::cq::CqQp::wait_fd(&*self.shared, true)
+    }
+
+    /// An event loop goes to sleep on [`socket_wait_fd`](Self::socket_wait_fd):
+    /// the engine stops watching the socket, so an arrival wakes the loop
+    /// alone, which then drives the QP. Pair each with
+    /// [`end_socket_wait`](Self::end_socket_wait).
+    pub fn begin_socket_wait(&self) {
+        crate::cq::CqQp::set_waiting(&*self.shared, true);
+    }
+
+    /// The event loop woke: it keeps the socket for its next sleep, and
+    /// the engine takes the QP back at its next recheck (1 ms) unless the
+    /// loop sleeps on it again ([`crate::engine::Engine::hold`], as a
+    /// completion channel's waiter).
+    pub fn end_socket_wait(&self) {
+        crate::cq::CqQp::end_wait_holding(&*self.shared);
+    }
 }
 
 /// A post list on one QP, from [`QueuePair::start_post`]: WRs are queued

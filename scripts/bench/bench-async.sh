@@ -15,7 +15,8 @@
 #     over RdmaStream (CQ spin none; SPIN_US; SPIN_US with Sends)
 #     against tonic over TCP.
 #
-#   scripts/bench/bench-async.sh   (ROUNDS=3 ITERS=5000 MIB=512 SPIN_US=1000 OUT=target/bench-async)
+#   scripts/bench/bench-async.sh   (ROUNDS=3 ITERS=5000 MIB=512 SPIN_US=1000 OUT=target/bench-async
+#                                   PARTS="lat stream grpc": which groups run)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -28,6 +29,8 @@ SPIN_US=${SPIN_US:-1000}
 GRPC_CALLS=${GRPC_CALLS:-2000}
 BW_ITERS=${BW_ITERS:-$MIB}
 OUT=${OUT:-target/bench-async}
+PARTS=${PARTS:-lat stream grpc}
+want() { [[ " $PARTS " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 rm -f "$OUT"/*.json
 
@@ -36,6 +39,17 @@ STAG=target/release/stag
 BENCH=target/release/examples/async_bench
 GRPC=target/release/examples/grpc_echo
 port=$((20000 + RANDOM % 20000))
+
+# wait_listen PID: until the server listens on $port (a fixed sleep lost the
+# race under load: "Connection refused"), or it died, or 20 s passed.
+wait_listen() {
+    local i
+    for i in $(seq 200); do
+        ss -Hltn "sport = :$port" | grep -q . && return 0
+        kill -0 "$1" 2>/dev/null || return 0
+        sleep 0.1
+    done
+}
 
 # pair NAME SERVER_CMD... -- CLIENT_CMD...: one measurement, the client's
 # JSON appended to $OUT/NAME.json.
@@ -48,7 +62,7 @@ pair() {
     client=("$@")
     "${server[@]}" >"$OUT/server.log" 2>&1 &
     local spid=$!
-    sleep 0.3
+    wait_listen "$spid"
     if ! timeout 300 "${client[@]}" >"$OUT/client.out" 2>"$OUT/client.log"; then
         echo "bench-async: $name failed:" >&2
         cat "$OUT/client.log" "$OUT/server.log" >&2
@@ -72,7 +86,7 @@ serve() {
     client=("$@")
     "${server[@]}" >"$OUT/server.log" 2>&1 &
     local spid=$!
-    sleep 0.5
+    wait_listen "$spid"
     local rc=0
     timeout 300 "${client[@]}" >"$OUT/client.out" 2>"$OUT/client.log" || rc=$?
     kill "$spid" 2>/dev/null || true
@@ -87,8 +101,8 @@ serve() {
 }
 
 for round in $(seq "$ROUNDS"); do
-    echo "== round $round/$ROUNDS" >&2
-    for op in send write-imm fetch-add; do
+    echo "== round $round/$ROUNDS ($(uptime | sed 's/.*load/load/'))" >&2
+    want lat && for op in send write-imm fetch-add; do
         size=(-s 8)
         [[ $op == fetch-add ]] && size=()
         pair "stag-lat-$op-busy" $STAG lat "$op" "${size[@]}" -n "$ITERS" -p $port --json -- \
@@ -100,6 +114,7 @@ for round in $(seq "$ROUNDS"); do
         pair "async-lat-$op-spin" env ASYNC_BENCH_SPIN_US=$SPIN_US $BENCH server lat "$op" $port -- \
             env ASYNC_BENCH_SPIN_US=$SPIN_US $BENCH client lat "$op" 127.0.0.1:$port "$ITERS"
     done
+    if want stream; then
     pair stag-bw-write $STAG bw write -s 1048576 -n "$BW_ITERS" -p $port --json -- \
         $STAG bw write -s 1048576 -n "$BW_ITERS" -p $port --json 127.0.0.1
     pair rdma-stream $BENCH server stream $port -- $BENCH client stream 127.0.0.1:$port "$MIB"
@@ -108,10 +123,12 @@ for round in $(seq "$ROUNDS"); do
     pair rdma-stream-sends env ASYNC_BENCH_SENDS=1 $BENCH server stream $port -- \
         env ASYNC_BENCH_SENDS=1 $BENCH client stream 127.0.0.1:$port "$MIB"
     pair tcp-stream $BENCH server tcp $port -- $BENCH client tcp 127.0.0.1:$port "$MIB"
-    for t in rdma tcp; do
+    fi
+    want grpc && for t in rdma tcp; do
         serve "grpc-unary-$t" env GRPC_SPIN_US=0 $GRPC server $t $port -- \
             env GRPC_SPIN_US=0 $GRPC client $t 127.0.0.1:$port "$GRPC_CALLS"
     done
+    want grpc || continue
     serve grpc-unary-rdma-spin env GRPC_SPIN_US=$SPIN_US $GRPC server rdma $port -- \
         env GRPC_SPIN_US=$SPIN_US $GRPC client rdma 127.0.0.1:$port "$GRPC_CALLS"
     serve grpc-unary-rdma-spin-sends env GRPC_SENDS=1 GRPC_SPIN_US=$SPIN_US $GRPC server rdma $port -- \
@@ -135,9 +152,17 @@ def bw(name):
         r = d["results"][0] if "results" in d else d
         vals.append(r["bw_avg_mb_s"])
     return statistics.median(vals)
+def have(name):
+    return (out / f"{name}.json").exists()
+def tail(name):
+    # p10/p90/p99 of the median round, when the client reports them.
+    d = sorted(runs(name), key=lambda d: d["t_typical_us"])[len(runs(name)) // 2]
+    return " ".join(f"{k[:-3]} {d[k]:.0f}" for k in ("p10_us", "p90_us", "p99_us") if k in d)
 rows = ["| measurement | async | against | ratio | target |", "|---|---|---|---|---|"]
 report = {}
 for op in ["send", "write-imm", "fetch-add"]:
+    if not have(f"async-lat-{op}"):
+        continue
     a = lat(f"async-lat-{op}")
     for mode in ["busy", "blocking"]:
         s = lat(f"stag-lat-{op}-{mode}")
@@ -147,24 +172,26 @@ for op in ["send", "write-imm", "fetch-add"]:
     s = lat(f"stag-lat-{op}-busy")
     rows.append(f"| {op} 8 B latency, CQ spin (µs, median) | {a:.2f} | stag lat busy {s:.2f} | {a/s:.2f}× | ≤ 1.2× |")
     report[f"lat-{op}-spin"] = {"async_us": a, "stag_us": s, "ratio": a / s}
-st, sb, tc = bw("rdma-stream"), bw("stag-bw-write"), bw("tcp-stream")
-rows.append(f"| RdmaStream 1 MiB (MB/s) | {st:.0f} | stag bw write {sb:.0f} | {st/sb:.2f}× | ≥ 0.8× |")
-rows.append(f"| RdmaStream 1 MiB (MB/s) | {st:.0f} | tokio TcpStream {tc:.0f} | {st/tc:.2f}× | ≥ 0.8× |")
-sn = bw("rdma-stream-nospin")
-rows.append(f"| RdmaStream 1 MiB, CQ spin 0 (MB/s) | {sn:.0f} | tokio TcpStream {tc:.0f} | {sn/tc:.2f}× | (compare) |")
-ss = bw("rdma-stream-sends")
-rows.append(f"| RdmaStream 1 MiB, Sends (MB/s) | {ss:.0f} | tokio TcpStream {tc:.0f} | {ss/tc:.2f}× | (compare) |")
-report["stream"] = {"rdma_stream_mb_s": st, "rdma_stream_nospin_mb_s": sn,
-                    "rdma_stream_sends_mb_s": ss, "stag_bw_write_mb_s": sb, "tcp_mb_s": tc}
-gr, gt = lat("grpc-unary-rdma"), lat("grpc-unary-tcp")
-rows.append(f"| tonic unary RPC latency (µs, median) | {gr:.1f} | tonic over TCP {gt:.1f} | {gr/gt:.2f}× | (compare) |")
-report["grpc-unary"] = {"rdma_us": gr, "tcp_us": gt, "ratio": gr / gt}
-gs = lat("grpc-unary-rdma-spin")
-rows.append(f"| tonic unary RPC latency, stream CQ spin (µs, median) | {gs:.1f} | tonic over TCP {gt:.1f} | {gs/gt:.2f}× | (compare) |")
-report["grpc-unary-spin"] = {"rdma_us": gs, "tcp_us": gt, "ratio": gs / gt}
-gss = lat("grpc-unary-rdma-spin-sends")
-rows.append(f"| tonic unary RPC latency, stream CQ spin, Sends (µs, median) | {gss:.1f} | tonic over TCP {gt:.1f} | {gss/gt:.2f}× | (compare) |")
-report["grpc-unary-spin-sends"] = {"rdma_us": gss, "tcp_us": gt, "ratio": gss / gt}
+if have("rdma-stream"):
+    st, sb, tc = bw("rdma-stream"), bw("stag-bw-write"), bw("tcp-stream")
+    rows.append(f"| RdmaStream 1 MiB (MB/s) | {st:.0f} | stag bw write {sb:.0f} | {st/sb:.2f}× | ≥ 0.8× |")
+    rows.append(f"| RdmaStream 1 MiB (MB/s) | {st:.0f} | tokio TcpStream {tc:.0f} | {st/tc:.2f}× | ≥ 0.8× |")
+    sn = bw("rdma-stream-nospin")
+    rows.append(f"| RdmaStream 1 MiB, CQ spin 0 (MB/s) | {sn:.0f} | tokio TcpStream {tc:.0f} | {sn/tc:.2f}× | (compare) |")
+    ss = bw("rdma-stream-sends")
+    rows.append(f"| RdmaStream 1 MiB, Sends (MB/s) | {ss:.0f} | tokio TcpStream {tc:.0f} | {ss/tc:.2f}× | (compare) |")
+    report["stream"] = {"rdma_stream_mb_s": st, "rdma_stream_nospin_mb_s": sn,
+                        "rdma_stream_sends_mb_s": ss, "stag_bw_write_mb_s": sb, "tcp_mb_s": tc,
+                        "rounds": {n: [(r["results"][0] if "results" in r else r)["bw_avg_mb_s"]
+                                       for r in runs(n)]
+                                   for n in ["rdma-stream", "stag-bw-write", "tcp-stream"]}}
+if have("grpc-unary-rdma"):
+    gt = lat("grpc-unary-tcp")
+    for name, what in [("grpc-unary-rdma", "CQ spin 0"), ("grpc-unary-rdma-spin", "stream CQ spin"),
+                       ("grpc-unary-rdma-spin-sends", "stream CQ spin, Sends")]:
+        g = lat(name)
+        rows.append(f"| tonic unary RPC latency, {what} (µs, median; {tail(name)}) | {g:.1f} | tonic over TCP {gt:.1f} ({tail('grpc-unary-tcp')}) | {g/gt:.2f}× | (compare) |")
+        report[name] = {"rdma_us": g, "tcp_us": gt, "ratio": g / gt}
 (out / "report.md").write_text("\n".join(rows) + "\n")
 (out / "report.json").write_text(json.dumps(report, indent=2))
 print("\n".join(rows))

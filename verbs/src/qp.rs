@@ -171,6 +171,21 @@ impl QueuePair {
         self.core.progress();
     }
 
+    /// The socket an event loop may sleep on itself, not through the
+    /// engine (stag's userspace provider; `None` elsewhere or while the
+    /// engine must watch it), with whether writability is wanted too.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn socket_wait_fd(&self) -> Option<(std::os::fd::BorrowedFd<'_>, bool)> {
+        self.core.socket_wait_fd()
+    }
+
+    /// An event loop starts (`true`) or stops sleeping on
+    /// [`socket_wait_fd`](Self::socket_wait_fd): paired, one stop per start.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn socket_wait(&self, on: bool) {
+        self.core.socket_wait(on);
+    }
+
     /// WRs posted and not yet completed.
     pub fn outstanding(&self) -> usize {
         self.core.outstanding()

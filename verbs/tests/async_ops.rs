@@ -11,7 +11,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use common::{device, listen_addr, ALL};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use verbs::r#async::{
     AsyncCompletionQueue, AsyncListener, AsyncQueuePair, Op, OpError, RdmaStream, StreamOptions,
 };
@@ -486,6 +486,121 @@ fn a_two_slot_ring_wraps_thousands_of_times_in_order() {
         assert_eq!(got.len(), data.len());
         assert!(got == data, "the bytes differ from what was sent");
     });
+}
+
+/// A vectored write gathers its buffers into the stream's messages: one
+/// call takes bytes from several buffers (a writer that took only the
+/// first, as `AsyncWrite`'s default does, would return its length), and
+/// gathers that straddle slots and buffers arrive byte-exact, in order.
+#[test]
+fn a_vectored_write_gathers_its_buffers_into_messages() {
+    multi_thread().block_on(async {
+        let opts = StreamOptions {
+            slots: 3,
+            slot_size: 16 + 40,
+            ..StreamOptions::default()
+        };
+        let (mut c, mut s, _cc, _sc) = stream_pair(opts).await;
+        assert!(c.is_write_vectored());
+        let data = pattern(60_000);
+        let send = data.clone();
+        let writer = tokio::spawn(async move {
+            // Buffers of 1 to 29 bytes, many to a slot and split across
+            // slots.
+            let mut pieces = Vec::new();
+            let (mut at, mut k) = (0, 0);
+            while at < send.len() {
+                let n = (1 + k * 7 % 29).min(send.len() - at);
+                pieces.push(&send[at..at + n]);
+                at += n;
+                k += 1;
+            }
+            let mut first_call = None;
+            let (mut i, mut off) = (0, 0);
+            while i < pieces.len() {
+                let mut bufs = vec![std::io::IoSlice::new(&pieces[i][off..])];
+                bufs.extend(
+                    pieces[i + 1..]
+                        .iter()
+                        .take(15)
+                        .map(|p| std::io::IoSlice::new(p)),
+                );
+                let mut n = c.write_vectored(&bufs).await.unwrap();
+                first_call.get_or_insert((n, bufs[0].len()));
+                while n > 0 {
+                    let left = pieces[i].len() - off;
+                    if n >= left {
+                        n -= left;
+                        (i, off) = (i + 1, 0);
+                    } else {
+                        off += n;
+                        n = 0;
+                    }
+                }
+            }
+            c.shutdown().await.unwrap();
+            first_call.unwrap()
+        });
+        let mut got = Vec::new();
+        tokio::time::timeout(LIMIT, s.read_to_end(&mut got))
+            .await
+            .expect("in time")
+            .unwrap();
+        let (took, first_len) = writer.await.unwrap();
+        assert!(
+            took > first_len,
+            "one vectored write took {took} bytes, no more than its first buffer ({first_len})"
+        );
+        assert_eq!(got.len(), data.len());
+        assert!(got == data, "the bytes differ from what was sent");
+    });
+}
+
+/// Streams that never spin sleep between messages (on stag0 on their
+/// QP's socket, which the engine then leaves to them): a ping-pong of
+/// small messages, each end's halves in tasks of their own on a
+/// multi-thread runtime, wakes for every message. A lost wake-up hangs a
+/// round (and fails at the limit).
+#[test]
+fn sleeping_streams_wake_for_every_message() {
+    for runtime in [current_thread(), multi_thread()] {
+        runtime.block_on(async {
+            let opts = StreamOptions {
+                spin: Duration::ZERO,
+                ..StreamOptions::default()
+            };
+            let (c, s, _cc, _sc) = stream_pair(opts).await;
+            let echo = tokio::spawn(async move {
+                let (mut r, mut w) = tokio::io::split(s);
+                tokio::io::copy(&mut r, &mut w).await.unwrap();
+                w.shutdown().await.unwrap();
+            });
+            let (mut r, mut w) = tokio::io::split(c);
+            let (to_writer, mut rounds) = tokio::sync::mpsc::channel::<Vec<u8>>(1);
+            let writer = tokio::spawn(async move {
+                while let Some(msg) = rounds.recv().await {
+                    w.write_all(&msg).await.unwrap();
+                }
+                w.shutdown().await.unwrap();
+            });
+            for i in 0..2_000usize {
+                let msg = pattern(1 + i % 200);
+                to_writer.send(msg.clone()).await.unwrap();
+                let mut back = vec![0u8; msg.len()];
+                tokio::time::timeout(LIMIT, r.read_exact(&mut back))
+                    .await
+                    .unwrap_or_else(|_| panic!("round {i} never came back"))
+                    .unwrap();
+                assert!(back == msg, "round {i} came back different");
+            }
+            drop(to_writer);
+            writer.await.unwrap();
+            let mut rest = Vec::new();
+            r.read_to_end(&mut rest).await.unwrap();
+            assert!(rest.is_empty());
+            echo.await.unwrap();
+        });
+    }
 }
 
 /// Where the connection has no native Write with Immediate (here one end

@@ -70,12 +70,12 @@ impl AsRawFd for CqFd {
 /// whenever a CPU hog held the other core). So a spin yields at every empty
 /// look, which on a core of its own is one cheap syscall. The other
 /// neighbour is a thread that runs until preempted (another program's
-/// busy loop): a yield to it costs a whole time slice (milliseconds), so
-/// for 50 ms after a yield that kept the core away for 200 µs the spin
-/// goes back to keeping its core for 20 µs before each yield, as before.
-/// A ping-pong whose two processes share a core with such a thread still
-/// runs at ~31 µs then (seen at load 10); one whose processes have the
-/// cores, or share one only with each other, runs at 5-10 µs.
+/// busy loop, a compiler): a yield to it costs a whole time slice
+/// (milliseconds). After a yield that kept the core away 200 µs the CQ's
+/// waiters stop spinning for 50 ms and sleep at once: on a contended core
+/// a spin takes the time the peer, the engine or the runtime's other tasks
+/// need, and gives the waiter a time slice's delay at each yield (the
+/// tail of tonic over `RdmaStream` under load, session 9).
 #[derive(Clone)]
 pub struct AsyncCompletionQueue {
     pub(super) shared: Arc<Shared>,
@@ -98,9 +98,8 @@ pub(super) struct Shared {
     spin: Duration,
     /// Since when every look found the CQ empty (while spinning).
     idle_since: Mutex<Option<Instant>>,
-    /// After how long an empty spin yields the thread at each look
-    /// (zero), until this many nanoseconds after `epoch`, set by a slow
-    /// yield; [`YIELD_AFTER`] before then.
+    /// Until this many nanoseconds after `epoch` a waiter sleeps at once,
+    /// not spinning: set by a slow yield ([`YIELD_SLOW`], [`SLOW_HOLD`]).
     slow_until_ns: AtomicU64,
     /// When the CQ was wrapped: the origin of `slow_until_ns`.
     epoch: Instant,
@@ -129,22 +128,19 @@ enum Slot {
     Abandoned,
 }
 
-/// How long a spin looks without giving the core to other threads, once a
-/// yield was found to cost a time slice.
-const YIELD_AFTER: Duration = Duration::from_micros(20);
-
 /// A yield that kept the core away this long gave it to a thread that
 /// runs until preempted (a time slice is milliseconds), not to a thread
 /// that had a few microseconds of work, such as the peer's spinning task
 /// answering a ping.
 const YIELD_SLOW: Duration = Duration::from_micros(200);
 
-/// How long a slow yield keeps the spin from yielding before
-/// [`YIELD_AFTER`]: a core shared with a thread that runs until preempted
-/// stays shared for a while, and on a loaded machine a quick yield now and
-/// then says little (session 8: tonic unary calls with 1 ms spins at load
-/// 10 took 125-470 µs when every quick yield went back to yielding at
-/// once, as a fixed 20 µs did 130-280).
+/// How long a slow yield keeps waiters from spinning: a core shared with a
+/// thread that runs until preempted stays shared for a while. Session 8
+/// kept spinning then (holding the core 20 µs between yields): tonic unary
+/// calls with 1 ms spins at load 10 took 125-470 µs. Session 9, 200 µs
+/// spins, 3 alternating rounds at load 9, medians of 2000 calls: holding
+/// 243/376/402 µs (p90 452/497/462), sleeping 376/188/142 (p90
+/// 534/431/412); session 8's code 324/308/308 (p90 886/1624/848).
 const SLOW_HOLD: Duration = Duration::from_millis(50);
 
 /// Completions taken from the CQ per round.
@@ -210,7 +206,20 @@ impl AsyncCompletionQueue {
         out: &mut Vec<Completion>,
         max: usize,
     ) -> Poll<Result<usize>> {
-        self.shared.poll_drain(cx, out, max)
+        self.shared.poll_drain(cx, out, max, &mut false)
+    }
+
+    /// [`poll_drain`](Self::poll_drain), telling on Pending whether the
+    /// task sleeps (the CQ is armed and `cx` registered on its fd), not
+    /// spinning.
+    pub(super) fn poll_drain_asleep(
+        &self,
+        cx: &mut TaskContext<'_>,
+        out: &mut Vec<Completion>,
+        max: usize,
+        asleep: &mut bool,
+    ) -> Poll<Result<usize>> {
+        self.shared.poll_drain(cx, out, max, asleep)
     }
 
     /// A fresh `wr_id`, and a slot waiting for its completion. The slot
@@ -246,7 +255,9 @@ impl Shared {
         cx: &mut TaskContext<'_>,
         out: &mut Vec<Completion>,
         max: usize,
+        asleep: &mut bool,
     ) -> Poll<Result<usize>> {
+        *asleep = false;
         loop {
             let n = self.cq().poll(out, max)?;
             if n > 0 {
@@ -257,6 +268,7 @@ impl Shared {
                 return Poll::Pending;
             }
             if self.arm_and_sleep(cx)?.is_pending() {
+                *asleep = true;
                 return Poll::Pending;
             }
         }
@@ -281,17 +293,21 @@ impl Shared {
         }
         let since_epoch = |t: Instant| t.duration_since(self.epoch).as_nanos() as u64;
         let slow = since_epoch(now) < self.slow_until_ns.load(Ordering::Relaxed);
-        if !slow || idle >= YIELD_AFTER {
-            // Let this core's other runnable threads in (see "Spinning"
-            // above): the peer's spinning task when the scheduler put
-            // both on this core, or the device's engine. How long the
-            // core was gone says which kind of neighbour it was.
-            std::thread::yield_now();
-            let back = Instant::now();
-            if back.duration_since(now) >= YIELD_SLOW {
-                self.slow_until_ns
-                    .store(since_epoch(back + SLOW_HOLD), Ordering::Relaxed);
-            }
+        if slow {
+            // A yield lately gave the core away for a time slice: another
+            // program wants it. Spinning on would keep taking it from the
+            // threads this task waits for; sleep until a completion.
+            return false;
+        }
+        // Let this core's other runnable threads in (see "Spinning"
+        // above): the peer's spinning task when the scheduler put both on
+        // this core, or the device's engine. How long the core was gone
+        // says which kind of neighbour it was.
+        std::thread::yield_now();
+        let back = Instant::now();
+        if back.duration_since(now) >= YIELD_SLOW {
+            self.slow_until_ns
+                .store(since_epoch(back + SLOW_HOLD), Ordering::Relaxed);
         }
         cx.waker().wake_by_ref();
         true

@@ -179,6 +179,13 @@ pub(crate) trait QpOps: Send + Sync + Debug {
     /// Drive the QP from this thread (userspace provider).
     fn progress(&self) {}
     fn post_path(&self) -> crate::caps::PostPath;
+    /// The socket an event loop may sleep on instead of the engine
+    /// (userspace provider), with whether writability is wanted too.
+    fn socket_wait_fd(&self) -> Option<(std::os::fd::BorrowedFd<'_>, bool)> {
+        None
+    }
+    /// An event loop starts (`true`) or stops sleeping on that socket.
+    fn socket_wait(&self, _on: bool) {}
 }
 
 /// A shared receive queue.

@@ -284,6 +284,18 @@ impl QpOps for UserQp {
     fn post_path(&self) -> PostPath {
         PostPath::Userspace
     }
+
+    fn socket_wait_fd(&self) -> Option<(std::os::fd::BorrowedFd<'_>, bool)> {
+        self.0.socket_wait_fd()
+    }
+
+    fn socket_wait(&self, on: bool) {
+        if on {
+            self.0.begin_socket_wait();
+        } else {
+            self.0.end_socket_wait();
+        }
+    }
 }
 
 #[derive(Debug)]

@@ -334,6 +334,16 @@ impl QpCore {
         self.backend.progress();
     }
 
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn socket_wait_fd(&self) -> Option<(std::os::fd::BorrowedFd<'_>, bool)> {
+        self.backend.socket_wait_fd()
+    }
+
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn socket_wait(&self, on: bool) {
+        self.backend.socket_wait(on);
+    }
+
     /// The route of `wr` on this connection.
     fn route(&self, wr: &WorkRequest<'_>) -> Result<(OpKind, Route)> {
         let kind = OpKind::from(&wr.op);
