@@ -254,11 +254,11 @@ pub(crate) unsafe fn in_fd_set(nfds: i32, set: *const libc::fd_set) -> Vec<RawFd
     UNWATCHED
         .iter()
         .map(|s| s.load(Ordering::SeqCst))
-        // SAFETY: FD_ISSET reads the caller's set within FD_SETSIZE.
         .filter(|&fd| {
             fd >= 0
                 && fd < nfds
                 && (fd as usize) < libc::FD_SETSIZE
+                // SAFETY: reads the caller's valid set, within FD_SETSIZE.
                 && unsafe { libc::FD_ISSET(fd, set) }
         })
         .collect()
