@@ -139,18 +139,21 @@ impl Channel {
 
     /// A thread is about to sleep on the pipe: the oldest record kept, if
     /// there is one (then it does not sleep), else it counts as a sleeper
-    /// until [`end_sleep`](Self::end_sleep) and records go to the pipe.
-    pub(crate) fn begin_sleep(&self) -> Option<u64> {
+    /// while the [`Sleeper`] lives, and records go to the pipe.
+    pub(crate) fn begin_sleep(&self) -> Result<u64, Sleeper<'_>> {
         let mut st = self.state();
-        let kept = st.kept.pop_front();
-        if kept.is_none() {
-            st.sleepers += 1;
+        match st.kept.pop_front() {
+            Some(token) => Ok(token),
+            None => {
+                st.sleepers += 1;
+                Err(Sleeper(self))
+            }
         }
-        kept
     }
 
-    /// The thread counted by [`begin_sleep`](Self::begin_sleep) woke.
-    pub(crate) fn end_sleep(&self) {
+    /// The thread counted by [`begin_sleep`](Self::begin_sleep) woke
+    /// (called by [`Sleeper`]'s drop, however the wait ended).
+    fn end_sleep(&self) {
         let mut st = self.state();
         st.sleepers = st.sleepers.saturating_sub(1);
     }
@@ -199,6 +202,17 @@ impl Channel {
     }
 }
 
+/// A thread counted as asleep on a channel's pipe
+/// ([`Channel::begin_sleep`]) until dropped.
+#[derive(Debug)]
+pub(crate) struct Sleeper<'a>(&'a Channel);
+
+impl Drop for Sleeper<'_> {
+    fn drop(&mut self) {
+        self.0.end_sleep();
+    }
+}
+
 /// Whether `fd` may be the read end of a channel not yet watched (one
 /// lock-free look; true only for channel fds).
 fn unwatched(fd: RawFd) -> bool {
@@ -214,10 +228,17 @@ thread_local! {
 /// Run `f` (our own wait on a channel fd) without marking the channel
 /// watched.
 pub(crate) fn inside<R>(f: impl FnOnce() -> R) -> R {
+    /// Clears the mark however `f` ends (a panic is caught further up,
+    /// and the thread goes on polling).
+    struct Unmark;
+    impl Drop for Unmark {
+        fn drop(&mut self) {
+            INSIDE.with(|i| i.set(false));
+        }
+    }
     INSIDE.with(|i| i.set(true));
-    let r = f();
-    INSIDE.with(|i| i.set(false));
-    r
+    let _unmark = Unmark;
+    f()
 }
 
 /// The application is about to wait on these fds (poll, select, epoll):
@@ -300,12 +321,12 @@ mod tests {
         let a = Channel::open().unwrap();
         a.deliver(1);
         assert!(!readable(a.fd()), "kept in memory");
-        assert_eq!(a.begin_sleep(), Some(1));
+        assert_eq!(a.begin_sleep().ok(), Some(1));
         // Now a sleeper: the next one goes to the pipe.
-        assert_eq!(a.begin_sleep(), None);
+        let sleeper = a.begin_sleep().expect_err("nothing kept");
         a.deliver(2);
         assert!(readable(a.fd()));
-        a.end_sleep();
+        drop(sleeper);
         let mut buf = [0u8; 8];
         // SAFETY: reads 8 bytes into a local buffer from our pipe.
         assert_eq!(unsafe { libc::read(a.fd(), buf.as_mut_ptr().cast(), 8) }, 8);
@@ -323,8 +344,7 @@ mod tests {
         assert_eq!(u64::from_ne_bytes(buf), 4);
         a.deliver(5);
         assert!(readable(a.fd()), "watched for good");
-        assert_eq!(a.begin_sleep(), None, "nothing kept");
-        a.end_sleep();
+        assert!(a.begin_sleep().is_err(), "nothing kept");
         a.close();
     }
 }

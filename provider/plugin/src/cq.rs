@@ -142,10 +142,10 @@ pub(crate) unsafe fn get_cq_event(
         .cloned()?;
     Some(guard("ibv_get_cq_event", -1, || {
         let token = match chan.begin_sleep() {
-            Some(token) => token,
-            None => {
+            Ok(token) => token,
+            Err(sleeper) => {
                 let waited = wait_for_record(ch, &chan);
-                chan.end_sleep();
+                drop(sleeper);
                 match waited {
                     Ok((token, others)) => {
                         // Several CQs on the channel fired: the others go
