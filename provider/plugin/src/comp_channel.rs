@@ -61,6 +61,9 @@ struct State {
 static UNWATCHED: [AtomicI32; 64] = [const { AtomicI32::new(-1) }; 64];
 /// How many slots are taken: 0 lets every `poll` pass straight through.
 static TAKEN: AtomicUsize = AtomicUsize::new(0);
+/// One past the highest slot ever taken: a look scans only those (one or
+/// two for most programs), not all 64 for each fd polled.
+static HIGH: AtomicUsize = AtomicUsize::new(0);
 
 /// The live channels by read end, for [`saw_fds`].
 fn by_fd() -> &'static Mutex<Vec<Arc<Channel>>> {
@@ -91,7 +94,8 @@ impl Channel {
                 .is_ok()
         });
         let watched = slot.is_none();
-        if !watched {
+        if let Some(i) = slot {
+            HIGH.fetch_max(i + 1, Ordering::SeqCst);
             TAKEN.fetch_add(1, Ordering::SeqCst);
         }
         let ch = Arc::new(Channel {
@@ -216,7 +220,11 @@ impl Drop for Sleeper<'_> {
 /// Whether `fd` may be the read end of a channel not yet watched (one
 /// lock-free look; true only for channel fds).
 fn unwatched(fd: RawFd) -> bool {
-    fd >= 0 && UNWATCHED.iter().any(|s| s.load(Ordering::SeqCst) == fd)
+    let high = HIGH.load(Ordering::SeqCst).min(UNWATCHED.len());
+    fd >= 0
+        && UNWATCHED[..high]
+            .iter()
+            .any(|s| s.load(Ordering::SeqCst) == fd)
 }
 
 thread_local! {
@@ -272,7 +280,8 @@ pub(crate) unsafe fn in_fd_set(nfds: i32, set: *const libc::fd_set) -> Vec<RawFd
     if set.is_null() || TAKEN.load(Ordering::SeqCst) == 0 {
         return Vec::new();
     }
-    UNWATCHED
+    let high = HIGH.load(Ordering::SeqCst).min(UNWATCHED.len());
+    UNWATCHED[..high]
         .iter()
         .map(|s| s.load(Ordering::SeqCst))
         .filter(|&fd| {
