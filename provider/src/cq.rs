@@ -422,6 +422,11 @@ impl CompletionQueue {
                 }
             };
             let polled = nix::poll::poll(&mut fds, left);
+            // A sleeping wait keeps the sockets for the thread's next one
+            // (`Engine::hold`). Handing them back at once instead (an
+            // epoll_ctl each way per wait, and the engine racing the thread
+            // for arrivals in between) measured qperf rc_lat 12 → 22 µs
+            // one way (6 alternating rounds, load 12).
             for qp in &sleeping {
                 if look {
                     qp.set_waiting(false);

@@ -11,7 +11,6 @@
 
 use std::collections::HashMap;
 use std::ffi::c_int;
-use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
@@ -19,6 +18,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use provider::cq::{CompletionQueue, NotifySink};
 use provider::wr::{WcOpcode, WorkCompletion};
 
+use crate::comp_channel::Channel;
 use crate::errno::{self, guard};
 use crate::ffi::*;
 use crate::handle::{self, from_raw, Object};
@@ -68,24 +68,25 @@ thread_local! {
         const { std::cell::RefCell::new((0, Vec::new())) };
 }
 
-/// The write end of a CQ's completion channel, and whether the CQ still
-/// exists: the provider CQ may outlive its `ibv_cq` for a moment (a QP
-/// being torn down holds it), and a record naming a freed `ibv_cq` must
-/// never reach the application.
+/// Where a CQ's notifications go: its completion channel, while the CQ
+/// still exists. The provider CQ may outlive its `ibv_cq` for a moment (a
+/// QP being torn down holds it), and a record naming a freed `ibv_cq`
+/// must never reach the application.
 struct ChannelWriter {
-    fd: OwnedFd,
+    chan: Arc<Channel>,
     /// The channel's address.
     channel: usize,
     /// The `ibv_cq` address, the record's content.
     token: u64,
-    /// Written (false) by `destroy_cq`; read for the whole of a write, so
-    /// no record is written once `destroy_cq` returns.
+    /// Written (false) by `destroy_cq`; read for the whole of a delivery,
+    /// so no record is delivered once `destroy_cq` returns.
     open: RwLock<bool>,
 }
 
 impl ChannelWriter {
-    /// One event record into the channel. The pipe is non-blocking: when
-    /// it is full the application has records to read anyway.
+    /// One event record: to this thread itself if it is inside
+    /// `ibv_get_cq_event` on the channel, else to the channel
+    /// ([`Channel::deliver`]).
     fn notify(&self) {
         let open = self.open.read().unwrap_or_else(|p| p.into_inner());
         if !*open {
@@ -98,63 +99,9 @@ impl ChannelWriter {
             }
             _ => false,
         });
-        if direct {
-            return;
+        if !direct {
+            self.chan.deliver(self.token);
         }
-        let desc = self.token.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a local buffer to our pipe.
-        let _ = unsafe { libc::write(self.fd.as_raw_fd(), desc.as_ptr().cast(), desc.len()) };
-    }
-}
-
-/// Take the records naming `token` (a CQ being destroyed, which writes no
-/// more) out of the channel whose pipe reads at `read_fd`, and put the
-/// others back. As the kernel drops a destroyed CQ's unread events
-/// (`ib_uverbs_release_ucq`): a record left behind would hand the
-/// application a freed `ibv_cq` from a later `ibv_get_cq_event`, and keep
-/// the channel fd readable with nothing to read for a poller.
-///
-/// The application's read end may be blocking and other threads may read
-/// it meanwhile, so the records are read through a non-blocking
-/// description of the pipe of our own (`/proc/self/fd`), never blocking:
-/// a record another thread takes first is simply not seen here.
-fn withdraw_records(read_fd: c_int, writer: &ChannelWriter, token: u64) {
-    let path = format!("/proc/self/fd/{read_fd}\0");
-    // SAFETY: a NUL-terminated path; a new descriptor we close below.
-    let rx = unsafe {
-        libc::open(
-            path.as_ptr().cast(),
-            libc::O_RDONLY | libc::O_NONBLOCK | libc::O_CLOEXEC,
-        )
-    };
-    if rx < 0 {
-        tracing::debug!(
-            errno = nix::errno::Errno::last_raw(),
-            "stag0: destroy_cq: the channel's records could not be read back"
-        );
-        return;
-    }
-    // SAFETY: the descriptor just opened, ours to close.
-    let rx = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(rx) };
-    let mut others = Vec::new();
-    loop {
-        let mut desc = [0u8; 8];
-        // SAFETY: reads at most 8 bytes into a local buffer; never blocks.
-        let n = unsafe { libc::read(rx.as_raw_fd(), desc.as_mut_ptr().cast(), desc.len()) };
-        // Records go in and out whole (8-octet writes to a pipe are
-        // atomic), so a short read does not happen; EAGAIN ends it.
-        if n != desc.len() as isize {
-            break;
-        }
-        let t = u64::from_ne_bytes(desc);
-        if t != token {
-            others.push(desc);
-        }
-    }
-    for desc in others {
-        // SAFETY: writes 8 bytes from a local buffer to the channel's pipe,
-        // which has room: they were just read out of it.
-        let _ = unsafe { libc::write(writer.fd.as_raw_fd(), desc.as_ptr().cast(), desc.len()) };
     }
 }
 
@@ -169,11 +116,14 @@ fn channel_cqs() -> &'static Mutex<ChannelCqs> {
 
 /// `ibv_get_cq_event` on one of our channels (`None`: not ours).
 ///
-/// The thread sleeps on the channel's pipe and on the sockets of the QPs
+/// A record kept in memory ([`Channel::deliver`]: nobody could have been
+/// watching the fd when it came, typically this thread's own Send
+/// completion) is the answer at once, with no system call. Otherwise the
+/// thread sleeps on the channel's pipe and on the sockets of the QPs
 /// that feed its armed CQs ([`CompletionQueue::wait_notified`]): the
 /// peer's message wakes this thread, which places it, delivers the
-/// completion and finds its own record in the pipe, instead of waking
-/// the engine to do so and then this thread through the pipe.
+/// completion and gets its own record in memory, instead of waking the
+/// engine to do so and then this thread through the pipe.
 ///
 /// # Safety
 /// `ch` must be NULL or a live channel; `out_cq` and `out_ctx` writable.
@@ -182,89 +132,35 @@ pub(crate) unsafe fn get_cq_event(
     out_cq: *mut *mut ibv_cq,
     out_ctx: *mut *mut std::ffi::c_void,
 ) -> Option<c_int> {
-    if ch.is_null()
-        || !handle::comp_channels()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains_key(&(ch as usize))
-    {
+    if ch.is_null() {
         return None;
     }
+    let chan = handle::comp_channels()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&(ch as usize))
+        .cloned()?;
     Some(guard("ibv_get_cq_event", -1, || {
-        let cqs: Vec<Arc<CompletionQueue>> = channel_cqs()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&(ch as usize))
-            .map(|v| v.iter().filter_map(|(_, w)| w.upgrade()).collect())
-            .unwrap_or_default();
-        // SAFETY: a live channel (the caller's contract); its fd stays
-        // open while the channel exists.
-        let fd = unsafe { (*ch).fd };
-        // SAFETY: as above.
-        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-        // A channel fd the program made non-blocking (libfabric's verbs
-        // provider does, then reads events until EAGAIN) is looked at once:
-        // the QPs are driven without sleeping, and an empty channel
-        // answers EAGAIN from the read below, as the kernel's would.
-        // SAFETY: F_GETFL on an fd we checked is open; no memory involved.
-        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-        let nonblocking = flags >= 0 && flags & libc::O_NONBLOCK != 0;
-        let timeout = nonblocking.then_some(std::time::Duration::ZERO);
-        WAITING.with(|w| w.borrow_mut().0 = ch as usize);
-        let waited = loop {
-            let waited = CompletionQueue::wait_notified(borrowed, &cqs, timeout, &|| {
-                WAITING.with(|w| !w.borrow().1.is_empty())
-            });
-            // libibverbs' read(2) of the channel is restarted after a
-            // handler with SA_RESTART, as the kernel restarts it; poll(2)
-            // never is.
-            match waited {
-                Err(nix::errno::Errno::EINTR) if restarts_after_signal() => continue,
-                other => break other,
-            }
-        };
-        let mut mine = WAITING.with(|w| {
-            let mut w = w.borrow_mut();
-            w.0 = 0;
-            std::mem::take(&mut w.1)
-        });
-        let token = if mine.is_empty() {
-            if let Err(e) = waited {
-                errno::set(e as i32);
-                return -1;
-            }
-            let mut desc = [0u8; 8];
-            // SAFETY: reads 8 bytes into a local buffer. Blocks only if
-            // another thread took the record first, as libibverbs' own
-            // read would; on a non-blocking channel, fails with EAGAIN.
-            let n = unsafe { libc::read(fd, desc.as_mut_ptr().cast(), desc.len()) };
-            if n != desc.len() as isize {
-                if n >= 0 {
-                    errno::set(libc::EIO);
-                }
-                return -1;
-            }
-            u64::from_ne_bytes(desc)
-        } else {
-            // One is the answer; any others (several CQs on the channel)
-            // go where every other thread and poll(2) can see them.
-            let first = mine.remove(0);
-            for token in mine {
-                let desc = token.to_ne_bytes();
-                // SAFETY: writes 8 bytes from a local buffer to our pipe;
-                // the write end is the channel's, kept in `channels`.
-                if let Some(tx) = handle::comp_channels()
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get(&(ch as usize))
-                {
-                    // SAFETY: `desc` is a live buffer of desc.len() bytes and
-                    // the fd is the channel's open pipe.
-                    let _ =
-                        unsafe { libc::write(tx.as_raw_fd(), desc.as_ptr().cast(), desc.len()) };
+        let token = match chan.begin_sleep() {
+            Ok(token) => token,
+            Err(sleeper) => {
+                let waited = wait_for_record(ch, &chan);
+                drop(sleeper);
+                match waited {
+                    Ok((token, others)) => {
+                        // Several CQs on the channel fired: the others go
+                        // where any thread, or poll(2), can find them.
+                        for other in others {
+                            chan.deliver(other);
+                        }
+                        token
+                    }
+                    Err(e) => {
+                        errno::set(e);
+                        return -1;
+                    }
                 }
             }
-            first
         };
         let cq = token as usize as *mut ibv_cq;
         // SAFETY: the record names one of our live CQs (destroy_cq stops
@@ -276,6 +172,72 @@ pub(crate) unsafe fn get_cq_event(
         }
         0
     }))
+}
+
+/// The sleeping part of [`get_cq_event`], the thread counted as the
+/// channel's sleeper: the record this thread fired itself while driving
+/// the QPs (with any others it fired, for the caller to deliver once it
+/// no longer counts as a sleeper), or else one read from the pipe; an
+/// errno on failure.
+fn wait_for_record(ch: *mut ibv_comp_channel, chan: &Channel) -> Result<(u64, Vec<u64>), i32> {
+    let cqs: Vec<Arc<CompletionQueue>> = channel_cqs()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&(ch as usize))
+        .map(|v| v.iter().filter_map(|(_, w)| w.upgrade()).collect())
+        .unwrap_or_default();
+    let fd = chan.fd();
+    // SAFETY: the channel's read end stays open while the channel exists
+    // (the caller's contract).
+    let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    // A channel fd the program made non-blocking (libfabric's verbs
+    // provider does, then reads events until EAGAIN) is looked at once:
+    // the QPs are driven without sleeping, and an empty channel answers
+    // EAGAIN from the read below, as the kernel's would.
+    // SAFETY: F_GETFL on an fd we checked is open; no memory involved.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    let nonblocking = flags >= 0 && flags & libc::O_NONBLOCK != 0;
+    let timeout = nonblocking.then_some(std::time::Duration::ZERO);
+    WAITING.with(|w| w.borrow_mut().0 = ch as usize);
+    let waited = crate::comp_channel::inside(|| loop {
+        let waited = CompletionQueue::wait_notified(borrowed, &cqs, timeout, &|| {
+            WAITING.with(|w| !w.borrow().1.is_empty())
+        });
+        // libibverbs' read(2) of the channel is restarted after a
+        // handler with SA_RESTART, as the kernel restarts it; poll(2)
+        // never is.
+        match waited {
+            Err(nix::errno::Errno::EINTR) if restarts_after_signal() => continue,
+            other => break other,
+        }
+    });
+    let mut mine = WAITING.with(|w| {
+        let mut w = w.borrow_mut();
+        w.0 = 0;
+        std::mem::take(&mut w.1)
+    });
+    if mine.is_empty() {
+        if let Err(e) = waited {
+            return Err(e as i32);
+        }
+        let mut desc = [0u8; 8];
+        // SAFETY: reads 8 bytes into a local buffer. Blocks only if
+        // another thread took the record first, as libibverbs' own read
+        // would; on a non-blocking channel, fails with EAGAIN.
+        let n = unsafe { libc::read(fd, desc.as_mut_ptr().cast(), desc.len()) };
+        if n != desc.len() as isize {
+            return Err(if n >= 0 {
+                libc::EIO
+            } else {
+                nix::errno::Errno::last_raw()
+            });
+        }
+        return Ok((u64::from_ne_bytes(desc), Vec::new()));
+    }
+    // One is the answer; any others (several CQs on the channel) go where
+    // every other thread, and poll(2) once it looks, can see them.
+    let first = mine.remove(0);
+    Ok((first, mine))
 }
 
 /// Whether a read(2) interrupted by a signal's handler would be restarted:
@@ -307,18 +269,14 @@ pub(crate) unsafe extern "C" fn create_cq(
             errno::set(libc::EINVAL);
             return ptr::null_mut();
         }
-        let chan_fd = if channel.is_null() {
+        let chan = if channel.is_null() {
             None
         } else {
             let chans = handle::comp_channels()
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
-            match chans.get(&(channel as usize)).map(|fd| fd.try_clone()) {
-                Some(Ok(fd)) => Some(fd),
-                Some(Err(e)) => {
-                    errno::set(e.raw_os_error().unwrap_or(libc::EMFILE));
-                    return ptr::null_mut();
-                }
+            match chans.get(&(channel as usize)) {
+                Some(chan) => Some(chan.clone()),
                 None => {
                     tracing::warn!("stag0: ibv_create_cq: the channel is not a stag0 channel");
                     errno::set(libc::EINVAL);
@@ -355,22 +313,9 @@ pub(crate) unsafe extern "C" fn create_cq(
             // SAFETY: the fresh allocation, not handed out yet.
             unsafe { (*raw).events = Some(source) };
         }
-        if let Some(fd) = chan_fd {
-            // SAFETY: fcntl on a pipe end we own (a dup: the flag is the
-            // channel's, which only this plugin writes).
-            let nonblocking = unsafe {
-                let flags = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
-                flags >= 0
-                    && libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
-            };
-            if !nonblocking {
-                errno::set(nix::errno::Errno::last_raw());
-                // SAFETY: just allocated, not handed out.
-                drop(unsafe { Box::from_raw(raw) });
-                return ptr::null_mut();
-            }
+        if let Some(chan) = chan {
             let writer = Arc::new(ChannelWriter {
-                fd,
+                chan,
                 channel: channel as usize,
                 token: raw as u64,
                 open: RwLock::new(true),
@@ -415,6 +360,9 @@ pub(crate) unsafe extern "C" fn destroy_cq(cq: *mut ibv_cq) -> c_int {
         }
         if let Some(channel) = &sc.channel {
             *channel.open.write().unwrap_or_else(|p| p.into_inner()) = false;
+            // Records kept in memory for it go too (the kernel drops a
+            // destroyed CQ's queued events likewise).
+            channel.chan.forget(channel.token);
             // Every completion event read is acked first: the application
             // may still be using the CQ it named (rdma-core's
             // ibv_cmd_destroy_cq waits so, on comp_events_completed).
@@ -429,10 +377,6 @@ pub(crate) unsafe extern "C" fn destroy_cq(cq: *mut ibv_cq) -> c_int {
                     reported,
                 )
             };
-            // SAFETY: the CQ's live channel (a channel with CQs cannot be
-            // destroyed, EBUSY).
-            let read_fd = unsafe { (*sc.cq.channel).fd };
-            withdraw_records(read_fd, channel, raw as u64);
             let mut cqs = channel_cqs().lock().unwrap_or_else(|p| p.into_inner());
             let chan = sc.cq.channel as usize;
             if let Some(v) = cqs.get_mut(&chan) {

@@ -18,7 +18,6 @@
 //! use it.
 
 use std::collections::HashMap;
-use std::os::fd::OwnedFd;
 use std::ptr;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -26,6 +25,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use provider::device::Device;
 
 use crate::async_events::AsyncEvents;
+use crate::comp_channel::Channel;
 use crate::ffi::*;
 
 /// The plugin's context: libibverbs' `verbs_context` first, then ours.
@@ -153,9 +153,9 @@ pub(crate) unsafe fn from_raw<'a, T: Object>(c: *const T::C) -> Option<&'a T> {
     Some(unsafe { &*c.cast::<T>() })
 }
 
-/// The completion channels this plugin made: channel address → the write
-/// end of its pipe. A channel not in here is libibverbs' own.
-pub(crate) fn comp_channels() -> &'static Mutex<HashMap<usize, OwnedFd>> {
-    static CHANNELS: OnceLock<Mutex<HashMap<usize, OwnedFd>>> = OnceLock::new();
+/// The completion channels this plugin made, by channel address. A
+/// channel not in here is libibverbs' own.
+pub(crate) fn comp_channels() -> &'static Mutex<HashMap<usize, Arc<Channel>>> {
+    static CHANNELS: OnceLock<Mutex<HashMap<usize, Arc<Channel>>>> = OnceLock::new();
     CHANNELS.get_or_init(Default::default)
 }

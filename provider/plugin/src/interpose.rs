@@ -17,9 +17,13 @@
 //!   QPs' sockets too, so the peer's message wakes it directly
 //!   ([`crate::cq::get_cq_event`]). Without the preload, libibverbs' own
 //!   reads the pipe, which the engine writes: one thread hand-off more.
+//! - `poll`, `ppoll`, `select`, `pselect` (and glibc's fortified
+//!   `__poll_chk`/`__ppoll_chk`) and `epoll_ctl` on a stag0 channel fd:
+//!   the channel's event records, kept in memory while nobody could be
+//!   watching the fd, go to its pipe from then on
+//!   ([`crate::comp_channel`]). Every other call passes straight through.
 
 use std::ffi::{c_char, c_int, CStr};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::OnceLock;
 
 use crate::ffi::{ibv_comp_channel, ibv_context, ibv_cq};
@@ -138,23 +142,22 @@ pub unsafe extern "C" fn ibv_create_comp_channel(ctx: *mut ibv_context) -> *mut 
         };
     }
     crate::errno::guard("ibv_create_comp_channel", std::ptr::null_mut(), || {
-        let mut fds = [0; 2];
-        // SAFETY: pipe2 fills two fds.
-        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-            return std::ptr::null_mut();
-        }
-        // SAFETY: fresh fds we own.
-        let (rx, tx) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let chan = match crate::comp_channel::Channel::open() {
+            Ok(chan) => chan,
+            Err(e) => {
+                crate::errno::set(e.raw_os_error().unwrap_or(libc::EMFILE));
+                return std::ptr::null_mut();
+            }
+        };
         let ch = Box::into_raw(Box::new(ibv_comp_channel {
             context: ctx,
-            fd: rx.as_raw_fd(),
+            fd: chan.fd(),
             refcnt: 0,
         }));
-        std::mem::forget(rx); // closed by ibv_destroy_comp_channel
         comp_channels()
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(ch as usize, tx);
+            .insert(ch as usize, chan);
         ch
     })
 }
@@ -184,13 +187,11 @@ pub unsafe extern "C" fn ibv_destroy_comp_channel(ch: *mut ibv_comp_channel) -> 
         if unsafe { (*ch).refcnt } != 0 {
             return libc::EBUSY;
         }
-        chans.remove(&(ch as usize));
-        // SAFETY: ours; the read end was forgotten at creation and is
-        // closed here, once.
-        unsafe {
-            libc::close((*ch).fd);
-            drop(Box::from_raw(ch));
+        if let Some(chan) = chans.remove(&(ch as usize)) {
+            chan.close();
         }
+        // SAFETY: ours, allocated by ibv_create_comp_channel, freed once.
+        drop(unsafe { Box::from_raw(ch) });
         0
     })
 }
@@ -213,6 +214,199 @@ pub unsafe extern "C" fn ibv_get_cq_event(
     match next!("ibv_get_cq_event", F) {
         // SAFETY: libibverbs' own, for its own channels.
         Some(real) => unsafe { real(ch, cq, cq_context) },
+        None => {
+            crate::errno::set(libc::ENOSYS);
+            -1
+        }
+    }
+}
+
+type PollFn = unsafe extern "C" fn(*mut libc::pollfd, libc::nfds_t, c_int) -> c_int;
+
+/// The fds of a `poll` array.
+///
+/// # Safety
+/// `fds` must be NULL or point at `n` pollfds.
+unsafe fn poll_fds<'a>(fds: *const libc::pollfd, n: libc::nfds_t) -> &'a [libc::pollfd] {
+    if fds.is_null() || n == 0 {
+        return &[];
+    }
+    // SAFETY: the caller's array of n entries (poll(2)'s contract).
+    unsafe { std::slice::from_raw_parts(fds, n as usize) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int) -> c_int {
+    // SAFETY: poll(2)'s arguments.
+    crate::comp_channel::saw_fds(unsafe { poll_fds(fds, n) }.iter().map(|p| p.fd));
+    match next!("poll", PollFn) {
+        // SAFETY: forwarded to libc with the caller's arguments.
+        Some(real) => unsafe { real(fds, n, timeout) },
+        None => {
+            crate::errno::set(libc::ENOSYS);
+            -1
+        }
+    }
+}
+
+/// glibc's `poll` under `_FORTIFY_SOURCE` (Debian builds with it).
+#[no_mangle]
+pub unsafe extern "C" fn __poll_chk(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    timeout: c_int,
+    fdslen: usize,
+) -> c_int {
+    type F = unsafe extern "C" fn(*mut libc::pollfd, libc::nfds_t, c_int, usize) -> c_int;
+    // SAFETY: poll(2)'s arguments.
+    crate::comp_channel::saw_fds(unsafe { poll_fds(fds, n) }.iter().map(|p| p.fd));
+    match next!("__poll_chk", F) {
+        // SAFETY: forwarded to libc with the caller's arguments.
+        Some(real) => unsafe { real(fds, n, timeout, fdslen) },
+        None => {
+            crate::errno::set(libc::ENOSYS);
+            -1
+        }
+    }
+}
+
+type PpollFn = unsafe extern "C" fn(
+    *mut libc::pollfd,
+    libc::nfds_t,
+    *const libc::timespec,
+    *const libc::sigset_t,
+) -> c_int;
+
+#[no_mangle]
+pub unsafe extern "C" fn ppoll(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    timeout: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    // SAFETY: ppoll(2)'s arguments.
+    crate::comp_channel::saw_fds(unsafe { poll_fds(fds, n) }.iter().map(|p| p.fd));
+    match next!("ppoll", PpollFn) {
+        // SAFETY: forwarded to libc with the caller's arguments.
+        Some(real) => unsafe { real(fds, n, timeout, mask) },
+        None => {
+            crate::errno::set(libc::ENOSYS);
+            -1
+        }
+    }
+}
+
+/// glibc's `ppoll` under `_FORTIFY_SOURCE`.
+#[no_mangle]
+pub unsafe extern "C" fn __ppoll_chk(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    timeout: *const libc::timespec,
+    mask: *const libc::sigset_t,
+    fdslen: usize,
+) -> c_int {
+    type F = unsafe extern "C" fn(
+        *mut libc::pollfd,
+        libc::nfds_t,
+        *const libc::timespec,
+        *const libc::sigset_t,
+        usize,
+    ) -> c_int;
+    // SAFETY: ppoll(2)'s arguments.
+    crate::comp_channel::saw_fds(unsafe { poll_fds(fds, n) }.iter().map(|p| p.fd));
+    match next!("__ppoll_chk", F) {
+        // SAFETY: forwarded to libc with the caller's arguments.
+        Some(real) => unsafe { real(fds, n, timeout, mask, fdslen) },
+        None => {
+            crate::errno::set(libc::ENOSYS);
+            -1
+        }
+    }
+}
+
+/// The channel fds in any of `select`'s three sets.
+///
+/// # Safety
+/// Each set must be NULL or a valid `fd_set`.
+unsafe fn saw_fd_sets(nfds: c_int, sets: [*const libc::fd_set; 3]) {
+    for set in sets {
+        // SAFETY: forwarded.
+        crate::comp_channel::saw_fds(
+            unsafe { crate::comp_channel::in_fd_set(nfds, set) }.into_iter(),
+        );
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn select(
+    nfds: c_int,
+    r: *mut libc::fd_set,
+    w: *mut libc::fd_set,
+    e: *mut libc::fd_set,
+    timeout: *mut libc::timeval,
+) -> c_int {
+    type F = unsafe extern "C" fn(
+        c_int,
+        *mut libc::fd_set,
+        *mut libc::fd_set,
+        *mut libc::fd_set,
+        *mut libc::timeval,
+    ) -> c_int;
+    // SAFETY: select(2)'s arguments.
+    unsafe { saw_fd_sets(nfds, [r, w, e].map(|s| s.cast_const())) };
+    match next!("select", F) {
+        // SAFETY: forwarded to libc with the caller's arguments.
+        Some(real) => unsafe { real(nfds, r, w, e, timeout) },
+        None => {
+            crate::errno::set(libc::ENOSYS);
+            -1
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pselect(
+    nfds: c_int,
+    r: *mut libc::fd_set,
+    w: *mut libc::fd_set,
+    e: *mut libc::fd_set,
+    timeout: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    type F = unsafe extern "C" fn(
+        c_int,
+        *mut libc::fd_set,
+        *mut libc::fd_set,
+        *mut libc::fd_set,
+        *const libc::timespec,
+        *const libc::sigset_t,
+    ) -> c_int;
+    // SAFETY: pselect(2)'s arguments.
+    unsafe { saw_fd_sets(nfds, [r, w, e].map(|s| s.cast_const())) };
+    match next!("pselect", F) {
+        // SAFETY: forwarded to libc with the caller's arguments.
+        Some(real) => unsafe { real(nfds, r, w, e, timeout, mask) },
+        None => {
+            crate::errno::set(libc::ENOSYS);
+            -1
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_ctl(
+    epfd: c_int,
+    op: c_int,
+    fd: c_int,
+    event: *mut libc::epoll_event,
+) -> c_int {
+    type F = unsafe extern "C" fn(c_int, c_int, c_int, *mut libc::epoll_event) -> c_int;
+    if op != libc::EPOLL_CTL_DEL {
+        crate::comp_channel::saw_fds(std::iter::once(fd));
+    }
+    match next!("epoll_ctl", F) {
+        // SAFETY: forwarded to libc with the caller's arguments.
+        Some(real) => unsafe { real(epfd, op, fd, event) },
         None => {
             crate::errno::set(libc::ENOSYS);
             -1

@@ -26,6 +26,7 @@ mod ffi;
 
 mod async_events;
 mod c_list;
+mod comp_channel;
 mod cq;
 mod driver;
 mod errno;

@@ -17,6 +17,11 @@
  *      does before it reads events until EAGAIN): ibv_get_cq_event on an
  *      empty channel fails at once with EAGAIN, returns the event once
  *      poll(2) says the fd is readable, then fails with EAGAIN again.
+ *   6. an event the waiting thread fires itself (stag keeps it in memory
+ *      while nobody can be watching the fd): ibv_get_cq_event from another
+ *      thread returns it; poll(2), select(2) and epoll on a blocking channel
+ *      fd, each asked after the event fired, see the fd readable; and a
+ *      thread already asleep in poll(2) on the fd is woken by the next one.
  * The requester waits for a reply before each group, so every wake-up is
  * caused by an arrival that came while the responder slept. A missed
  * wake-up fails a 10 s poll (or the 60 s alarm). Run under `stag run`.
@@ -26,6 +31,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/epoll.h>
+#include <sys/select.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -380,7 +387,80 @@ static void nonblocking_channel(void)
 	chan_close(&c);
 }
 
-/* 6: a CQ destroyed with an event unread takes it along, as the kernel's
+static void *take_event_thread(void *arg)
+{
+	struct chan *c = arg;
+	return (void *)(intptr_t)take_event(c->cc, c->cq);
+}
+
+static void *poll_thread(void *arg)
+{
+	struct chan *c = arg;
+	struct pollfd pfd = { .fd = c->cc->fd, .events = POLLIN };
+	return (void *)(intptr_t)(poll(&pfd, 1, 10000) == 1);
+}
+
+/* 6: events fired by the thread itself, then looked for elsewhere. */
+static void own_events(void)
+{
+	struct chan c;
+	void *r = NULL;
+	pthread_t t;
+	chan_open(&c);
+	chan_fire(&c);
+	if (pthread_create(&t, NULL, take_event_thread, &c) || pthread_join(t, &r))
+		DIE("thread");
+	CHECK(r != NULL, "own event: another thread's ibv_get_cq_event takes it");
+	struct ibv_wc wc;
+	while (ibv_poll_cq(c.cq, 1, &wc) == 1)
+		;
+	chan_close(&c);
+
+	/* poll(2), select(2), epoll: each on a fresh channel, never watched. */
+	for (int how = 0; how < 3; how++) {
+		static const char *const name[] = { "poll", "select", "epoll" };
+		chan_open(&c);
+		chan_fire(&c);
+		int seen = 0;
+		if (how == 0) {
+			struct pollfd pfd = { .fd = c.cc->fd, .events = POLLIN };
+			seen = poll(&pfd, 1, 10000) == 1;
+		} else if (how == 1) {
+			fd_set rs;
+			FD_ZERO(&rs);
+			FD_SET(c.cc->fd, &rs);
+			struct timeval tv = { 10, 0 };
+			seen = select(c.cc->fd + 1, &rs, NULL, NULL, &tv) == 1;
+		} else {
+			int ep = epoll_create1(EPOLL_CLOEXEC);
+			struct epoll_event ev = { .events = EPOLLIN }, out;
+			seen = ep >= 0 && !epoll_ctl(ep, EPOLL_CTL_ADD, c.cc->fd, &ev) &&
+			       epoll_wait(ep, &out, 1, 10000) == 1;
+			if (ep >= 0)
+				close(ep);
+		}
+		CHECK(seen, "own event: %s on the channel fd sees it", name[how]);
+		CHECK(take_event(c.cc, c.cq), "own event: then ibv_get_cq_event returns it (%s)",
+		      name[how]);
+		while (ibv_poll_cq(c.cq, 1, &wc) == 1)
+			;
+		chan_close(&c);
+	}
+
+	/* A thread asleep in poll(2) first, then the event. */
+	chan_open(&c);
+	if (pthread_create(&t, NULL, poll_thread, &c))
+		DIE("thread");
+	sleep_ms(100);
+	chan_fire(&c);
+	if (pthread_join(t, &r))
+		DIE("join");
+	CHECK(r != NULL, "own event: wakes a thread already in poll(2)");
+	CHECK(take_event(c.cc, c.cq), "own event: then ibv_get_cq_event returns it");
+	chan_close(&c);
+}
+
+/* 7: a CQ destroyed with an event unread takes it along, as the kernel's
  * does: a later ibv_get_cq_event gives the live CQ's event, never the
  * freed one's, and the channel is not readable for the dropped one. */
 static void destroyed_cq_takes_its_events(void)
@@ -471,6 +551,7 @@ int main(void)
 	destroy_waits_for_ack();
 	signal_during_wait();
 	nonblocking_channel();
+	own_events();
 	destroyed_cq_takes_its_events();
 	return test_summary();
 }
