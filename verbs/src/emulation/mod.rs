@@ -433,9 +433,17 @@ impl QpCore {
                     .post_batch(&mut batch, false, held)
                     .map_err(|(e, n)| (e, posted + n))?;
             }
-            let queued = routed
-                .and_then(|(_, route)| self.prepare(wr, route))
-                .map_err(|e| (e, posted))?;
+            let queued = match routed.and_then(|(_, route)| self.prepare(wr, route)) {
+                Ok(queued) => queued,
+                Err(e) => {
+                    // The WRs before it are posted, as ibv_post_send's are
+                    // before its bad_wr.
+                    posted += self
+                        .post_batch(&mut batch, false, held)
+                        .map_err(|(e, n)| (e, posted + n))?;
+                    return Err((e, posted));
+                }
+            };
             match queued {
                 Some(q) => batch.push(q),
                 None => posted += 1,
