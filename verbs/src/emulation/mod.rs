@@ -245,7 +245,7 @@ struct Queued {
 /// and with a ring per eight WRs, a 32-WR list of 8-byte Writes was four
 /// `sendmsg` calls of 224 octets, most of the client's time at 64 QPs
 /// (`stag bw --qps 64`).
-const BATCH: usize = 32;
+const BATCH: usize = 8;
 
 type Batch = SmallVec<[Queued; BATCH]>;
 
