@@ -116,6 +116,11 @@ impl QueuePair {
         Ok(())
     }
 
+    /// The doorbell alone: write what [`PostGuard::hold`] left queued.
+    pub fn ring(&self) {
+        self.shared.ring();
+    }
+
     /// `ibv_post_recv`. Allowed before the connection exists.
     pub fn post_recv(&self, wr: RecvWr) -> Result<(), DeviceError> {
         self.shared.post_recv(wr)
@@ -242,6 +247,14 @@ impl PostGuard<'_> {
     /// Ring the doorbell: write what was pushed, from the calling thread.
     pub fn post(mut self) {
         self.ring();
+    }
+
+    /// End the guard without ringing: what was pushed stays queued for
+    /// the next [`QueuePair::ring`] (or any drive of the QP, whichever
+    /// comes first). For a caller that posts one list in several guards
+    /// and rings once at its end.
+    pub fn hold(mut self) {
+        self.pushed = false;
     }
 
     fn ring(&mut self) {

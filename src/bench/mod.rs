@@ -55,6 +55,9 @@ pub(crate) const CREDIT_BATCH: u32 = RX_DEPTH / 2;
 /// Outstanding Reads/atomics/Commits a side allows (IRD = ORD).
 pub(crate) const RD_ATOMIC: u8 = 16;
 
+/// Completions taken from a CQ per poll call.
+const POLL_BATCH: usize = 32;
+
 /// How long a side waits for the peer before giving up.
 pub(crate) const STALL: Duration = Duration::from_secs(30);
 
@@ -538,15 +541,22 @@ impl Endpoint {
     /// Move completions from the CQ to the stash (waiting a little when
     /// `block`).
     fn fill(&mut self, block: bool) -> Result<()> {
+        self.fill_up_to(block, POLL_BATCH)?;
+        Ok(())
+    }
+
+    /// [`fill`](Self::fill), taking at most `max`; how many it took.
+    fn fill_up_to(&mut self, block: bool, max: usize) -> Result<usize> {
         self.batch.clear();
         if block {
             self.cq
-                .wait(&mut self.batch, 32, Duration::from_millis(200))?;
+                .wait(&mut self.batch, max, Duration::from_millis(200))?;
         } else {
-            self.cq.poll(&mut self.batch, 32)?;
+            self.cq.poll(&mut self.batch, max)?;
         }
+        let n = self.batch.len();
         self.stash.extend(self.batch.drain(..));
-        Ok(())
+        Ok(n)
     }
 
     /// The next stashed completion that is not a control Send's, checked
@@ -575,7 +585,10 @@ impl Endpoint {
     /// Take the completions already there without waiting, handing data
     /// completions to `f`.
     pub fn reap(&mut self, mut f: impl FnMut(&Completion)) -> Result<()> {
-        self.fill(false)?;
+        // All of them: a QP visited once per turn over many QPs refills
+        // its whole window as one list (one doorbell) instead of a poll
+        // batch's worth.
+        while self.fill_up_to(false, POLL_BATCH)? == POLL_BATCH {}
         while let Some(c) = self.take_stashed()? {
             f(&c);
         }

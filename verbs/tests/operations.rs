@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use verbs::{CompletionKind, OpKind, PostPath, SendOp, Support, WcStatus, WorkRequest};
 
@@ -845,5 +845,54 @@ fn post_lists_post_in_order_and_stop_at_a_bad_work_request() {
     assert!(
         c.cq.poll_one(Duration::from_millis(200)).unwrap().is_none(),
         "only the first WR was posted"
+    );
+}
+
+/// A list longer than the send queue: the provider refuses the WR that
+/// finds it full, past the emulation layer's first batches. The WRs before
+/// it leave by themselves, with no poll of the CQ to push them (on stag0
+/// the batches of a list wait for one doorbell at its end, and the failure
+/// must ring it too).
+#[test]
+fn a_list_that_overflows_the_send_queue_still_sends_what_fit() {
+    const LIST: usize = 600;
+    let (c, s) = pair();
+    for i in 0..LIST {
+        c.mr.write_at(i * 16, &(i as u128 + 1).to_le_bytes())
+            .unwrap();
+    }
+    let slices: Vec<_> = (0..LIST).map(|i| c.mr.slice(i * 16, 16).unwrap()).collect();
+    let list: Vec<_> = (0..LIST)
+        .map(|i| {
+            WorkRequest::new(
+                i as u64,
+                SendOp::Write {
+                    remote: s.mr.remote(65536 + i * 16),
+                },
+                std::slice::from_ref(&slices[i]),
+            )
+        })
+        .collect();
+    let err = c.qp.post_send_list(&list).unwrap_err();
+    let posted = err.posted;
+    assert!((64..LIST).contains(&posted), "{err}");
+    // The last Write posted lands at the server while nobody polls the
+    // client's CQ.
+    let last = 65536 + (posted - 1) * 16;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.mr.to_vec(last, 16).unwrap() != (posted as u128).to_le_bytes() {
+        assert!(
+            Instant::now() < deadline,
+            "the {posted} Writes that fit never left"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    for i in 0..posted as u64 {
+        let done = c.wait();
+        assert_eq!((done.wr_id, done.status), (i, WcStatus::Success));
+    }
+    assert!(
+        c.cq.poll_one(Duration::from_millis(200)).unwrap().is_none(),
+        "nothing past the full queue was posted"
     );
 }

@@ -173,6 +173,17 @@ pub(crate) trait QpOps: Send + Sync + Debug {
     /// Post `wrs` as one batch (one doorbell, one `ibv_wr_start` batch).
     /// On failure, how many were posted and why the next one was not.
     fn post_send(&self, wrs: &[SendPost<'_>]) -> std::result::Result<(), (crate::Error, usize)>;
+    /// [`post_send`](Self::post_send) of a batch that a longer list
+    /// continues: a device whose doorbell is a socket write may hold the
+    /// WRs for the [`ring`](Self::ring) that ends the list.
+    fn post_send_held(
+        &self,
+        wrs: &[SendPost<'_>],
+    ) -> std::result::Result<(), (crate::Error, usize)> {
+        self.post_send(wrs)
+    }
+    /// Ring for the WRs [`post_send_held`](Self::post_send_held) held.
+    fn ring(&self) {}
     fn post_recv(&self, wr: &RecvPost<'_>) -> Result<()>;
     /// Go to Error: outstanding work completes with flush errors.
     fn set_error(&self) -> Result<()>;

@@ -265,6 +265,19 @@ impl QpOps for UserQp {
         Ok(())
     }
 
+    fn post_send_held(&self, wrs: &[SendPost<'_>]) -> std::result::Result<(), (Error, usize)> {
+        let mut post = self.0.start_post();
+        for (posted, p) in wrs.iter().enumerate() {
+            post.push(send_wr(p)).map_err(|e| (post_error(e), posted))?;
+        }
+        post.hold();
+        Ok(())
+    }
+
+    fn ring(&self) {
+        self.0.ring();
+    }
+
     fn post_recv(&self, wr: &RecvPost<'_>) -> Result<()> {
         Ok(self.0.post_recv(RecvWr {
             wr_id: wr.token(),
