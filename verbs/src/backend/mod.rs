@@ -179,6 +179,12 @@ pub(crate) trait QpOps: Send + Sync + Debug {
     /// Drive the QP from this thread (userspace provider).
     fn progress(&self) {}
     fn post_path(&self) -> crate::caps::PostPath;
+    /// Whether `post_send` copies an inline payload ([`SendPost::inline`])
+    /// into the QP itself; otherwise the emulation layer posts it from a
+    /// registered bounce slot.
+    fn copies_inline(&self) -> bool {
+        false
+    }
 }
 
 /// A shared receive queue.

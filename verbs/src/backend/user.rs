@@ -11,7 +11,7 @@ use provider::mem::Access;
 use provider::qp::PostError;
 use provider::region::Region;
 use provider::setup::MpaParams;
-use provider::wr::{RecvWr, SendWrRef, WorkCompletion};
+use provider::wr::{InlineWr, RecvWr, SendWrRef, WorkCompletion};
 
 use super::{
     Backend, Connecting, ContextOps, ContextOptions, CqOps, DeviceInfo, IncomingOps, ListenerOps,
@@ -259,7 +259,18 @@ impl QpOps for UserQp {
         // drops, after a refused WR: the ones before it still leave).
         let mut post = self.0.start_post();
         for (posted, p) in wrs.iter().enumerate() {
-            post.push(send_wr(p)).map_err(|e| (post_error(e), posted))?;
+            let pushed = match p.inline() {
+                // Copied into the QP's inline slots now.
+                Some(data) => post.push_inline(InlineWr {
+                    wr_id: p.token(),
+                    op: p.op(),
+                    data: &[data],
+                    signaled: true,
+                    fence: p.fence(),
+                }),
+                None => post.push(send_wr(p)),
+            };
+            pushed.map_err(|e| (post_error(e), posted))?;
         }
         post.post();
         Ok(())
@@ -283,6 +294,10 @@ impl QpOps for UserQp {
 
     fn post_path(&self) -> PostPath {
         PostPath::Userspace
+    }
+
+    fn copies_inline(&self) -> bool {
+        true
     }
 }
 
