@@ -100,10 +100,10 @@ impl Device {
     }
 
     /// `ibv_poll_cq` on `cq`, a CQ of this device's QPs, with the device's
-    /// progress policies for a polling thread ([`crate::registry`]): a poll
+    /// progress policies for a polling thread (`registry`): a poll
     /// that finds the CQ empty (and not armed) sweeps the QPs whose CQs
     /// nobody polls, and one that reaps a successful RDMA Write and leaves
-    /// the CQ empty assists that QP ([`crate::assist`]). An armed CQ gets
+    /// the CQ empty assists that QP (`assist`). An armed CQ gets
     /// neither: its program is about to sleep on the notification, so its
     /// QPs stay with the engine. The rdma-core plugin's `poll_cq` polls
     /// through here.
