@@ -14,7 +14,11 @@
 //!   spinning thread becomes the responder, and the engine parks those QPs
 //!   (it sees an application thread driving them).
 //! - **assist** ([`crate::assist`]): a poll that reaps an RDMA Write's
-//!   completion keeps driving that QP for a short adaptive window.
+//!   completion keeps driving that QP for a short adaptive window, unless
+//!   the program polls the QP's CQs while it waits.
+//!
+//! Both front ends poll through [`Device::poll_cq`]: a C program through
+//! the plugin's `ibv_poll_cq`, a Rust one through verbs' userspace backend.
 //!
 //! Deregistration walks the same registry to find the output that still
 //! reads a region.

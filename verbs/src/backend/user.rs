@@ -77,9 +77,10 @@ impl ContextOps for UserContext {
     }
 
     fn create_cq(&self, depth: u32) -> Result<Arc<dyn CqOps>> {
-        Ok(Arc::new(UserCq(provider::cq::CompletionQueue::new(
-            depth as usize,
-        )?)))
+        Ok(Arc::new(UserCq {
+            cq: provider::cq::CompletionQueue::new(depth as usize)?,
+            dev: self.dev.clone(),
+        }))
     }
 
     fn listen(&self, addr: SocketAddr) -> Result<Box<dyn ListenerOps>> {
@@ -100,7 +101,7 @@ impl UserPd {
         let cq = |c: &Arc<dyn CqOps>| {
             c.as_any()
                 .downcast_ref::<UserCq>()
-                .map(|c| c.0.clone())
+                .map(|c| c.cq.clone())
                 .ok_or(Error::Mismatch)
         };
         let (send_cq, recv_cq) = (cq(req.send_cq)?, cq(req.recv_cq)?);
@@ -184,8 +185,14 @@ impl MrOps for provider::device::MemoryRegion {
     }
 }
 
+/// A CQ, polled through its device so that a program polling it gets the
+/// device's progress policies ([`provider::device::Device::poll_cq`]), as
+/// a C program polling through the plugin does.
 #[derive(Debug)]
-struct UserCq(Arc<provider::cq::CompletionQueue>);
+struct UserCq {
+    cq: Arc<provider::cq::CompletionQueue>,
+    dev: provider::device::Device,
+}
 
 fn raw(wc: &WorkCompletion) -> RawCompletion {
     RawCompletion {
@@ -207,30 +214,30 @@ impl CqOps for UserCq {
 
     fn poll(&self, out: &mut Vec<RawCompletion>, max: usize) -> Result<()> {
         let mut buf = [WorkCompletion::BLANK; BATCH];
-        let n = self.0.poll(&mut buf[..max.clamp(1, BATCH)]);
+        let n = self.dev.poll_cq(&self.cq, &mut buf[..max.clamp(1, BATCH)]);
         out.extend(buf[..n].iter().map(raw));
         Ok(())
     }
 
     fn req_notify(&self) -> Result<bool> {
-        self.0.ack_events();
-        self.0.req_notify(false);
-        Ok(!self.0.is_empty())
+        self.cq.ack_events();
+        self.cq.req_notify(false);
+        Ok(!self.cq.is_empty())
     }
 
     fn notify_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         use std::os::fd::AsFd;
-        Some(self.0.as_fd())
+        Some(self.cq.as_fd())
     }
 
     fn wait(&self, timeout: Duration) -> Result<()> {
         // Completions stay in the provider's queue for the next poll.
-        self.0.wait_ready(timeout);
+        self.cq.wait_ready(timeout);
         Ok(())
     }
 
     fn interrupt(&self) {
-        self.0.interrupt_wait();
+        self.cq.interrupt_wait();
     }
 }
 
