@@ -447,6 +447,11 @@ impl Connection {
         &self.neg
     }
 
+    /// Octets of the stream written to the socket so far.
+    pub fn tx_written(&self) -> u64 {
+        self.tx.written_total()
+    }
+
     /// Whether the driver should close the stream (everything framed has
     /// been written).
     pub fn wants_close(&self) -> bool {
