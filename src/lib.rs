@@ -6,5 +6,6 @@
 pub use verbs;
 pub use verbs::*;
 
-/// The messages of the `stag` CLI's benchmarks (`stag lat|bw|floor|scale`).
+// The messages of the `stag` CLI's benchmarks (documented inside: outer
+// docs here would make rustdoc resolve the module's links from this file).
 pub mod bench_wire;

@@ -100,13 +100,13 @@ impl Device {
     }
 
     /// `ibv_poll_cq` on `cq`, a CQ of this device's QPs, with the device's
-    /// progress policies for a polling thread ([`crate::registry`]): a poll
+    /// progress policies for a polling thread (`registry`): a poll
     /// that finds the CQ empty (and not armed) sweeps the QPs whose CQs
     /// nobody polls, and one that reaps a successful RDMA Write and leaves
-    /// the CQ empty assists that QP ([`crate::assist`]). An armed CQ gets
+    /// the CQ empty assists that QP (`assist`). An armed CQ gets
     /// neither: its program is about to sleep on the notification, so its
-    /// QPs stay with the engine. The rdma-core plugin's `poll_cq` polls
-    /// through here.
+    /// QPs stay with the engine. The rdma-core plugin's `poll_cq` and
+    /// verbs' userspace backend poll through here.
     pub fn poll_cq(&self, cq: &CompletionQueue, out: &mut [WorkCompletion]) -> usize {
         cq.mark().bump();
         if out.is_empty() {
@@ -252,7 +252,10 @@ impl ProtectionDomain {
             recv_cq,
             srq,
         );
-        let assist = Arc::new(Assist::default());
+        let assist = Arc::new(Assist::new(
+            shared.send_cq.mark().clone(),
+            shared.recv_cq.mark().clone(),
+        ));
         self.device.inner.qps.register(&shared, assist.clone());
         QueuePair::new(shared, self.device.inner.engine.clone(), assist)
     }

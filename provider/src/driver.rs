@@ -20,6 +20,7 @@ use tracing::debug;
 use crate::cq::{CompletionQueue, CqQp};
 use crate::engine::{Engine, EngineQp, Input, Ownership, Progress};
 use crate::error::DeviceError;
+use crate::linger::{CloseWatch, Stall};
 use crate::mem::{MrTable, PdId};
 use crate::nosignal::send_vectored;
 use crate::qp::{Connection, CqSide, Env, Event, PostError, QpCaps, QpState, HOLD_LIMIT};
@@ -65,6 +66,14 @@ pub(crate) struct QpIo {
     pub(crate) held_since: Option<Instant>,
     /// The engine's deadline for this QP's hold, while one is pending.
     hold_timer: Option<Instant>,
+    /// In Error with octets still for the peer: whether it takes them
+    /// ([`CloseWatch`]).
+    close_watch: CloseWatch,
+    /// The engine's deadline for that stall, while one is pending.
+    close_timer: Option<Instant>,
+    /// Our end of the stream is shut (in Error, everything written); the
+    /// peer's input is read and discarded until it closes too.
+    fin_sent: bool,
     pub(crate) closed: bool,
     pub(crate) events: VecDeque<Event>,
     /// Socket reads that returned bytes (how a caller tells whether a
@@ -249,6 +258,9 @@ impl QpShared {
             input,
             held_since,
             hold_timer,
+            close_watch,
+            close_timer,
+            fin_sent,
             closed,
             events,
             rx_reads,
@@ -361,6 +373,33 @@ impl QpShared {
             }
         }
         let pending = Self::flush(conn, &mut sock, &env);
+        if conn.state() == QpState::Error {
+            // Moved to Error (`rdma_disconnect`, `ibv_modify_qp`) with
+            // octets still for a peer that reads no more: the stream and
+            // its socket would be held until the QP is destroyed. As siw
+            // after its close timeout, it is reset instead once the peer
+            // has taken nothing for `LINGER_LIMIT`.
+            let now = Instant::now();
+            match close_watch.check(sock, conn.tx_written(), pending, now) {
+                Stall::None => {}
+                Stall::Until(at) => {
+                    if close_timer.is_none_or(|t| t <= now) {
+                        *close_timer = Some(at);
+                        if let Some(engine) = &engine {
+                            engine.drive_at(at, self.me.clone() as Weak<dyn EngineQp>);
+                        }
+                    }
+                }
+                Stall::Reset => {
+                    debug!(
+                        qpn = self.qpn,
+                        "in Error, the peer takes nothing: stream reset"
+                    );
+                    conn.handle_stream_failed();
+                    *closed = true;
+                }
+            }
+        }
         // A stream that ended may stay registered while what it carried
         // waits for Receives: nothing more to read from it.
         let want = if *closed {
@@ -404,13 +443,21 @@ impl QpShared {
                 hook();
             }
         }
-        if conn.wants_close() || (*closed && conn.state() == QpState::Error) {
+        if *closed && conn.state() == QpState::Error {
             let _ = sock.shutdown(Shutdown::Both);
             if let Some(engine) = &engine {
                 engine.deregister(self.qpn as u64, sock.as_fd());
             }
-            *closed = true;
             self.closed.store(true, Ordering::Release);
+        } else if conn.wants_close() && !*fin_sent {
+            // In Error, with all it framed written: our FIN goes, and the
+            // socket is still read until the peer's own close, what comes
+            // discarded (a QP in Error places nothing), as siw reads on
+            // after its QP went to Error. Shut for reading too, the
+            // socket would answer a peer still sending with a reset
+            // (RFC 1122 §4.2.2.13) instead of letting it meet the FIN.
+            let _ = sock.shutdown(Shutdown::Write);
+            *fin_sent = true;
         }
     }
 

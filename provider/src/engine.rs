@@ -38,7 +38,7 @@
 //! - **hold**: a thread woken in a completion channel wait keeps the
 //!   sockets out of the engine's set for its next wait; the engine takes
 //!   them back at its next recheck unless a thread sleeps on them again
-//!   ([`Engine::hold`]).
+//!   (`Engine::hold`).
 //!
 //! Two policies of a thread that polls a CQ (`Device::poll_cq`, which
 //! the rdma-core plugin's `poll_cq` calls), in these words, over the device's one QP registry
@@ -78,7 +78,7 @@
 //! and does not come back to the provider (a held QP). While the engine owns a QP its socket stays
 //! armed, level-triggered: no `epoll_ctl` per message. An application
 //! that arms a CQ's notifications or sleeps on the CQ in the polling modes
-//! hands its QPs back at once ([`Ownership::release`]), and a poll of an
+//! hands its QPs back at once (`Ownership::release`), and a poll of an
 //! armed CQ does not take them back.
 
 use std::collections::HashMap;

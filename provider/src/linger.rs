@@ -8,6 +8,11 @@
 //! stopped) never reaches the FIN behind them, and so never learns of the
 //! disconnect: once the peer has taken nothing for [`LINGER_LIMIT`], the
 //! stream is reset instead, which it sees whether it reads or not.
+//!
+//! The same holds for a QP moved to Error (`rdma_disconnect`) and not
+//! destroyed: its driver watches the stream ([`CloseWatch`]) and resets it
+//! in place ([`reset_now`]), as siw does when its close times out, so the
+//! connection is not held until the QP is destroyed.
 
 use std::io;
 use std::net::TcpStream;
@@ -26,6 +31,10 @@ pub(crate) const LINGER_LIMIT: Duration = Duration::from_secs(1);
 /// that case arm a reset for when the socket is closed. Returns whether
 /// it did.
 pub(crate) fn drain_or_reset(sock: &TcpStream) -> bool {
+    if sock.peer_addr().is_err() {
+        // Reset already ([`reset_now`]), or never connected.
+        return false;
+    }
     let Ok(mut left) = unacked(sock) else {
         return false;
     };
@@ -55,6 +64,85 @@ pub(crate) fn drain_or_reset(sock: &TcpStream) -> bool {
         }
     }
     false
+}
+
+/// What [`CloseWatch::check`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stall {
+    /// Nothing is waiting for the peer (or the stream is gone).
+    None,
+    /// The peer has taken nothing lately: look again at this instant.
+    Until(Instant),
+    /// It took nothing for [`LINGER_LIMIT`]: the stream was reset.
+    Reset,
+}
+
+/// The watch over a stream in Error that still has octets for its peer.
+#[derive(Debug, Default)]
+pub(crate) struct CloseWatch {
+    /// Since when the peer took nothing, and how much it had taken then.
+    stalled: Option<(Instant, u64)>,
+    reset: bool,
+}
+
+impl CloseWatch {
+    /// Look at `sock`, on which the QP has written `written` octets so
+    /// far, with more still queued above it if `pending`; reset the
+    /// stream once the peer has taken nothing for [`LINGER_LIMIT`].
+    pub(crate) fn check(
+        &mut self,
+        sock: &TcpStream,
+        written: u64,
+        pending: bool,
+        now: Instant,
+    ) -> Stall {
+        if self.reset {
+            return Stall::None;
+        }
+        let outq = match unacked(sock) {
+            Ok(n) if pending || n > 0 => n as u64,
+            _ => {
+                self.stalled = None;
+                return Stall::None;
+            }
+        };
+        let taken = written.wrapping_sub(outq);
+        match self.stalled {
+            Some((since, was)) if was == taken => {
+                if now.duration_since(since) < LINGER_LIMIT {
+                    return Stall::Until(since + LINGER_LIMIT);
+                }
+                self.reset = true;
+                reset_now(sock);
+                Stall::Reset
+            }
+            _ => {
+                self.stalled = Some((now, taken));
+                Stall::Until(now + LINGER_LIMIT)
+            }
+        }
+    }
+}
+
+/// Reset the stream now and keep the descriptor (the QP still names it
+/// until it is destroyed): `connect(AF_UNSPEC)` disconnects a TCP socket,
+/// with a reset to a peer in any synchronized state.
+pub(crate) fn reset_now(sock: &TcpStream) {
+    // SAFETY: an all-zero sockaddr is a valid value of the plain C struct.
+    let mut unspec: libc::sockaddr = unsafe { std::mem::zeroed() };
+    unspec.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
+    // SAFETY: connect(2) on a socket descriptor this borrow keeps open,
+    // reading `size_of::<sockaddr>()` bytes of a live local.
+    let rc = unsafe {
+        libc::connect(
+            sock.as_raw_fd(),
+            &unspec,
+            std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+        )
+    };
+    if rc < 0 {
+        debug!(error = %io::Error::last_os_error(), "stream reset failed");
+    }
 }
 
 /// Octets (and a FIN) the peer has not acknowledged yet (`SIOCOUTQ`).

@@ -245,3 +245,76 @@ fn a_qp_moved_to_error_before_connecting_flushes_what_is_posted() {
     ));
     peer.join().unwrap();
 }
+
+/// A peer that completes the MPA exchange; its socket.
+fn mpa_peer(me: &Side) -> std::net::TcpStream {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let peer = std::thread::spawn(move || accept_mpa(&listener));
+    me.qp.connect(addr, &MpaParams::default()).unwrap();
+    let sock = peer.join().unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    sock.set_write_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    sock
+}
+
+/// A QP moved to Error reads on, discarding what comes (siw: a QP in
+/// Error places nothing, and its socket is still read): a peer that is
+/// still sending meets our FIN once it is done, not a reset for data
+/// sent to a socket shut for reading, and its close reaches the QP.
+#[test]
+fn a_qp_in_error_drains_and_discards_what_the_peer_still_sends() {
+    let me = Side::new(None);
+    let mut sock = mpa_peer(&me);
+    me.qp.set_error();
+    // More than the socket buffers hold: it all goes only if the QP
+    // reads it.
+    let chunk = vec![0u8; 1 << 16];
+    for i in 0..128 {
+        sock.write_all(&chunk)
+            .unwrap_or_else(|e| panic!("write {i} after the QP's error: {e}"));
+    }
+    sock.shutdown(std::net::Shutdown::Write).unwrap();
+    let mut b = [0u8; 64];
+    assert_eq!(sock.read(&mut b).unwrap(), 0, "the QP's FIN, nothing else");
+    me.wait_event(|e| *e == provider::qp::Event::Closed);
+    assert_eq!(me.qp.state(), QpState::Error);
+}
+
+/// A QP moved to Error (what `rdma_disconnect` does) with octets still
+/// queued for a peer that reads no more, and not destroyed: its stream is
+/// reset once the peer has taken nothing for `LINGER_LIMIT` (1 s), as
+/// siw's close timeout does, instead of being held until the QP is
+/// destroyed. The peer, reading at last, finds the reset.
+#[test]
+fn a_qp_in_error_resets_a_stream_its_peer_no_longer_reads() {
+    let me = Side::new(None);
+    let mut sock = mpa_peer(&me);
+    let n = QpCaps::default().max_send_wr.min(16) as u64;
+    for i in 0..n {
+        me.post(
+            i,
+            SendOp::Write {
+                remote: provider::wr::Remote { addr: 0, rkey: 1 },
+            },
+            vec![me.mr.sge(0, 1 << 20)],
+        );
+    }
+    me.qp.set_error();
+    let done = me.wait(n as usize);
+    assert!(done.iter().any(|w| w.status == WcStatus::WrFlushErr));
+    // The QP lives on; its stream ends within a few seconds.
+    me.wait_event(|e| *e == provider::qp::Event::Closed);
+    let mut buf = vec![0u8; 1 << 16];
+    let err = loop {
+        match sock.read(&mut buf) {
+            Ok(0) => panic!("a clean close: the stream was drained, not reset"),
+            Ok(_) => {}
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset, "{err}");
+    drop(me);
+}

@@ -1,5 +1,6 @@
-//! The benchmarks' own messages, as views and parsed forms in the manner
-//! of smoltcp (a `Packet` over bytes, a `Repr` that parses and emits it).
+//! The messages of the `stag` CLI's benchmarks (`stag lat|bw|floor|scale`),
+//! as views and parsed forms in the manner of smoltcp (a `Packet` over
+//! bytes, a `Repr` that parses and emits it).
 //!
 //! | magic  | module        | carried in                                    |
 //! |--------|---------------|-----------------------------------------------|

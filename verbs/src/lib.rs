@@ -47,7 +47,9 @@ mod tracker;
 pub mod wire;
 mod wr;
 
-/// Low-level libibverbs/librdmacm backend (not the stable API).
+// The low-level libibverbs/librdmacm backend (not the stable API). Its
+// docs are its own inner ones: outer docs here would make rustdoc resolve
+// the module's links from this file.
 #[doc(hidden)]
 #[allow(unsafe_code)]
 pub mod ibv;

@@ -100,6 +100,20 @@ impl Ticket {
             op,
             sges: &self.sges,
             fence,
+            inline: None,
+        }
+    }
+
+    /// The send WR of an inline payload, for a backend that copies it at
+    /// post time ([`crate::backend::QpOps::copies_inline`]): the entry
+    /// holds no memory of it.
+    pub fn send_inline<'a>(&'a self, op: SendOp, fence: bool, data: &'a [u8]) -> SendPost<'a> {
+        SendPost {
+            token: self.token,
+            op,
+            sges: &[],
+            fence,
+            inline: Some(data),
         }
     }
 
@@ -112,6 +126,7 @@ impl Ticket {
             op,
             sges: &self.sges[..n.min(self.sges.len())],
             fence,
+            inline: None,
         }
     }
 
@@ -133,6 +148,9 @@ pub(crate) struct SendPost<'a> {
     op: SendOp,
     sges: &'a [Sge],
     fence: bool,
+    /// The payload, copied by the backend before `post_send` returns
+    /// (then `sges` is empty).
+    inline: Option<&'a [u8]>,
 }
 
 impl<'a> SendPost<'a> {
@@ -147,6 +165,9 @@ impl<'a> SendPost<'a> {
     }
     pub fn fence(&self) -> bool {
         self.fence
+    }
+    pub fn inline(&self) -> Option<&'a [u8]> {
+        self.inline
     }
 }
 

@@ -27,8 +27,8 @@ pub struct WorkRequest<'a> {
     pub inline: bool,
 }
 
-/// The largest inline payload.
-pub const MAX_INLINE: usize = 256;
+/// The largest inline payload (the provider's `max_inline_data`).
+pub const MAX_INLINE: usize = provider::qp::MAX_INLINE;
 
 impl<'a> WorkRequest<'a> {
     /// A signaled WR, without fence, not inline.

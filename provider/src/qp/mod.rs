@@ -17,9 +17,9 @@
 //! requests are answered in the order they arrived.
 //!
 //! The code is split by direction: this file holds the connection, its
-//! phase and the application's commands; [`transmit`] the send queue, the
-//! responses and framing; [`receive`] the dispatch of inbound ULPDUs, one
-//! function per RDMAP message; [`teardown`] Terminate, flush and close.
+//! phase and the application's commands; `transmit` the send queue, the
+//! responses and framing; `receive` the dispatch of inbound ULPDUs, one
+//! function per RDMAP message; `teardown` Terminate, flush and close.
 
 mod inline;
 mod output;
@@ -447,6 +447,11 @@ impl Connection {
         &self.neg
     }
 
+    /// Octets of the stream written to the socket so far.
+    pub fn tx_written(&self) -> u64 {
+        self.tx.written_total()
+    }
+
     /// Whether the driver should close the stream (everything framed has
     /// been written).
     pub fn wants_close(&self) -> bool {
@@ -467,7 +472,7 @@ impl Connection {
 
     /// `ibv_post_send` with `IBV_SEND_INLINE`: a Send or Write whose
     /// payload, `wr.data` (at most [`MAX_INLINE`] octets), is copied into
-    /// the QP now ([`inline`]), so the caller's buffers are free when this
+    /// the QP now (`inline`), so the caller's buffers are free when this
     /// returns. Allocates nothing in steady state.
     pub fn post_inline(&mut self, wr: InlineWr<'_>, env: &Env) -> Result<(), PostError> {
         if !matches!(

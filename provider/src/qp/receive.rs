@@ -36,7 +36,7 @@ impl From<Error> for RxFail {
 type RxResult = Result<(), RxFail>;
 
 /// How long a message may wait for a Receive before it becomes the
-/// Terminate that iWARP gives it at once ([`Held`]). Counted from its
+/// Terminate that iWARP gives it at once (`Held`). Counted from its
 /// arrival, or from the last `post_recv` that let held input move on; a
 /// receiver that posts no more (qperf's server when its timer ended) must
 /// not keep the sender's close from it for longer. InfiniBand's RNR
@@ -44,7 +44,7 @@ type RxResult = Result<(), RxFail>;
 pub const HOLD_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Octets a QP reads past a message that waits for a Receive before it
-/// stops reading its socket ([`Held`]).
+/// stops reading its socket (`Held`).
 pub const HELD_INPUT_MAX: usize = 16 << 20;
 
 /// Input held back because a message on QN 0 (a Send, or Immediate Data)
@@ -128,7 +128,7 @@ impl Connection {
         }
     }
 
-    /// Whether input waits for a Receive ([`Held`]).
+    /// Whether input waits for a Receive (`Held`).
     pub fn rx_held(&self) -> bool {
         self.held.is_some()
     }
@@ -187,7 +187,7 @@ impl Connection {
     }
 
     /// Feed bytes received from the stream. Every byte is consumed (kept
-    /// in [`Held`] while a message waits for a Receive).
+    /// in `Held` while a message waits for a Receive).
     pub fn handle_bytes(&mut self, mut input: &[u8], env: &Env) {
         if self.held.is_none() {
             input = self.deframe(input, env);

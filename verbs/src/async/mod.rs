@@ -21,7 +21,7 @@
 //! posting order, and completions keep RC order (the send queue's
 //! completions come in posting order, emulated or native). Any number of
 //! `Op`s may be in flight on one QP, up to its send queue depth (beyond
-//! it, the `Op` resolves to [`Error::QueueFull`](crate::Error::QueueFull)).
+//! it, the `Op` resolves to [`crate::Error::QueueFull`]).
 //!
 //! # Cancellation
 //!

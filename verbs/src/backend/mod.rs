@@ -197,6 +197,12 @@ pub(crate) trait QpOps: Send + Sync + Debug {
     }
     /// An event loop starts (`true`) or stops sleeping on that socket.
     fn socket_wait(&self, _on: bool) {}
+    /// Whether `post_send` copies an inline payload ([`SendPost::inline`])
+    /// into the QP itself; otherwise the emulation layer posts it from a
+    /// registered bounce slot.
+    fn copies_inline(&self) -> bool {
+        false
+    }
 }
 
 /// A shared receive queue.

@@ -11,7 +11,7 @@ use provider::mem::Access;
 use provider::qp::PostError;
 use provider::region::Region;
 use provider::setup::MpaParams;
-use provider::wr::{RecvWr, SendWrRef, WorkCompletion};
+use provider::wr::{InlineWr, RecvWr, SendWrRef, WorkCompletion};
 
 use super::{
     Backend, Connecting, ContextOps, ContextOptions, CqOps, DeviceInfo, IncomingOps, ListenerOps,
@@ -77,9 +77,10 @@ impl ContextOps for UserContext {
     }
 
     fn create_cq(&self, depth: u32) -> Result<Arc<dyn CqOps>> {
-        Ok(Arc::new(UserCq(provider::cq::CompletionQueue::new(
-            depth as usize,
-        )?)))
+        Ok(Arc::new(UserCq {
+            cq: provider::cq::CompletionQueue::new(depth as usize)?,
+            dev: self.dev.clone(),
+        }))
     }
 
     fn listen(&self, addr: SocketAddr) -> Result<Box<dyn ListenerOps>> {
@@ -100,7 +101,7 @@ impl UserPd {
         let cq = |c: &Arc<dyn CqOps>| {
             c.as_any()
                 .downcast_ref::<UserCq>()
-                .map(|c| c.0.clone())
+                .map(|c| c.cq.clone())
                 .ok_or(Error::Mismatch)
         };
         let (send_cq, recv_cq) = (cq(req.send_cq)?, cq(req.recv_cq)?);
@@ -184,8 +185,14 @@ impl MrOps for provider::device::MemoryRegion {
     }
 }
 
+/// A CQ, polled through its device so that a program polling it gets the
+/// device's progress policies ([`provider::device::Device::poll_cq`]), as
+/// a C program polling through the plugin does.
 #[derive(Debug)]
-struct UserCq(Arc<provider::cq::CompletionQueue>);
+struct UserCq {
+    cq: Arc<provider::cq::CompletionQueue>,
+    dev: provider::device::Device,
+}
 
 fn raw(wc: &WorkCompletion) -> RawCompletion {
     RawCompletion {
@@ -207,30 +214,30 @@ impl CqOps for UserCq {
 
     fn poll(&self, out: &mut Vec<RawCompletion>, max: usize) -> Result<()> {
         let mut buf = [WorkCompletion::BLANK; BATCH];
-        let n = self.0.poll(&mut buf[..max.clamp(1, BATCH)]);
+        let n = self.dev.poll_cq(&self.cq, &mut buf[..max.clamp(1, BATCH)]);
         out.extend(buf[..n].iter().map(raw));
         Ok(())
     }
 
     fn req_notify(&self) -> Result<bool> {
-        self.0.ack_events();
-        self.0.req_notify(false);
-        Ok(!self.0.is_empty())
+        self.cq.ack_events();
+        self.cq.req_notify(false);
+        Ok(!self.cq.is_empty())
     }
 
     fn notify_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         use std::os::fd::AsFd;
-        Some(self.0.as_fd())
+        Some(self.cq.as_fd())
     }
 
     fn wait(&self, timeout: Duration) -> Result<()> {
         // Completions stay in the provider's queue for the next poll.
-        self.0.wait_ready(timeout);
+        self.cq.wait_ready(timeout);
         Ok(())
     }
 
     fn interrupt(&self) {
-        self.0.interrupt_wait();
+        self.cq.interrupt_wait();
     }
 }
 
@@ -249,6 +256,29 @@ fn send_wr<'a>(p: &SendPost<'a>) -> SendWrRef<'a> {
     }
 }
 
+/// Push `wrs` onto `post`: an inline payload is copied into the QP's
+/// inline slots now, the others framed from their SGEs. On a refused WR,
+/// its error and how many went before it.
+fn push_all(
+    post: &mut provider::device::PostGuard<'_>,
+    wrs: &[SendPost<'_>],
+) -> std::result::Result<(), (Error, usize)> {
+    for (posted, p) in wrs.iter().enumerate() {
+        let pushed = match p.inline() {
+            Some(data) => post.push_inline(InlineWr {
+                wr_id: p.token(),
+                op: p.op(),
+                data: &[data],
+                signaled: true,
+                fence: p.fence(),
+            }),
+            None => post.push(send_wr(p)),
+        };
+        pushed.map_err(|e| (post_error(e), posted))?;
+    }
+    Ok(())
+}
+
 impl QpOps for UserQp {
     fn qp_num(&self) -> u32 {
         self.0.qp_num()
@@ -258,18 +288,14 @@ impl QpOps for UserQp {
         // Framed as they come, written in one go when the guard posts (or
         // drops, after a refused WR: the ones before it still leave).
         let mut post = self.0.start_post();
-        for (posted, p) in wrs.iter().enumerate() {
-            post.push(send_wr(p)).map_err(|e| (post_error(e), posted))?;
-        }
+        push_all(&mut post, wrs)?;
         post.post();
         Ok(())
     }
 
     fn post_send_held(&self, wrs: &[SendPost<'_>]) -> std::result::Result<(), (Error, usize)> {
         let mut post = self.0.start_post();
-        for (posted, p) in wrs.iter().enumerate() {
-            post.push(send_wr(p)).map_err(|e| (post_error(e), posted))?;
-        }
+        push_all(&mut post, wrs)?;
         post.hold();
         Ok(())
     }
@@ -308,6 +334,10 @@ impl QpOps for UserQp {
         } else {
             self.0.end_socket_wait();
         }
+    }
+
+    fn copies_inline(&self) -> bool {
+        true
     }
 }
 

@@ -6,6 +6,7 @@ use smallvec::{smallvec, SmallVec};
 
 use provider::wr::{SendOp, WcStatus};
 
+use super::inline::Inline;
 use super::{QpCore, SendRef, Step, NO_TOKEN};
 use crate::backend::RawCompletion;
 use crate::cq::{Completion, CompletionKind};
@@ -14,11 +15,13 @@ use crate::tracker::{Held, Ticket};
 use crate::wr::WorkRequest;
 
 /// One device WR of an emulated Immediate Data.
-struct Part {
+struct Part<'a> {
     op: SendOp,
     held: Held,
     /// The inline bounce slot this part's entry frees.
     bounce: Option<usize>,
+    /// The inline payload it carries, for a backend that copies it.
+    inline: Option<&'a Inline>,
     /// It carries the application's completion.
     last: bool,
 }
@@ -35,6 +38,7 @@ impl QpCore {
         w: SendRef,
         held: Held,
         bounce: Option<usize>,
+        inline: Option<&Inline>,
     ) -> std::result::Result<(), (Error, u64)> {
         let agent = self.agent.get().cloned().ok_or((
             Error::InvalidRequest("no agent channel on this connection"),
@@ -53,11 +57,12 @@ impl QpCore {
         let mut steps: SmallVec<[Part; 3]> = SmallVec::new();
         if let SendOp::WriteImm { remote, .. } = wr.op {
             // The Write carries the application's bytes: an inline bounce
-            // slot is its to free.
+            // slot is its to free, an inline payload its to post.
             steps.push(Part {
                 op: SendOp::Write { remote },
                 held,
                 bounce,
+                inline,
                 last: false,
             });
         }
@@ -71,6 +76,7 @@ impl QpCore {
             op: SendOp::Write { remote: mailbox },
             held: smallvec![entry],
             bounce: None,
+            inline: None,
             last: false,
         });
         steps.push(Part {
@@ -80,21 +86,25 @@ impl QpCore {
             },
             held: Held::new(),
             bounce: None,
+            inline: None,
             last: true,
         });
-        let mut tickets: SmallVec<[(Ticket, SendOp); 3]> = SmallVec::new();
+        let mut tickets: SmallVec<[(Ticket, SendOp, Option<&Inline>); 3]> = SmallVec::new();
         for part in steps {
             let kind = if part.last { Step::Final } else { Step::Silent };
             let ticket = self.tracker.insert(w.holding(kind, part.bounce), part.held);
-            tickets.push((ticket, part.op));
+            tickets.push((ticket, part.op, part.inline));
         }
         let posts: SmallVec<[_; 3]> = tickets
             .iter()
-            .map(|(t, op)| t.send(*op, wr.fence))
+            .map(|(t, op, inline)| match inline {
+                Some(data) => t.send_inline(*op, wr.fence, data.bytes()),
+                None => t.send(*op, wr.fence),
+            })
             .collect();
         if let Err((e, n)) = self.backend.post_send(&posts) {
             // Those posted complete (silently, or flushed); the rest go.
-            for (t, _) in tickets.iter().skip(n + 1) {
+            for (t, _, _) in tickets.iter().skip(n + 1) {
                 self.tracker.remove(t.token());
             }
             return Err((e, tickets[n].0.token()));

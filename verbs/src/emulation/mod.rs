@@ -34,9 +34,10 @@ use provider::wr::{Remote, SendOp, WcStatus};
 
 use self::agent::Agent;
 use self::cas::CasLoop;
+use self::inline::Inline;
 use self::order::SendOrder;
 use self::srq::SrqCore;
-use crate::backend::{QpOps, RawCompletion};
+use crate::backend::{QpOps, RawCompletion, SendPost};
 use crate::caps::{Capabilities, Emulation, OpKind, OpSet, PostPath, Support};
 use crate::cq::{Completion, CompletionKind, CompletionQueue, CompletionSink};
 use crate::device::Context;
@@ -237,6 +238,17 @@ struct Queued {
     op: SendOp,
     fence: bool,
     seq: u64,
+    /// Its payload, for a backend that copies inline data.
+    inline: Option<Inline>,
+}
+
+impl Queued {
+    fn post(&self) -> SendPost<'_> {
+        match &self.inline {
+            Some(data) => self.ticket.send_inline(self.op, self.fence, data.bytes()),
+            None => self.ticket.send(self.op, self.fence),
+        }
+    }
 }
 
 /// Native WRs of one list that go to the backend together, on the stack
@@ -494,8 +506,7 @@ impl QpCore {
             return Ok(0);
         }
         let res = {
-            let posts: SmallVec<[_; BATCH]> =
-                batch.iter().map(|q| q.ticket.send(q.op, q.fence)).collect();
+            let posts: SmallVec<[_; BATCH]> = batch.iter().map(Queued::post).collect();
             if hold {
                 *held = true;
                 self.backend.post_send_held(&posts)
@@ -544,24 +555,30 @@ impl QpCore {
     /// Post one routed WR: a native one comes back to be batched; an
     /// emulated one is posted on its path here.
     fn prepare(self: &Arc<Self>, wr: &WorkRequest<'_>, route: Route) -> Result<Option<Queued>> {
-        let (held, bounce) = if wr.inline {
-            let (slice, slot) = self.bounce_copy(wr)?;
-            (smallvec![slice], Some(slot))
+        // An inline payload is gathered now; the backend copies it into
+        // its QP, or it goes from a bounce slot the WR's entry holds.
+        let (held, bounce, inline) = if !wr.inline {
+            (wr.local.iter().cloned().collect::<Held>(), None, None)
+        } else if self.backend.copies_inline() {
+            (Held::new(), None, Some(Inline::gather(wr)?))
         } else {
-            (wr.local.iter().cloned().collect::<Held>(), None)
+            let (slice, slot) = self.bounce_copy(&Inline::gather(wr)?)?;
+            (smallvec![slice], Some(slot), None)
         };
         let seq = self.order.lock().unwrap_or_else(|p| p.into_inner()).next();
         let w = SendRef::of(wr, seq);
         let posted = match route {
             Route::Native => {
                 let ticket = self.tracker.insert(w.holding(Step::Final, bounce), held);
+                let queued = Queued {
+                    ticket,
+                    op: wr.op,
+                    fence: wr.fence,
+                    seq,
+                    inline,
+                };
                 if !self.numbered_zero_send(wr) {
-                    return Ok(Some(Queued {
-                        ticket,
-                        op: wr.op,
-                        fence: wr.fence,
-                        seq,
-                    }));
+                    return Ok(Some(queued));
                 }
                 let agent = self
                     .agent
@@ -569,15 +586,15 @@ impl QpCore {
                     .cloned()
                     .expect("numbered: there is an agent");
                 let mut n = agent.zero_sends.lock().unwrap_or_else(|p| p.into_inner());
-                let r = self.post_one(&ticket, wr.op, wr.fence);
+                let r = self.post_queued(&queued);
                 if r.is_ok() {
                     *n += 1;
                 }
-                r.map_err(|e| (e, ticket.token()))
+                r.map_err(|e| (e, queued.ticket.token()))
             }
             Route::CasLoop => self.start_cas_loop(wr, w, held),
             Route::Agent => self.post_agent(wr, w, held),
-            Route::Mailbox => self.post_imm(wr, w, held, bounce),
+            Route::Mailbox => self.post_imm(wr, w, held, bounce, inline.as_ref()),
         };
         match posted {
             Ok(()) => Ok(None),
@@ -597,10 +614,17 @@ impl QpCore {
     }
 
     fn post_one(&self, ticket: &Ticket, op: SendOp, fence: bool) -> Result<()> {
-        self.backend
-            .post_send(&[ticket.send(op, fence)])
-            .map_err(|(e, _)| e)?;
-        self.count_round_trip(&op);
+        self.post_now(ticket.send(op, fence))
+    }
+
+    /// Post a native WR on its own, now.
+    fn post_queued(&self, q: &Queued) -> Result<()> {
+        self.post_now(q.post())
+    }
+
+    fn post_now(&self, post: SendPost<'_>) -> Result<()> {
+        self.backend.post_send(&[post]).map_err(|(e, _)| e)?;
+        self.count_round_trip(&post.op());
         Ok(())
     }
 

@@ -227,7 +227,7 @@ pub enum FlushLevel {
     Mr,
 }
 
-/// One send work request for the legacy [`QueuePair::post_send`].
+/// One send work request for the legacy [`super::QueuePair::post_send`].
 #[derive(Debug, Clone, Copy)]
 pub struct SendWr<'a> {
     /// Returned in the completion.
