@@ -204,7 +204,7 @@ impl QueuePair {
 
     /// The event loop woke: it keeps the socket for its next sleep, and
     /// the engine takes the QP back at its next recheck (1 ms) unless the
-    /// loop sleeps on it again ([`crate::engine::Engine::hold`], as a
+    /// loop sleeps on it again (`Engine::hold`, as a
     /// completion channel's waiter).
     pub fn end_socket_wait(&self) {
         crate::cq::CqQp::end_wait_holding(&*self.shared);
