@@ -34,6 +34,15 @@
 # A run whose client or server fails (a signal too) is logged, listed in
 # the report as failed, and its figure left out.
 #
+# BASE=REV measures a second build beside this tree, in the same run: git
+# revision REV is checked out under $TARGET_DIR/bench-base/src (a detached
+# worktree, reused while it is at REV) and built there in release. Each
+# round then runs every stag row, and the scale and cmtime rows, once per
+# build, in an order that alternates from round to round, and the report
+# adds a before/after table: per row both medians, the paired ratio
+# this/base and whether the two builds' ranges overlap (within noise).
+# Rows the base's CLI lacks (`stag scale` before it existed) are n/a.
+#
 # Needs cargo, gcc, python3, ss; installs ucx-utils, libfabric-bin,
 # libfabric-dev and time from Debian unless --no-install (missing peers
 # are then reported n/a).
@@ -110,6 +119,22 @@ TARGET_DIR=$(cargo metadata --format-version 1 --no-deps |
 STAG=$TARGET_DIR/release/stag
 export STAG_DEVICE=stag0
 
+BASE=${BASE:-}
+BASE_STAG=""
+if [[ -n $BASE ]]; then
+    base_rev=$(git rev-parse --verify "$BASE^{commit}")
+    base_src=$TARGET_DIR/bench-base/src
+    if [[ $(git -C "$base_src" rev-parse HEAD 2>/dev/null || true) != "$base_rev" ]]; then
+        git worktree remove --force "$base_src" 2>/dev/null || rm -rf "$base_src"
+        git worktree prune
+        git worktree add --detach -q "$base_src" "$base_rev"
+    fi
+    log "building the base, $BASE ($(git -C "$base_src" describe --always)), in $base_src"
+    (cd "$base_src" && CARGO_TARGET_DIR=$TARGET_DIR/bench-base/target \
+        cargo build --release -q -p stag -p stag-rdma)
+    BASE_STAG=$TARGET_DIR/bench-base/target/release/stag
+fi
+
 mkdir -p "$OUT"
 RAW=$OUT/raw
 rm -rf "$RAW"
@@ -127,6 +152,8 @@ FI_ADDR=${FI_ADDR:-$(ip -4 -o addr show scope global 2>/dev/null | awk '{split($
 # environment variable says the same to a provider that reads it.
 PROGRESS_FLAG=0
 "$STAG" lat --help | grep -q -- '--progress' && PROGRESS_FLAG=1
+BASE_PROGRESS_FLAG=0
+[[ -n $BASE_STAG ]] && "$BASE_STAG" lat --help | grep -q -- '--progress' && BASE_PROGRESS_FLAG=1
 
 PORT=15000
 # run_pair NAME ROUND -- SERVER... -- CLIENT...: the server in the
@@ -183,9 +210,10 @@ run_pair() {
     wait "$spid" 2>/dev/null || src=$?
     [[ ${SERVER_RUNS_ON:-0} == 1 ]] && src=0
     # GNU time says "Command terminated by signal N" for a crash.
-    local crashed
-    crashed=$(grep -h 'terminated by signal' "$dir/$name.client.time" \
-        "$dir/$name.server.time" 2>/dev/null || true)
+    # A server stopped by kill_tree above was killed on purpose.
+    local crashed watched=("$dir/$name.client.time" "$dir/$name.server.time")
+    [[ ${SERVER_RUNS_ON:-0} == 1 ]] && watched=("$dir/$name.client.time")
+    crashed=$(grep -h 'terminated by signal' "${watched[@]}" 2>/dev/null || true)
     if ((crc != 0)) || [[ -n $crashed ]]; then
         log "$name failed: client $crc, server $src $crashed (see $dir/$name.err, $dir/$name.server)"
         printf 'client %s server %s %s\n' "$crc" "$src" "$crashed" >"$dir/$name.failed"
@@ -193,16 +221,28 @@ run_pair() {
     fi
 }
 
+# The builds measured, as "TAG:STAG:PROGRESS_FLAG": this tree (tag stag),
+# and with BASE the base (tag base). BUILDS_NOW is the order of the current
+# round: the two alternate from round to round.
+BUILDS=("stag:$STAG:$PROGRESS_FLAG")
+[[ -n $BASE_STAG ]] && BUILDS+=("base:$BASE_STAG:$BASE_PROGRESS_FLAG")
+BUILDS_NOW=("${BUILDS[@]}")
+
 # stag_pair NAME ROUND MODE lat|bw OP ARGS...: a stag benchmark with
-# progress mode MODE on both sides.
+# progress mode MODE on both sides, once per build back to back, as run
+# TAG-NAME (stag-NAME for this tree, base-NAME for the base).
 stag_pair() {
     local name=$1 round=$2 mode=$3 test=$4 op=$5
     shift 5
-    local flag=()
-    [[ $PROGRESS_FLAG == 1 ]] && flag=(--progress "$mode")
-    STAG_PROGRESS=$mode run_pair "$name" "$round" -- \
-        "$STAG" "$test" "$op" -p @PORT@ "${flag[@]}" -- \
-        "$STAG" "$test" "$op" 127.0.0.1 -p @PORT@ "${flag[@]}" --json "$@"
+    local build tag bin has_flag flag
+    for build in "${BUILDS_NOW[@]}"; do
+        IFS=: read -r tag bin has_flag <<<"$build"
+        flag=()
+        [[ $has_flag == 1 ]] && flag=(--progress "$mode")
+        STAG_PROGRESS=$mode run_pair "$tag-$name" "$round" -- \
+            "$bin" "$test" "$op" -p @PORT@ "${flag[@]}" -- \
+            "$bin" "$test" "$op" 127.0.0.1 -p @PORT@ "${flag[@]}" --json "$@"
+    done
 }
 
 one_round() {
@@ -231,24 +271,25 @@ one_round() {
     mkdir -p "$RAW/$r"
     "$STAG" floor msync -s 8 -n "$SLOW_ITERS" --json >"$RAW/$r/msync.out"
 
+    BUILDS_NOW=("${BUILDS[@]}")
+    if ((${#BUILDS[@]} == 2 && r % 2 == 0)); then
+        BUILDS_NOW=("${BUILDS[1]}" "${BUILDS[0]}")
+    fi
     for mode in $PROGRESS_MODES; do
-        log "round $r/$ROUNDS: stag, progress $mode"
+        log "round $r/$ROUNDS: stag${BASE_STAG:+ and base}, progress $mode"
         for op in write send read fetch-add cmp-swap swap; do
-            stag_pair "stag-$mode-lat-$op" "$r" "$mode" lat "$op" -s 8 -n "$ITERS"
+            stag_pair "$mode-lat-$op" "$r" "$mode" lat "$op" -s 8 -n "$ITERS"
         done
-        stag_pair "stag-$mode-lat-commit" "$r" "$mode" lat commit -s 8 -n "$SLOW_ITERS"
-        stag_pair "stag-$mode-lat-send-blocking" "$r" "$mode" lat send -s 8 -n "$ITERS" \
-            --blocking
+        stag_pair "$mode-lat-commit" "$r" "$mode" lat commit -s 8 -n "$SLOW_ITERS"
+        stag_pair "$mode-lat-send-blocking" "$r" "$mode" lat send -s 8 -n "$ITERS" --blocking
         for op in write read; do
-            stag_pair "stag-$mode-bw-$op" "$r" "$mode" bw "$op" -s "$MIB" -n "$BW_ITERS"
+            stag_pair "$mode-bw-$op" "$r" "$mode" bw "$op" -s "$MIB" -n "$BW_ITERS"
             # What the MPA CRC costs (kernel siw asks for none by default).
-            stag_pair "stag-$mode-bw-$op-nocrc" "$r" "$mode" bw "$op" -s "$MIB" \
-                -n "$BW_ITERS" --no-crc
+            stag_pair "$mode-bw-$op-nocrc" "$r" "$mode" bw "$op" -s "$MIB" -n "$BW_ITERS" --no-crc
         done
-        stag_pair "stag-$mode-bw-write-qps64" "$r" "$mode" bw write -s 8 -n "$QP_ITERS" \
-            --qps 64
+        stag_pair "$mode-bw-write-qps64" "$r" "$mode" bw write -s 8 -n "$QP_ITERS" --qps 64
         for n in 256 1024; do
-            stag_pair "stag-$mode-bw-write-qps$n" "$r" "$mode" bw write -s 8 \
+            stag_pair "$mode-bw-write-qps$n" "$r" "$mode" bw write -s 8 \
                 -n "$((QP_ITERS * 64 / n))" --qps "$n"
         done
     done
@@ -256,13 +297,24 @@ one_round() {
     log "round $r/$ROUNDS: scale ($SCALE_QPS QPs)"
     # Memory per idle QP, idle CPU and the connect rate through verbs
     # (stag scale, the provider's default progress); the connect rate
-    # through rdma_cm (rdmacm-utils' cmtime under stag run).
-    run_pair scale "$r" -- "$STAG" scale -p @PORT@ --json -- \
-        "$STAG" scale 127.0.0.1 -p @PORT@ --qps "$SCALE_QPS" --idle "$SCALE_IDLE" --json
-    if command -v cmtime >/dev/null; then
-        SERVER_RUNS_ON=1 run_pair cmtime "$r" -- "$STAG" run cmtime -b 127.0.0.1 -p @PORT@ -c "$SCALE_QPS" -- \
-            "$STAG" run cmtime -s 127.0.0.1 -p @PORT@ -c "$SCALE_QPS"
-    fi
+    # through rdma_cm (rdmacm-utils' cmtime under stag run). This tree's
+    # runs are named scale and cmtime, the base's base-scale and
+    # base-cmtime.
+    local build tag bin pre
+    for build in "${BUILDS_NOW[@]}"; do
+        IFS=: read -r tag bin _ <<<"$build"
+        pre=""
+        [[ $tag == base ]] && pre=base-
+        if "$bin" scale --help >/dev/null 2>&1; then
+            run_pair "${pre}scale" "$r" -- "$bin" scale -p @PORT@ --json -- \
+                "$bin" scale 127.0.0.1 -p @PORT@ --qps "$SCALE_QPS" --idle "$SCALE_IDLE" --json
+        fi
+        if command -v cmtime >/dev/null; then
+            SERVER_RUNS_ON=1 run_pair "${pre}cmtime" "$r" -- \
+                "$bin" run cmtime -b 127.0.0.1 -p @PORT@ -c "$SCALE_QPS" -- \
+                "$bin" run cmtime -s 127.0.0.1 -p @PORT@ -c "$SCALE_QPS"
+        fi
+    done
 
     if command -v ucx_perftest >/dev/null; then
         log "round $r/$ROUNDS: UCX (UCX_TLS=tcp)"
@@ -309,13 +361,15 @@ one_round() {
     fi
 }
 
-log "stag $(git describe --always --dirty 2>/dev/null || echo '?'), $ROUNDS round(s), progress modes: $PROGRESS_MODES (flag: $PROGRESS_FLAG)"
+log "stag $(git describe --always --dirty 2>/dev/null || echo '?'), $ROUNDS round(s), progress modes: $PROGRESS_MODES (flag: $PROGRESS_FLAG)${BASE:+, base $BASE (flag: $BASE_PROGRESS_FLAG)}"
 for r in $(seq "$ROUNDS"); do
     one_round "$r"
 done
 ELAPSED=$((SECONDS - START))
 
-python3 scripts/bench/bench-report.py "$RAW" "$OUT" "$ROUNDS" "$PROGRESS_MODES" "$ELAPSED" \
+BENCH_BASE=${BASE:+$BASE ($(git -C "$base_src" describe --always))} \
+    BENCH_THIS=$(git describe --always --dirty 2>/dev/null || echo '?') \
+    python3 scripts/bench/bench-report.py "$RAW" "$OUT" "$ROUNDS" "$PROGRESS_MODES" "$ELAPSED" \
     "ITERS=$ITERS BW_ITERS=$BW_ITERS QP_ITERS=$QP_ITERS STREAM_ITERS=$STREAM_ITERS SLOW_ITERS=$SLOW_ITERS SCALE_QPS=$SCALE_QPS SCALE_IDLE=$SCALE_IDLE" \
     "$PROGRESS_FLAG"
 log "wrote $OUT/report.md and $OUT/report.json in ${ELAPSED}s"

@@ -9,6 +9,10 @@ line, fi_pingpong's table), <name>.{client,server}.time GNU time's "wall
 user sys", <name>.failed the exit statuses of a run that failed. Every
 figure is the median over the rounds (min and max beside it); a ratio is
 one median over another.
+
+With BENCH_BASE set (bench-peers.sh's BASE), the runs named base-* are a
+second build measured in the same rounds, and the report adds a
+before/after table; BENCH_THIS names this tree's build.
 """
 
 import json
@@ -17,6 +21,8 @@ import statistics
 import sys
 
 RAW, OUT, ROUNDS, MODES, ELAPSED, KNOBS, FLAG = sys.argv[1:8]
+BASE = os.environ.get("BENCH_BASE") or None
+THIS = os.environ.get("BENCH_THIS") or "this tree"
 ROUNDS = int(ROUNDS)
 MODES = MODES.split()
 ROUND_DIRS = [os.path.join(RAW, str(r)) for r in range(1, ROUNDS + 1)]
@@ -369,10 +375,10 @@ for key, label, unit in [
 # ---- scale ---------------------------------------------------------------
 
 
-def scale_field(rdir, role, key):
+def scale_field(rdir, role, key, name="scale"):
     """A field of `stag scale --json` (the client's line in NAME.out, the
     server's in NAME.server)."""
-    text = read(rdir, "scale", ".out" if role == "client" else ".server")
+    text = read(rdir, name, ".out" if role == "client" else ".server")
     for line in text.splitlines():
         if line.startswith("{"):
             try:
@@ -382,7 +388,7 @@ def scale_field(rdir, role, key):
     return None
 
 
-def cmtime_rate(rdir):
+def cmtime_rate(rdir, name="cmtime"):
     """Connections set up per second through rdma_cm, all from cmtime's own
     output: its connections over the sum of its setup steps' wall times
     (each step runs for all connections at once; disconnect and destroy are
@@ -392,7 +398,7 @@ def cmtime_rate(rdir):
     connections it reports failed ("event: ..." lines) are left out."""
     total_ms, n, widest = 0.0, None, 0.0
     failed = 0
-    for line in read(rdir, "cmtime").splitlines():
+    for line in read(rdir, name).splitlines():
         if line.startswith("event:"):
             failed += 1
             continue
@@ -410,21 +416,30 @@ def cmtime_rate(rdir):
     return (n - failed) / (total_ms / 1000.0)
 
 
+def scale_tests(pre=""):
+    """The scale measurements of one build: pre "" for this tree, "base-"
+    for the base."""
+    sc, cm = pre + "scale", pre + "cmtime"
+    return [
+        ("memory per connected idle QP, client (RSS)",
+         lambda d: scale_field(d, "client", "rss_per_qp_kib", sc), "KiB", False, 64),
+        ("memory per connected idle QP, server (RSS)",
+         lambda d: scale_field(d, "server", "rss_per_qp_kib", sc), "KiB", False, 64),
+        ("idle CPU, client process, all QPs connected",
+         lambda d: scale_field(d, "client", "idle_cpu_pct", sc), "% of a core", False, 1),
+        ("idle CPU, server process, all QPs connected",
+         lambda d: scale_field(d, "server", "idle_cpu_pct", sc), "% of a core", False, 1),
+        ("connections per second, verbs::connect one after another",
+         lambda d: scale_field(d, "client", "connects_per_s", sc), "1/s", True, None),
+        ("connections per second, rdma_cm (cmtime, all at once)",
+         lambda d: cmtime_rate(d, cm), "1/s", True, 2000),
+        ("QPs alive after the idle period",
+         lambda d: scale_field(d, "client", "alive", sc), "QPs", True, None),
+    ]
+
+
 scale_rows = []
-for label, fn, unit, higher, target in [
-    ("memory per connected idle QP, client (RSS)", lambda d: scale_field(d, "client", "rss_per_qp_kib"),
-     "KiB", False, 64),
-    ("memory per connected idle QP, server (RSS)", lambda d: scale_field(d, "server", "rss_per_qp_kib"),
-     "KiB", False, 64),
-    ("idle CPU, client process, all QPs connected", lambda d: scale_field(d, "client", "idle_cpu_pct"),
-     "% of a core", False, 1),
-    ("idle CPU, server process, all QPs connected", lambda d: scale_field(d, "server", "idle_cpu_pct"),
-     "% of a core", False, 1),
-    ("connections per second, verbs::connect one after another",
-     lambda d: scale_field(d, "client", "connects_per_s"), "1/s", True, None),
-    ("connections per second, rdma_cm (cmtime, all at once)", cmtime_rate, "1/s", True, 2000),
-    ("QPs alive after the idle period", lambda d: scale_field(d, "client", "alive"), "QPs", True, None),
-]:
+for label, fn, unit, higher, target in scale_tests():
     v = agg(series(fn))
     met = None
     if v and target is not None:
@@ -443,6 +458,59 @@ for row in scale_rows:
     tgt = "none" if t is None else f"{'≥' if row['higher_is_better'] else '≤'} {t} {row['unit']}"
     md.append(f"| {row['test']} [{row['unit']}] | {fmt_agg(row['value'], row['unit'])} | {tgt} | "
               f"{MET[row['met']]} |")
+# ---- before/after ------------------------------------------------------
+
+
+def by_round(fn):
+    """fn(round_dir) for every round, None where a run left no figure."""
+    return [fn(d) for d in ROUND_DIRS]
+
+
+def compare(this_fn, base_fn, higher):
+    """This build against the base over the same rounds: both series, the
+    median over the rounds of this/base (each round's pair measured back to
+    back), and a verdict. The two are within noise when their ranges over
+    the rounds overlap; otherwise this build is better or worse."""
+    t, b = by_round(this_fn), by_round(base_fn)
+    pairs = [x / y for x, y in zip(t, b) if x is not None and y]
+    ta, ba = agg([x for x in t if x is not None]), agg([y for y in b if y is not None])
+    verdict = None
+    if ta and ba:
+        if ta["min"] <= ba["max"] and ba["min"] <= ta["max"]:
+            verdict = "within noise"
+        else:
+            verdict = "better" if (ta["median"] > ba["median"]) == higher else "worse"
+    return {"this": ta, "base": ba, "paired_ratio": statistics.median(pairs) if pairs else None,
+            "verdict": verdict}
+
+
+before_after = []
+if BASE:
+    for label, suffix, key, unit, higher, *_ in TESTS:
+        for mode in MODES:
+            c = compare(lambda d: json_result(d, f"stag-{mode}-{suffix}", key),
+                        lambda d: json_result(d, f"base-{mode}-{suffix}", key), higher)
+            before_after.append({"test": label, "progress": mode, "unit": unit,
+                                 "higher_is_better": higher, **c})
+    for (label, fn, unit, higher, _), (_, base_fn, *_) in zip(scale_tests(), scale_tests("base-")):
+        c = compare(fn, base_fn, higher)
+        before_after.append({"test": label, "progress": "—", "unit": unit,
+                             "higher_is_better": higher, **c})
+    md += [
+        "",
+        f"Before/after, one run: this tree ({THIS}) against the base ({BASE}), every pair measured "
+        "back to back in each round, the order alternating from round to round. ratio = this / "
+        "base, the median of the rounds' paired ratios; within noise = the two ranges overlap.",
+        "",
+        "| test | progress | base | this | this/base | verdict |",
+        "| --- | --- | ---: | ---: | ---: | --- |",
+    ]
+    for row in before_after:
+        unit = row["unit"]
+        md.append(f"| {row['test']} [{unit}] | {row['progress']} | {fmt_agg(row['base'], unit)} | "
+                  f"{fmt_agg(row['this'], unit)} | {fmt(row['paired_ratio'])} | "
+                  f"{row['verdict'] or 'n/a'} |")
+
 # Runs that failed (a client's exit status, or either side killed by a
 # signal: bench-peers.sh leaves NAME.failed and no figure).
 failed_runs = []
@@ -473,5 +541,6 @@ with open(os.path.join(OUT, "report.json"), "w") as f:
         "floors": floors, "floor_raw": floor_raw, "c_check": check_rows,
         "rows": rows, "scale": scale_rows, "libfabric_missing": LF_NA,
         "failed_runs": failed_runs,
+        "base": BASE, "this": THIS, "before_after": before_after,
     }, f, indent=2)
 print(text)
