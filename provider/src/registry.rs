@@ -30,7 +30,7 @@
 //! [`Device::poll_cq`]: crate::device::Device::poll_cq
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -40,6 +40,9 @@ use crate::driver::QpShared;
 
 /// How long a QP's CQs go unpolled before the sweep drives it.
 pub(crate) const IDLE_FOR: Duration = Duration::from_millis(10);
+
+/// The fewest registrations between two prunes.
+const MIN_PRUNE_GAP: usize = 16;
 
 /// One QP as the registry knows it.
 #[derive(Debug)]
@@ -60,6 +63,11 @@ struct Entry {
 #[derive(Debug)]
 pub(crate) struct QpRegistry {
     qps: RwLock<HashMap<u32, Entry>>,
+    /// Registrations left before the next prune of dead entries: pruning
+    /// on every creation made setting up n QPs cost n² (a walk of all of
+    /// them each time); pruning once the map may have doubled keeps it
+    /// amortised O(1) per QP and the map within twice the live QPs.
+    until_prune: AtomicUsize,
     /// The time base of `Entry::seen_at`.
     epoch: Instant,
     idle_for: Duration,
@@ -76,6 +84,7 @@ impl QpRegistry {
     pub(crate) fn with_idle(idle_for: Duration) -> QpRegistry {
         QpRegistry {
             qps: RwLock::default(),
+            until_prune: AtomicUsize::new(0),
             epoch: Instant::now(),
             idle_for,
         }
@@ -84,7 +93,15 @@ impl QpRegistry {
     /// Make a new QP known; forgotten once it is gone.
     pub(crate) fn register(&self, qp: &Arc<QpShared>, assist: Arc<Assist>) {
         let mut qps = self.qps.write().unwrap_or_else(|p| p.into_inner());
-        qps.retain(|_, e| e.qp.strong_count() > 0);
+        // Under the write lock: the countdown needs no stronger ordering.
+        let left = self.until_prune.load(Ordering::Relaxed);
+        if left == 0 {
+            qps.retain(|_, e| e.qp.strong_count() > 0);
+            self.until_prune
+                .store(qps.len().max(MIN_PRUNE_GAP), Ordering::Relaxed);
+        } else {
+            self.until_prune.store(left - 1, Ordering::Relaxed);
+        }
         qps.insert(
             qp.qpn,
             Entry {
@@ -196,12 +213,50 @@ mod tests {
         assert_eq!(reg.after_write(qpn), Outcome::Skipped, "gone");
         let other = pd.create_qp(QpCaps::default(), &mine, &theirs, None);
         reg.register(other.shared(), Arc::default());
-        assert_eq!(
-            reg.qps.read().unwrap().len(),
-            1,
-            "the dead entry was pruned"
-        );
         assert_eq!(reg.live().len(), 1);
+    }
+
+    /// Dead entries are pruned now and then, not on every registration:
+    /// the map stays within twice the live QPs (plus the minimum gap),
+    /// and registering n QPs walks O(n) entries in all, not O(n²).
+    #[test]
+    fn dead_entries_are_pruned_in_amortised_constant_time() {
+        let dev = Device::open("prune-test").unwrap();
+        let pd = dev.alloc_pd();
+        let cq = CompletionQueue::new(4).unwrap();
+        let reg = QpRegistry::default();
+        let mut kept = Vec::new();
+        let mut prunes = 0;
+        for i in 0..1000 {
+            let qp = pd.create_qp(QpCaps::default(), &cq, &cq, None);
+            if reg.until_prune.load(Ordering::Relaxed) == 0 {
+                prunes += 1;
+            }
+            reg.register(qp.shared(), Arc::default());
+            let len = reg.qps.read().unwrap().len();
+            let live = kept.len() + 1;
+            assert!(
+                len <= 2 * live + MIN_PRUNE_GAP + 1,
+                "registration {i}: {len} entries for {live} live QPs"
+            );
+            // Every third QP lives on; the rest die at once.
+            if i % 3 == 0 {
+                kept.push(qp);
+            }
+        }
+        assert_eq!(reg.live().len(), kept.len());
+        assert!(prunes <= 20, "{prunes} prunes for 1000 registrations");
+        // All but one die: the map shrinks back at the next prune, which
+        // comes within as many registrations as there were entries.
+        kept.truncate(1);
+        let before = reg.qps.read().unwrap().len();
+        for _ in 0..=before {
+            let qp = pd.create_qp(QpCaps::default(), &cq, &cq, None);
+            reg.register(qp.shared(), Arc::default());
+        }
+        let len = reg.qps.read().unwrap().len();
+        assert!(len < before, "{len} entries after a prune, {before} before");
+        assert!(len <= MIN_PRUNE_GAP + 2, "{len} entries for 2 live QPs");
     }
 
     /// A QP whose CQ is polled now and then (one of many a program polls
