@@ -232,7 +232,7 @@ impl ProtectionDomain {
         // New checks of the STag fail from here on, so no QP frames more
         // output from it while the queued output is copied.
         inner.mem.revoke(stag)?;
-        for qp in inner.qps.live().iter().filter(|qp| qp.pd == self.id) {
+        for qp in inner.qps.live_in(self.id) {
             let env = qp.env();
             let mut io = qp.lock();
             if let Some(conn) = io.conn.as_mut() {
