@@ -101,19 +101,36 @@ pub struct CompletionQueue {
     mark: Arc<PollMark>,
 }
 
-/// A CQ's count of polls through the device's policies.
+/// A CQ's count of polls through the device's policies, and whether the
+/// last one found it empty.
 #[derive(Debug, Default)]
-pub(crate) struct PollMark(AtomicU64);
+pub(crate) struct PollMark {
+    polls: AtomicU64,
+    empty: AtomicBool,
+}
 
 impl PollMark {
     /// A poll of the CQ.
     pub(crate) fn bump(&self) {
-        self.0.fetch_add(1, Ordering::Relaxed);
+        self.polls.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Polls so far.
     pub(crate) fn get(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
+        self.polls.load(Ordering::Relaxed)
+    }
+
+    /// A poll found the CQ empty: whether the one before it did too (a
+    /// thread spins on this CQ).
+    pub(crate) fn empty_again(&self) -> bool {
+        self.empty.swap(true, Ordering::Relaxed)
+    }
+
+    /// A poll found completions.
+    pub(crate) fn found(&self) {
+        if self.empty.load(Ordering::Relaxed) {
+            self.empty.store(false, Ordering::Relaxed);
+        }
     }
 }
 

@@ -12,7 +12,7 @@ use crate::engine::Engine;
 use crate::error::DeviceError;
 use crate::qp::{Event, QpState};
 use crate::setup::Negotiated;
-use crate::wr::{InlineWr, RecvWr, SendWr, SendWrRef};
+use crate::wr::{InlineWr, ListWr, RecvWr, SendWr, SendWrRef};
 
 /// An RC queue pair.
 #[derive(Debug)]
@@ -233,6 +233,20 @@ impl PostGuard<'_> {
         self.qp.queue_send(wr.as_send_wr())?;
         self.pushed = true;
         Ok(())
+    }
+
+    /// Queue a list of WRs, framed or inline, under one lock of the QP
+    /// (pushing them one by one takes it for each). On a refused WR, its
+    /// error and how many were queued before it, which stay queued.
+    pub fn push_list<'w>(
+        &mut self,
+        wrs: impl IntoIterator<Item = ListWr<'w>>,
+    ) -> Result<(), (DeviceError, usize)> {
+        let res = self.qp.queue_list(wrs);
+        if matches!(res, Ok(()) | Err((_, 1..))) {
+            self.pushed = true;
+        }
+        res
     }
 
     /// Queue one inline WR (`IBV_SEND_INLINE`): its payload is copied

@@ -300,6 +300,28 @@ pub struct InlineWr<'a> {
     pub fence: bool,
 }
 
+/// One WR of a post list ([`PostGuard::push_list`]): framed from its
+/// SGEs, or inline.
+///
+/// [`PostGuard::push_list`]: crate::device::PostGuard::push_list
+#[derive(Debug, Clone, Copy)]
+pub enum ListWr<'a> {
+    /// Framed from registered memory.
+    Send(SendWrRef<'a>),
+    /// Copied into the QP now (`IBV_SEND_INLINE`).
+    Inline(InlineWr<'a>),
+}
+
+impl ListWr<'_> {
+    /// Its WR id and operation (what a flush completion reports).
+    pub(crate) fn id_and_op(&self) -> (u64, SendOp) {
+        match self {
+            ListWr::Send(w) => (w.wr_id, w.op),
+            ListWr::Inline(w) => (w.wr_id, w.op),
+        }
+    }
+}
+
 /// A receive work request (`struct ibv_recv_wr`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecvWr {

@@ -169,6 +169,10 @@ impl<'a> SendPost<'a> {
     pub fn inline(&self) -> Option<&'a [u8]> {
         self.inline
     }
+    /// The inline payload as a gather list of one part (none without).
+    pub fn inline_parts(&self) -> &[&'a [u8]] {
+        self.inline.as_slice()
+    }
 }
 
 /// A receive WR for a backend (see [`SendPost`]).
@@ -201,8 +205,25 @@ impl<T> Tracker<T> {
 
     /// Track `entry`, holding `held` until [`Tracker::remove`].
     pub fn insert(&self, entry: T, held: Held) -> Ticket {
-        let sges = held.iter().map(Slice::sge).collect();
         let mut slab = self.slab.lock().unwrap_or_else(|p| p.into_inner());
+        self.insert_in(&mut slab, entry, held)
+    }
+
+    /// Track each of `entries` under one lock of the table (a post list's
+    /// WRs), handing each ticket to `each` in order.
+    pub fn insert_all(
+        &self,
+        entries: impl IntoIterator<Item = (T, Held)>,
+        mut each: impl FnMut(Ticket),
+    ) {
+        let mut slab = self.slab.lock().unwrap_or_else(|p| p.into_inner());
+        for (entry, held) in entries {
+            each(self.insert_in(&mut slab, entry, held));
+        }
+    }
+
+    fn insert_in(&self, slab: &mut Slab<T>, entry: T, held: Held) -> Ticket {
+        let sges = held.iter().map(Slice::sge).collect();
         let index = match slab.free.pop() {
             Some(i) => i,
             None => {
@@ -271,6 +292,25 @@ mod tests {
         assert!(t.remove(a).is_none());
         assert_eq!(t.remove(c).map(|e| e.0), Some(3));
         assert_eq!(t.remove(b).map(|e| e.0), Some(2));
+        assert_eq!(t.len(), 0);
+    }
+
+    /// A list inserted under one lock gets the tickets one by one would:
+    /// distinct tokens, in order, each finding its own entry.
+    #[test]
+    fn a_list_inserted_at_once_finds_each_entry() {
+        let t: Tracker<u32> = Tracker::new(Table::Qp);
+        let lone = t.insert(0, Held::new()).token();
+        let mut tokens = Vec::new();
+        t.insert_all((1..=5).map(|i| (i, Held::new())), |ticket| {
+            tokens.push(ticket.token())
+        });
+        assert_eq!(t.len(), 6);
+        assert!(!tokens.contains(&lone));
+        for (i, tok) in tokens.iter().enumerate() {
+            assert_eq!(t.remove(*tok).map(|e| e.0), Some(i as u32 + 1));
+        }
+        assert_eq!(t.remove(lone).map(|e| e.0), Some(0));
         assert_eq!(t.len(), 0);
     }
 

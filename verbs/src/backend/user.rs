@@ -11,7 +11,7 @@ use provider::mem::Access;
 use provider::qp::PostError;
 use provider::region::Region;
 use provider::setup::MpaParams;
-use provider::wr::{InlineWr, RecvWr, SendWrRef, WorkCompletion};
+use provider::wr::{InlineWr, ListWr, RecvWr, SendWrRef, WorkCompletion};
 
 use super::{
     Backend, Connecting, ContextOps, ContextOptions, CqOps, DeviceInfo, IncomingOps, ListenerOps,
@@ -263,20 +263,18 @@ fn push_all(
     post: &mut provider::device::PostGuard<'_>,
     wrs: &[SendPost<'_>],
 ) -> std::result::Result<(), (Error, usize)> {
-    for (posted, p) in wrs.iter().enumerate() {
-        let pushed = match p.inline() {
-            Some(data) => post.push_inline(InlineWr {
-                wr_id: p.token(),
-                op: p.op(),
-                data: &[data],
-                signaled: true,
-                fence: p.fence(),
-            }),
-            None => post.push(send_wr(p)),
-        };
-        pushed.map_err(|e| (post_error(e), posted))?;
-    }
-    Ok(())
+    // One lock of the QP for the list, not one per WR.
+    post.push_list(wrs.iter().map(|p| match p.inline() {
+        Some(_) => ListWr::Inline(InlineWr {
+            wr_id: p.token(),
+            op: p.op(),
+            data: p.inline_parts(),
+            signaled: true,
+            fence: p.fence(),
+        }),
+        None => ListWr::Send(send_wr(p)),
+    }))
+    .map_err(|(e, posted)| (post_error(e), posted))
 }
 
 impl QpOps for UserQp {
