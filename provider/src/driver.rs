@@ -514,8 +514,16 @@ impl EngineQp for QpShared {
 
     fn engine_unhold(&self) {
         let mut io = self.lock();
+        if !self.own.unhold() {
+            // A thread sleeps on the socket again (it reads what comes,
+            // and writes when its poll says the socket is writable), or a
+            // polling thread drives the QP (parked): a drive here would
+            // only find the socket empty, under the lock that thread
+            // wants.
+            return;
+        }
         self.drive(&mut io);
-        if !self.own.unhold() || io.closed {
+        if io.closed {
             return;
         }
         let (Some(engine), Some(sock)) = (self.engine.upgrade(), self.sock.get()) else {

@@ -25,10 +25,18 @@
 //! the pipe. Not seen: a `dup` of the fd polled instead of the fd itself,
 //! or an `io_uring` poll of it; a program that does either waits for the
 //! next record written to the pipe.
+//!
+//! Whether the fd is non-blocking (libfabric's verbs provider makes it so,
+//! then reads events until `EAGAIN`) is tracked here too
+//! ([`saw_nonblocking`], from the interposed `fcntl(F_SETFL)` and
+//! `ioctl(FIONBIO)`), so that `ibv_get_cq_event` knows whether it may
+//! sleep without an `fcntl(F_GETFL)` of its own on every wait. Not seen
+//! either: the flag changed through a `dup` of the fd, or by a raw
+//! system call.
 
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// A completion channel of this plugin.
@@ -42,6 +50,9 @@ pub(crate) struct Channel {
     state: Mutex<State>,
     /// Its slot in [`UNWATCHED`], while it has one.
     slot: Option<usize>,
+    /// The application made the read end non-blocking ([`saw_nonblocking`];
+    /// the pipe is made blocking, as the kernel's channel fd is).
+    nonblocking: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -64,6 +75,9 @@ static TAKEN: AtomicUsize = AtomicUsize::new(0);
 /// One past the highest slot ever taken: a look scans only those (one or
 /// two for most programs), not all 64 for each fd polled.
 static HIGH: AtomicUsize = AtomicUsize::new(0);
+/// Channels open: 0 lets every interposed `fcntl`/`ioctl` pass straight
+/// through.
+static LIVE: AtomicUsize = AtomicUsize::new(0);
 
 /// The live channels by read end, for [`saw_fds`].
 fn by_fd() -> &'static Mutex<Vec<Arc<Channel>>> {
@@ -106,17 +120,25 @@ impl Channel {
                 ..State::default()
             }),
             slot,
+            nonblocking: AtomicBool::new(false),
         });
         by_fd()
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(ch.clone());
+        LIVE.fetch_add(1, Ordering::SeqCst);
         Ok(ch)
     }
 
     /// The read end (`ibv_comp_channel.fd`).
     pub(crate) fn fd(&self) -> RawFd {
         self.rx
+    }
+
+    /// Whether the application made the read end non-blocking: a wait
+    /// only looks, and an empty channel answers `EAGAIN`.
+    pub(crate) fn nonblocking(&self) -> bool {
+        self.nonblocking.load(Ordering::SeqCst)
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -252,10 +274,13 @@ impl Channel {
     /// end (the write end closes with the last reference).
     pub(crate) fn close(self: &Arc<Self>) {
         self.free_slot();
-        by_fd()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .retain(|c| !Arc::ptr_eq(c, self));
+        let mut chans = by_fd().lock().unwrap_or_else(|p| p.into_inner());
+        let before = chans.len();
+        chans.retain(|c| !Arc::ptr_eq(c, self));
+        if chans.len() < before {
+            LIVE.fetch_sub(1, Ordering::SeqCst);
+        }
+        drop(chans);
         // SAFETY: the read end, ours, closed once here.
         unsafe { libc::close(self.rx) };
     }
@@ -323,6 +348,19 @@ pub(crate) fn saw_fds(fds: impl Iterator<Item = RawFd>) {
         .collect();
     for ch in chans {
         ch.mark_watched();
+    }
+}
+
+/// The application set `fd`'s `O_NONBLOCK` to `on` (an `fcntl(F_SETFL)`
+/// or `ioctl(FIONBIO)` that succeeded): if `fd` is a channel's read end,
+/// its waits follow.
+pub(crate) fn saw_nonblocking(fd: RawFd, on: bool) {
+    if LIVE.load(Ordering::SeqCst) == 0 || fd < 0 {
+        return;
+    }
+    let chans = by_fd().lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(ch) = chans.iter().find(|c| c.rx == fd) {
+        ch.nonblocking.store(on, Ordering::SeqCst);
     }
 }
 

@@ -193,10 +193,9 @@ fn wait_for_record(ch: *mut ibv_comp_channel, chan: &Channel) -> Result<(u64, Ve
     // A channel fd the program made non-blocking (libfabric's verbs
     // provider does, then reads events until EAGAIN) is looked at once:
     // the QPs are driven without sleeping, and an empty channel answers
-    // EAGAIN from the read below, as the kernel's would.
-    // SAFETY: F_GETFL on an fd we checked is open; no memory involved.
-    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-    let nonblocking = flags >= 0 && flags & libc::O_NONBLOCK != 0;
+    // EAGAIN from the read below, as the kernel's would. The flag is the
+    // one the interposed fcntl/ioctl saw set: no F_GETFL per wait.
+    let nonblocking = chan.nonblocking();
     let timeout = nonblocking.then_some(std::time::Duration::ZERO);
     WAITING.with(|w| w.borrow_mut().0 = ch as usize);
     let waited = crate::comp_channel::inside(|| loop {

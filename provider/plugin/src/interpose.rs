@@ -22,6 +22,11 @@
 //!   the channel's event records, kept in memory while nobody could be
 //!   watching the fd, go to its pipe from then on
 //!   ([`crate::comp_channel`]). Every other call passes straight through.
+//! - `fcntl`/`fcntl64` with `F_SETFL` and `ioctl` with `FIONBIO` on a
+//!   stag0 channel fd: the channel notes whether it is non-blocking, so
+//!   that `ibv_get_cq_event` need not ask the kernel on every wait
+//!   ([`crate::comp_channel::saw_nonblocking`]). The call itself passes
+//!   straight through, as every other.
 
 use std::ffi::{c_char, c_int, CStr};
 use std::sync::OnceLock;
@@ -412,4 +417,67 @@ pub unsafe extern "C" fn epoll_ctl(
             -1
         }
     }
+}
+
+/// C's `fcntl(int fd, int cmd, ...)`, called through a variadic pointer
+/// with the one argument every command takes at most (an int or a
+/// pointer, both passed in one register).
+type FcntlFn = unsafe extern "C" fn(c_int, c_int, ...) -> c_int;
+
+/// After a successful `F_SETFL`, tell the channel `fd` may be.
+fn after_fcntl(fd: c_int, cmd: c_int, arg: usize, rc: c_int) {
+    if cmd == libc::F_SETFL && rc != -1 {
+        // F_SETFL's argument is an int: only the low 32 bits are the
+        // caller's.
+        let flags = arg as u32 as c_int;
+        crate::comp_channel::saw_nonblocking(fd, flags & libc::O_NONBLOCK != 0);
+    }
+}
+
+/// glibc's `fcntl` (variadic in C; its one optional argument is taken
+/// as a register-sized value and forwarded as it came).
+#[no_mangle]
+pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: usize) -> c_int {
+    let Some(real) = next!("fcntl", FcntlFn) else {
+        crate::errno::set(libc::ENOSYS);
+        return -1;
+    };
+    // SAFETY: forwarded to libc with the caller's arguments.
+    let rc = unsafe { real(fd, cmd, arg) };
+    after_fcntl(fd, cmd, arg, rc);
+    rc
+}
+
+/// `fcntl` of a program built with `_FILE_OFFSET_BITS=64` (glibc ≥ 2.28
+/// redirects it there).
+#[no_mangle]
+pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: usize) -> c_int {
+    let Some(real) = next!("fcntl64", FcntlFn) else {
+        crate::errno::set(libc::ENOSYS);
+        return -1;
+    };
+    // SAFETY: forwarded to libc with the caller's arguments.
+    let rc = unsafe { real(fd, cmd, arg) };
+    after_fcntl(fd, cmd, arg, rc);
+    rc
+}
+
+/// glibc's `ioctl(int fd, unsigned long request, ...)`; `FIONBIO` sets
+/// or clears `O_NONBLOCK` as `fcntl(F_SETFL)` does.
+#[no_mangle]
+pub unsafe extern "C" fn ioctl(fd: c_int, request: libc::c_ulong, arg: usize) -> c_int {
+    type F = unsafe extern "C" fn(c_int, libc::c_ulong, ...) -> c_int;
+    let Some(real) = next!("ioctl", F) else {
+        crate::errno::set(libc::ENOSYS);
+        return -1;
+    };
+    // SAFETY: forwarded to libc with the caller's arguments.
+    let rc = unsafe { real(fd, request, arg) };
+    if request == libc::FIONBIO as libc::c_ulong && rc != -1 && arg != 0 {
+        // SAFETY: FIONBIO's argument is a pointer to an int, which the
+        // kernel just read successfully.
+        let on = unsafe { *(arg as *const c_int) } != 0;
+        crate::comp_channel::saw_nonblocking(fd, on);
+    }
+    rc
 }

@@ -32,6 +32,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/select.h>
 #include <pthread.h>
 #include <signal.h>
@@ -387,6 +388,55 @@ static void nonblocking_channel(void)
 	chan_close(&c);
 }
 
+/*
+ * 5b: the channel's blocking mode follows every change the program makes:
+ * ioctl(FIONBIO) makes it non-blocking, and clearing O_NONBLOCK again
+ * makes ibv_get_cq_event sleep until the event comes (stag tracks the
+ * flag instead of asking the kernel on every wait).
+ */
+static void blocking_mode_follows_the_fd(void)
+{
+	struct chan c;
+	struct ibv_cq *ev_cq = NULL;
+	void *ctx;
+	chan_open(&c);
+	int on = 1;
+	if (ioctl(c.cc->fd, FIONBIO, &on))
+		DIE("FIONBIO");
+	if (ibv_req_notify_cq(c.cq, 0))
+		DIE("req_notify");
+	errno = 0;
+	int rc = ibv_get_cq_event(c.cc, &ev_cq, &ctx);
+	CHECK(rc == -1 && errno == EAGAIN, "FIONBIO: an empty channel gives EAGAIN (%d, %s)", rc,
+	      strerror(errno));
+	int fl = fcntl(c.cc->fd, F_GETFL);
+	if (fl < 0 || fcntl(c.cc->fd, F_SETFL, fl & ~O_NONBLOCK))
+		DIE("clear O_NONBLOCK");
+	/* Blocking again: the wait sleeps until the receive is flushed. */
+	waiting_on = &c;
+	wait_done = 0;
+	pthread_t t;
+	if (pthread_create(&t, NULL, wait_thread, NULL))
+		DIE("thread");
+	sleep_ms(100);
+	CHECK(!wait_done, "blocking again: the wait sleeps on an empty channel (rc %d, %s)",
+	      wait_rc, strerror(wait_errno));
+	post_recv(c.qp, c.mr, 78); /* flushed: one completion, one event */
+	pthread_join(t, NULL);
+	CHECK(wait_rc == 0, "blocking again: the event wakes the wait (%d, %s)", wait_rc,
+	      strerror(wait_errno));
+	struct ibv_wc wc;
+	CHECK(ibv_poll_cq(c.cq, 1, &wc) == 1 && wc.status == IBV_WC_WR_FLUSH_ERR,
+	      "blocking again: its completion is there");
+	on = 1;
+	if (ioctl(c.cc->fd, FIONBIO, &on) || ibv_req_notify_cq(c.cq, 0))
+		DIE("FIONBIO again");
+	errno = 0;
+	rc = ibv_get_cq_event(c.cc, &ev_cq, &ctx);
+	CHECK(rc == -1 && errno == EAGAIN, "FIONBIO again: EAGAIN (%d, %s)", rc, strerror(errno));
+	chan_close(&c);
+}
+
 static void *take_event_thread(void *arg)
 {
 	struct chan *c = arg;
@@ -551,6 +601,7 @@ int main(void)
 	destroy_waits_for_ack();
 	signal_during_wait();
 	nonblocking_channel();
+	blocking_mode_follows_the_fd();
 	own_events();
 	destroyed_cq_takes_its_events();
 	return test_summary();
