@@ -132,6 +132,15 @@ enum Slot {
 /// runs until preempted (a time slice is milliseconds), not to a thread
 /// that had a few microseconds of work, such as the peer's spinning task
 /// answering a ping.
+///
+/// A stream's peer taking a 1 MiB message (copies of some hundred
+/// microseconds) trips it too ([`slow_yields`] counts): session 10, 7
+/// alternating rounds at load 2.3-2.8, rounds of `async_bench ... stream`
+/// with 2-5 slow yields ran 1955-3386 MB/s, the one with none 4618. A
+/// 1 ms threshold was tried (9+9 alternating rounds against this one):
+/// fewer slow yields (0-2 a run against 1-5), stream/TCP 0.83 against
+/// 0.78 at load 2.4-3.0 but 0.86 against 0.92 at load 1.2, and rounds
+/// with none still as slow as 0.57-0.67: not shown better, not taken.
 const YIELD_SLOW: Duration = Duration::from_micros(200);
 
 /// How long a slow yield keeps waiters from spinning: a core shared with a
@@ -142,6 +151,18 @@ const YIELD_SLOW: Duration = Duration::from_micros(200);
 /// 243/376/402 µs (p90 452/497/462), sleeping 376/188/142 (p90
 /// 534/431/412); session 8's code 324/308/308 (p90 886/1624/848).
 const SLOW_HOLD: Duration = Duration::from_millis(50);
+
+/// Slow yields in this process so far ([`slow_yields`]).
+static SLOW_YIELDS: AtomicU64 = AtomicU64::new(0);
+
+/// How many times, in this process, a spinning waiter's yield kept the
+/// core away 200 µs or longer, so that its CQ's waiters slept at once for
+/// the next 50 ms (see "Spinning" at [`AsyncCompletionQueue`]): a
+/// diagnostic for benchmarks, whose rounds spent partly in that hold run
+/// at the rate of no spin.
+pub fn slow_yields() -> u64 {
+    SLOW_YIELDS.load(Ordering::Relaxed)
+}
 
 /// Completions taken from the CQ per round.
 const DRAIN: usize = 64;
@@ -345,6 +366,7 @@ impl Shared {
         std::thread::yield_now();
         let back = Instant::now();
         if back.duration_since(now) >= YIELD_SLOW {
+            SLOW_YIELDS.fetch_add(1, Ordering::Relaxed);
             self.slow_until_ns
                 .store(since_epoch(back + SLOW_HOLD), Ordering::Relaxed);
         }
