@@ -150,6 +150,14 @@ const YIELD_SLOW: Duration = Duration::from_micros(200);
 /// spins, 3 alternating rounds at load 9, medians of 2000 calls: holding
 /// 243/376/402 µs (p90 452/497/462), sleeping 376/188/142 (p90
 /// 534/431/412); session 8's code 324/308/308 (p90 886/1624/848).
+///
+/// It is also why a spinning ping-pong or stream round is slow at times:
+/// session 10, `bench-async.sh` at load 3.3-4.8, async send with spin per
+/// round: no slow yield 5.4 µs, 1-2 of them 10.1-10.2, 6 of them 21.4
+/// (`stag lat send` busy 5.9-7.5). A hold starting at 2 ms and doubling
+/// while slow yields follow was tried (7 alternating rounds at load 18-21):
+/// send 1.25× against 1.26× busy, but stream 1990 against 2583 MB/s and
+/// tonic with spin 165 against 128 µs: not taken.
 const SLOW_HOLD: Duration = Duration::from_millis(50);
 
 /// Slow yields in this process so far ([`slow_yields`]).
