@@ -23,7 +23,7 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use stag::verbs::r#async::{
-    AsyncCompletionQueue, AsyncListener, AsyncQueuePair, RdmaStream, StreamOptions,
+    self, AsyncCompletionQueue, AsyncListener, AsyncQueuePair, RdmaStream, StreamOptions,
 };
 use stag::verbs::{self, Access, ConnectOptions, Context, MemoryRegion};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -241,8 +241,9 @@ async fn lat_client(op: &str, addr: SocketAddr, iters: u64) -> Res<()> {
         .copied()
         .unwrap_or(f64::NAN);
     println!(
-        "{{\"test\":\"async-lat\",\"op\":\"{op}\",\"iterations\":{},\"t_typical_us\":{median:.3},\"p99_us\":{p99:.3}}}",
-        samples.len()
+        "{{\"test\":\"async-lat\",\"op\":\"{op}\",\"iterations\":{},\"t_typical_us\":{median:.3},\"p99_us\":{p99:.3},\"slow_yields\":{}}}",
+        samples.len(),
+        r#async::slow_yields()
     );
     // Let the goodbye leave before the QP goes.
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -265,6 +266,8 @@ async fn sink<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(mut s: S)
     s.flush().await?;
     // Wait for the client's close.
     let _ = s.read(&mut buf[..1]).await;
+    // For the bench's log (the client's JSON has its own).
+    eprintln!("server slow_yields {}", r#async::slow_yields());
     Ok(())
 }
 
@@ -285,7 +288,10 @@ async fn source<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
     let secs = t.elapsed().as_secs_f64();
     let _ = s.shutdown().await;
     let mb_s = (mib * MIB as u64) as f64 / secs / 1e6;
-    println!("{{\"test\":\"{kind}\",\"bytes\":{MIB},\"mib\":{mib},\"bw_avg_mb_s\":{mb_s:.1}}}");
+    println!(
+        "{{\"test\":\"{kind}\",\"bytes\":{MIB},\"mib\":{mib},\"bw_avg_mb_s\":{mb_s:.1},\"slow_yields\":{}}}",
+        r#async::slow_yields()
+    );
     Ok(())
 }
 

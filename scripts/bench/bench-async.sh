@@ -32,7 +32,7 @@ OUT=${OUT:-target/bench-async}
 PARTS=${PARTS:-lat stream grpc}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 mkdir -p "$OUT"
-rm -f "$OUT"/*.json
+rm -f "$OUT"/*.json "$OUT"/*.server.log
 
 cargo build --release --quiet -p stag --features grpc --bins --examples
 STAG=target/release/stag
@@ -70,6 +70,8 @@ pair() {
         exit 1
     fi
     wait "$spid" || true
+    # The server's log, kept per pair (slow_yields of the stream sink).
+    { echo "== round $round"; cat "$OUT/server.log"; } >>"$OUT/$name.server.log"
     python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); print(json.dumps(d))' \
         <"$OUT/client.out" >>"$OUT/$name.json"
     port=$((port + 7))

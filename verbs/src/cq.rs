@@ -197,6 +197,23 @@ impl CompletionQueue {
         Ok(!self.lock_ready().is_empty())
     }
 
+    /// [`req_notify`](Self::req_notify) without its last drive: for an
+    /// event loop that sleeps on the QP's socket itself, so that input
+    /// which came before the arm wakes it anyway (on stag0 the drive is
+    /// a socket read, usually failing with EAGAIN).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn req_notify_undriven(&self) -> Result<bool> {
+        let _ = self.inner.ready_fd.read();
+        Ok(self.inner.ops.req_notify()? || !self.lock_ready().is_empty())
+    }
+
+    /// Whether completions may be queued (without driving anything):
+    /// false only when none is, on a device that can tell.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn has_queued(&self) -> bool {
+        !self.lock_ready().is_empty() || self.inner.ops.has_queued()
+    }
+
     /// The device context.
     pub fn context(&self) -> &Context {
         &self.inner.ctx
@@ -311,6 +328,25 @@ impl CompletionQueue {
             }
             drop(scratch);
             n += self.take_ready(out, max - n);
+        }
+        Ok(n)
+    }
+
+    /// As [`poll`](Self::poll), but driving no QP: only what the device
+    /// has queued already. On stag0 a poll that finds nothing reads the
+    /// QP's socket (a `recvfrom`); an event loop that sleeps on that
+    /// socket itself, and has not been told it is readable, knows the
+    /// read would find nothing (the async stream's quiet look).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn poll_queued(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
+        let mut n = self.take_ready(out, max);
+        if n < max {
+            if let Ok(mut scratch) = self.inner.taking.try_lock() {
+                self.inner.ops.poll_queued(&mut scratch.raw, BATCH)?;
+                self.process(&mut scratch);
+                drop(scratch);
+                n += self.take_ready(out, max - n);
+            }
         }
         Ok(n)
     }

@@ -603,6 +603,66 @@ fn sleeping_streams_wake_for_every_message() {
     }
 }
 
+/// A stream asleep on its socket and its CQ is polled again and again
+/// before either wakes it, as hyper polls its read after every write and
+/// whenever its other futures wake the task: such a look takes what the CQ
+/// holds without driving the QP or re-arming, and must still lose
+/// nothing. Here each round's read is re-polled at every turn of the
+/// runtime while the echo runs, and the writer of the same task needs the
+/// completions of its own Sends and the peer's credits (two slots of 32
+/// bytes, each round five messages) to go on. A lost completion or
+/// wake-up stops a round (and fails at the limit). The shutdown at the
+/// end succeeds once the close is sent, though the echo, having read it,
+/// may drop its end first and flush this side's receives (it failed with
+/// "Work Request Flushed" when the flush was seen before the close's
+/// completion).
+#[test]
+fn a_stream_polled_while_asleep_loses_no_completion() {
+    for runtime in [current_thread(), multi_thread()] {
+        runtime.block_on(async {
+            let opts = StreamOptions {
+                slots: 2,
+                slot_size: 48,
+                spin: Duration::ZERO,
+                ..StreamOptions::default()
+            };
+            let (mut c, s, _cc, _sc) = stream_pair(opts).await;
+            let echo = tokio::spawn(async move {
+                let (mut r, mut w) = tokio::io::split(s);
+                tokio::io::copy(&mut r, &mut w).await.unwrap();
+                w.shutdown().await.unwrap();
+            });
+            let mut polls = 0u64;
+            for i in 0..1_000usize {
+                let msg = pattern(129 + i % 40);
+                c.write_all(&msg).await.unwrap();
+                let mut back = vec![0u8; msg.len()];
+                let read = async {
+                    let mut read = std::pin::pin!(c.read_exact(&mut back));
+                    loop {
+                        tokio::select! {
+                            biased;
+                            r = &mut read => break r,
+                            _ = tokio::task::yield_now() => polls += 1,
+                        }
+                    }
+                };
+                tokio::time::timeout(LIMIT, read)
+                    .await
+                    .unwrap_or_else(|_| panic!("round {i} never came back"))
+                    .unwrap();
+                assert!(back == msg, "round {i} came back different");
+            }
+            assert!(polls > 0, "the reads were never polled while waiting");
+            c.shutdown().await.unwrap();
+            let mut rest = Vec::new();
+            c.read_to_end(&mut rest).await.unwrap();
+            assert!(rest.is_empty());
+            echo.await.unwrap();
+        });
+    }
+}
+
 /// Where the connection has no native Write with Immediate (here one end
 /// forces its emulation, as a libibverbs device has it) the stream's
 /// data goes as Sends, and every byte still arrives in order.

@@ -132,6 +132,15 @@ enum Slot {
 /// runs until preempted (a time slice is milliseconds), not to a thread
 /// that had a few microseconds of work, such as the peer's spinning task
 /// answering a ping.
+///
+/// A stream's peer taking a 1 MiB message (copies of some hundred
+/// microseconds) trips it too ([`slow_yields`] counts): session 10, 7
+/// alternating rounds at load 2.3-2.8, rounds of `async_bench ... stream`
+/// with 2-5 slow yields ran 1955-3386 MB/s, the one with none 4618. A
+/// 1 ms threshold was tried (9+9 alternating rounds against this one):
+/// fewer slow yields (0-2 a run against 1-5), stream/TCP 0.83 against
+/// 0.78 at load 2.4-3.0 but 0.86 against 0.92 at load 1.2, and rounds
+/// with none still as slow as 0.57-0.67: not shown better, not taken.
 const YIELD_SLOW: Duration = Duration::from_micros(200);
 
 /// How long a slow yield keeps waiters from spinning: a core shared with a
@@ -141,7 +150,27 @@ const YIELD_SLOW: Duration = Duration::from_micros(200);
 /// spins, 3 alternating rounds at load 9, medians of 2000 calls: holding
 /// 243/376/402 µs (p90 452/497/462), sleeping 376/188/142 (p90
 /// 534/431/412); session 8's code 324/308/308 (p90 886/1624/848).
+///
+/// It is also why a spinning ping-pong or stream round is slow at times:
+/// session 10, `bench-async.sh` at load 3.3-4.8, async send with spin per
+/// round: no slow yield 5.4 µs, 1-2 of them 10.1-10.2, 6 of them 21.4
+/// (`stag lat send` busy 5.9-7.5). A hold starting at 2 ms and doubling
+/// while slow yields follow was tried (7 alternating rounds at load 18-21):
+/// send 1.25× against 1.26× busy, but stream 1990 against 2583 MB/s and
+/// tonic with spin 165 against 128 µs: not taken.
 const SLOW_HOLD: Duration = Duration::from_millis(50);
+
+/// Slow yields in this process so far ([`slow_yields`]).
+static SLOW_YIELDS: AtomicU64 = AtomicU64::new(0);
+
+/// How many times, in this process, a spinning waiter's yield kept the
+/// core away 200 µs or longer, so that its CQ's waiters slept at once for
+/// the next 50 ms (see "Spinning" at [`AsyncCompletionQueue`]): a
+/// diagnostic for benchmarks, whose rounds spent partly in that hold run
+/// at the rate of no spin.
+pub fn slow_yields() -> u64 {
+    SLOW_YIELDS.load(Ordering::Relaxed)
+}
 
 /// Completions taken from the CQ per round.
 const DRAIN: usize = 64;
@@ -206,20 +235,58 @@ impl AsyncCompletionQueue {
         out: &mut Vec<Completion>,
         max: usize,
     ) -> Poll<Result<usize>> {
-        self.shared.poll_drain(cx, out, max, &mut false)
+        self.shared.poll_drain(cx, out, max, false, &mut false)
     }
 
     /// [`poll_drain`](Self::poll_drain), telling on Pending whether the
     /// task sleeps (the CQ is armed and `cx` registered on its fd), not
-    /// spinning.
+    /// spinning. `own_socket`: the caller sleeps on the QP's socket too,
+    /// so arming need not drive the QP for input that came before it
+    /// ([`CompletionQueue::req_notify_undriven`]).
     pub(super) fn poll_drain_asleep(
         &self,
         cx: &mut TaskContext<'_>,
         out: &mut Vec<Completion>,
         max: usize,
+        own_socket: bool,
         asleep: &mut bool,
     ) -> Poll<Result<usize>> {
-        self.shared.poll_drain(cx, out, max, asleep)
+        self.shared.poll_drain(cx, out, max, own_socket, asleep)
+    }
+
+    /// The quiet look of a task that went to sleep on this CQ (its last
+    /// [`poll_drain_asleep`](Self::poll_drain_asleep) armed it) and is
+    /// polled again before the fd woke it (hyper polls its reads after
+    /// every write): `None` when tokio saw the fd readable (look as
+    /// usual); otherwise `cx` stays registered on the fd and up to `max`
+    /// completions already queued are taken without driving any QP and
+    /// without touching the fd: no syscall (`Some(0)`: still asleep).
+    ///
+    /// Nothing is missed: while the CQ is armed, a completion fires the
+    /// fd; once it fired, the fd's notification is pending and tokio
+    /// reports it, and the full look that follows arms again.
+    pub(super) fn look_asleep(
+        &self,
+        cx: &mut TaskContext<'_>,
+        out: &mut Vec<Completion>,
+        max: usize,
+    ) -> Result<Option<usize>> {
+        // The fd fired (the stream's own Sends complete as they are
+        // written, and fire it): take the notification and arm again,
+        // driving nothing, then take what is queued. A completion after
+        // this arm fires the fd anew.
+        while let Poll::Ready(guard) = self.shared.fd.poll_read_ready(cx) {
+            let Ok(mut guard) = guard else {
+                return Ok(None);
+            };
+            guard.clear_ready();
+            self.cq().req_notify_undriven()?;
+        }
+        let n = self.cq().poll_queued(out, max)?;
+        if n > 0 {
+            self.shared.found();
+        }
+        Ok(Some(n))
     }
 
     /// A fresh `wr_id`, and a slot waiting for its completion. The slot
@@ -255,6 +322,7 @@ impl Shared {
         cx: &mut TaskContext<'_>,
         out: &mut Vec<Completion>,
         max: usize,
+        own_socket: bool,
         asleep: &mut bool,
     ) -> Poll<Result<usize>> {
         *asleep = false;
@@ -267,7 +335,7 @@ impl Shared {
             if self.keep_spinning(cx) {
                 return Poll::Pending;
             }
-            if self.arm_and_sleep(cx)?.is_pending() {
+            if self.arm_and_sleep(cx, own_socket)?.is_pending() {
                 *asleep = true;
                 return Poll::Pending;
             }
@@ -306,6 +374,7 @@ impl Shared {
         std::thread::yield_now();
         let back = Instant::now();
         if back.duration_since(now) >= YIELD_SLOW {
+            SLOW_YIELDS.fetch_add(1, Ordering::Relaxed);
             self.slow_until_ns
                 .store(since_epoch(back + SLOW_HOLD), Ordering::Relaxed);
         }
@@ -322,24 +391,38 @@ impl Shared {
 
     /// After a drain that found nothing: arm the CQ and register `cx` on
     /// its fd. Pending: asleep, woken by the next completion. Ready: look
-    /// again (completions came before the arm, or the fd was readable;
-    /// that readiness is cleared, and the next round arms again).
+    /// again (completions came before the arm, or after it).
     ///
     /// Arming comes first, whatever tokio last saw of the fd: the fd
-    /// turns readable only for completions after an arm. A completion
-    /// after this arm makes the fd readable; one that lands between
-    /// tokio's report and `clear_ready` keeps its newer readiness (tokio
-    /// clears only what the guard saw), and the next round's drain finds
-    /// it anyway.
-    fn arm_and_sleep(&self, cx: &mut TaskContext<'_>) -> Result<Poll<()>> {
-        if self.cq().req_notify()? {
+    /// turns readable only for completions after an arm. A readiness
+    /// tokio reports now may be older than the arm (the notification it
+    /// stood for was taken by the arm's acknowledgement: typically the
+    /// task's own Send, completed as it was written): it is cleared, and
+    /// when nothing is queued the task sleeps, with no second drive. A
+    /// completion after this arm makes the fd readable again (tokio
+    /// clears only the readiness the guard saw), or is queued when
+    /// [`CompletionQueue::has_queued`] looks.
+    ///
+    /// `undriven`: arm without driving the QP (the caller sleeps on its
+    /// socket as well, which tells of input that came before the arm).
+    fn arm_and_sleep(&self, cx: &mut TaskContext<'_>, undriven: bool) -> Result<Poll<()>> {
+        let waiting = if undriven {
+            self.cq().req_notify_undriven()?
+        } else {
+            self.cq().req_notify()?
+        };
+        if waiting {
             return Ok(Poll::Ready(()));
         }
-        match self.fd.poll_read_ready(cx) {
-            Poll::Pending => Ok(Poll::Pending),
-            Poll::Ready(guard) => {
-                guard?.clear_ready();
-                Ok(Poll::Ready(()))
+        loop {
+            match self.fd.poll_read_ready(cx) {
+                Poll::Pending => return Ok(Poll::Pending),
+                Poll::Ready(guard) => {
+                    guard?.clear_ready();
+                    if self.cq().has_queued() {
+                        return Ok(Poll::Ready(()));
+                    }
+                }
             }
         }
     }
@@ -424,7 +507,7 @@ impl Shared {
             if self.keep_spinning(cx) {
                 return Poll::Pending;
             }
-            if self.arm_and_sleep(cx)?.is_pending() {
+            if self.arm_and_sleep(cx, false)?.is_pending() {
                 state.watcher = Some(id);
                 return Poll::Pending;
             }

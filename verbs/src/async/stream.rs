@@ -264,6 +264,9 @@ struct StreamState {
     free_control: Vec<usize>,
     /// Sends posted and not completed.
     in_flight: usize,
+    /// A Send of this side (data, credits or close) completed with an
+    /// error: not everything written left.
+    send_failed: bool,
     /// Close sent.
     closed: bool,
     read_waker: Option<Waker>,
@@ -407,16 +410,27 @@ impl StreamShared {
         cx: &mut TaskContext<'_>,
         side: Side,
     ) -> Poll<io::Result<()>> {
-        if std::mem::take(&mut st.sock_waiting) {
-            self.qp.socket_wait(false);
-        }
         let mut batch = std::mem::take(&mut st.scratch);
-        let polled = loop {
-            let mut asleep = false;
-            match self.cq.poll_drain_asleep(cx, &mut batch, 64, &mut asleep) {
-                // The socket has input: the next look drives the QP.
-                Poll::Pending if asleep && self.sleep_on_socket(st, cx) => continue,
-                polled => break polled,
+        let polled = match self.look_asleep(st, cx, &mut batch) {
+            Some(polled) => polled,
+            None => {
+                if std::mem::take(&mut st.sock_waiting) {
+                    self.qp.socket_wait(false);
+                }
+                loop {
+                    let mut asleep = false;
+                    // It will sleep on its socket (see `sleep_on_socket`).
+                    let own_socket =
+                        self.sock.is_some() && matches!(self.qp.socket_wait_fd(), Some((_, false)));
+                    match self
+                        .cq
+                        .poll_drain_asleep(cx, &mut batch, 64, own_socket, &mut asleep)
+                    {
+                        // The socket has input: the next look drives the QP.
+                        Poll::Pending if asleep && self.sleep_on_socket(st, cx) => continue,
+                        polled => break polled,
+                    }
+                }
             }
         };
         let r = match polled {
@@ -447,6 +461,45 @@ impl StreamShared {
         };
         st.scratch = batch;
         r
+    }
+
+    /// A stream asleep on its socket and its CQ, polled again before
+    /// either woke it (hyper polls its read after each write, and again
+    /// when its other futures wake the task): tokio's reactor has not
+    /// seen the socket readable, so no input waits, and a look at the CQ
+    /// as usual would only drive the QP for nothing (a `recvfrom` that
+    /// fails with EAGAIN), acknowledge an event fd that has no event (a
+    /// `read`), re-arm and `poll(2)` the socket: session 9 counted 13
+    /// `recvfrom` and 10 `read` per tonic call, 1 of each over TCP. So
+    /// take what the CQ already holds, driving nothing, and stay asleep
+    /// (`cx` registered on both fds) when that is nothing; as a TCP
+    /// socket whose readiness is clear returns Pending without a syscall.
+    /// `None`: not asleep on the socket, or it (or the CQ) may have
+    /// something: the full look.
+    fn look_asleep(
+        &self,
+        st: &StreamState,
+        cx: &mut TaskContext<'_>,
+        batch: &mut Vec<Completion>,
+    ) -> Option<Poll<Result<usize>>> {
+        if !st.sock_waiting {
+            return None;
+        }
+        let sock = self.sock.as_ref()?;
+        // Output left waiting for the socket to drain: the engine must
+        // watch it for writing (the full look leaves it to the engine).
+        if !matches!(self.qp.socket_wait_fd(), Some((_, false))) {
+            return None;
+        }
+        if sock.poll_read_ready(cx).is_ready() {
+            return None;
+        }
+        match self.cq.look_asleep(cx, batch, 64) {
+            Err(e) => Some(Poll::Ready(Err(e))),
+            Ok(None) => None,
+            Ok(Some(0)) => Some(Poll::Pending),
+            Ok(Some(n)) => Some(Poll::Ready(Ok(n))),
+        }
     }
 
     /// The task sleeps on the CQ (armed, `cx` registered on its fd): have
@@ -488,7 +541,10 @@ impl StreamShared {
                 st.broken = Some(c.status);
             }
             match c.wr_id & TAG_MASK {
-                TAG_SEND | TAG_CONTROL => st.in_flight = st.in_flight.saturating_sub(1),
+                TAG_SEND | TAG_CONTROL => {
+                    st.in_flight = st.in_flight.saturating_sub(1);
+                    st.send_failed = true;
+                }
                 _ => {}
             }
             return;
@@ -918,6 +974,12 @@ impl AsyncWrite for RdmaStream {
         let sh = &*self.shared;
         let mut st = sh.lock();
         loop {
+            // Every Send, the close included, completed: done, even when
+            // the connection failed since (the peer, having read the
+            // close, may have gone, flushing this side's receives).
+            if st.closed && st.in_flight == 0 && !st.send_failed {
+                return Poll::Ready(Ok(()));
+            }
             if st.broken.is_some() {
                 return Poll::Ready(Err(StreamShared::broken_error(&st)));
             }
@@ -928,9 +990,6 @@ impl AsyncWrite for RdmaStream {
                     .is_some()
             {
                 st.closed = true;
-            }
-            if st.closed && st.in_flight == 0 {
-                return Poll::Ready(Ok(()));
             }
             if sh.poll_progress(&mut st, cx, Side::Write)?.is_pending() {
                 return Poll::Pending;

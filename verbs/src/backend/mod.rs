@@ -154,6 +154,19 @@ pub(crate) trait CqOps: Send + Sync + Debug {
     /// Append up to `max` completions (the userspace provider also makes
     /// progress on its QPs from this thread).
     fn poll(&self, out: &mut Vec<RawCompletion>, max: usize) -> Result<()>;
+    /// Append up to `max` completions already queued, driving no QP (no
+    /// socket read): for an event loop that sleeps on the QP's socket
+    /// itself and knows it has no input. Devices whose poll drives
+    /// nothing poll as usual.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    fn poll_queued(&self, out: &mut Vec<RawCompletion>, max: usize) -> Result<()> {
+        self.poll(out, max)
+    }
+    /// Whether completions may be queued already (a look without
+    /// driving anything); devices that cannot tell say true.
+    fn has_queued(&self) -> bool {
+        true
+    }
     /// Arm the notification; whether completions are already waiting.
     fn req_notify(&self) -> Result<bool>;
     /// The fd that becomes readable on a notification.

@@ -219,6 +219,17 @@ impl CqOps for UserCq {
         Ok(())
     }
 
+    fn poll_queued(&self, out: &mut Vec<RawCompletion>, max: usize) -> Result<()> {
+        let mut buf = [WorkCompletion::BLANK; BATCH];
+        let n = self.cq.try_poll(&mut buf[..max.clamp(1, BATCH)]);
+        out.extend(buf[..n].iter().map(raw));
+        Ok(())
+    }
+
+    fn has_queued(&self) -> bool {
+        !self.cq.is_empty()
+    }
+
     fn req_notify(&self) -> Result<bool> {
         self.cq.ack_events();
         self.cq.req_notify(false);
