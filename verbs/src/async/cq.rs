@@ -73,17 +73,26 @@ impl AsRawFd for CqFd {
 /// busy loop, a compiler): a yield to it can cost a whole time slice
 /// (hundreds of microseconds to milliseconds). A yield that kept the core
 /// away 200 µs or more is a slow yield ([`slow_yields`] counts them), and
-/// the time it lost is charged to the CQ's spin budget: spinning goes on
-/// while the time lost to slow yields, decaying exponentially (20 ms time
-/// constant), stays under 1 ms, that is while spinning loses the waiter
-/// under about 5 % of the core; over it, waiters sleep at once until it
-/// has decayed. A single slow yield (the peer's 1 MiB copy, a nice 19
-/// neighbour's turn) costs the wait it happened in and nothing more;
-/// a core taken again and again (a compiler beside the runtime) keeps
-/// waiters asleep, as on a contended core a spin takes the time the peer,
-/// the engine or the runtime's other tasks need (the tail of tonic over
-/// `RdmaStream` under load, session 9). See [`SPIN_BUDGET`] for the rule
-/// it replaced.
+/// two things follow from it:
+///
+/// - the spin yields less often: at most once per 25 µs, doubling at each
+///   further slow yield up to 200 µs, and back to every look as yields
+///   that let a short-lived thread run (3-200 µs: the peer, the engine)
+///   halve the gap ([`YIELD_GAP_MIN`]): the kernel's scheduler (EEVDF)
+///   pushes a yielder's deadline out at each yield, and a thread yielding
+///   at every look beside a `nice -n 19` busy loop lost nearly all of its
+///   core to it;
+/// - the time it lost is charged to the CQ's spin budget: spinning goes
+///   on while the time lost to slow yields, decaying exponentially (20 ms
+///   time constant), stays under 1 ms, that is while spinning loses the
+///   waiter under about 5 % of the core; over it, waiters sleep at once
+///   until it has decayed ([`SPIN_BUDGET`], which says what rule it
+///   replaced). A single slow yield (the peer's 1 MiB copy, a neighbour's
+///   turn) costs the wait it happened in and nothing more; a core taken
+///   again and again (a compiler beside the runtime) keeps waiters
+///   asleep, as on a contended core a spin takes the time the peer, the
+///   engine or the runtime's other tasks need (the tail of tonic over
+///   `RdmaStream` under load, session 9).
 #[derive(Clone)]
 pub struct AsyncCompletionQueue {
     pub(super) shared: Arc<Shared>,
@@ -121,6 +130,10 @@ struct SpinState {
     /// with the time constant [`DEBT_DECAY`].
     debt: f64,
     debt_at: Option<Instant>,
+    /// The least time between two yields of the spin ([`YIELD_GAP_MAX`]),
+    /// and when the next may come.
+    yield_gap: Duration,
+    next_yield: Option<Instant>,
 }
 
 impl SpinState {
@@ -137,6 +150,27 @@ impl SpinState {
             return 0.0;
         }
         debt
+    }
+
+    /// Whether the spin yields its thread at this look (`now`).
+    fn yield_due(&self, now: Instant) -> bool {
+        self.next_yield.is_none_or(|at| now >= at)
+    }
+
+    /// A yield at `at` kept the core away for `gone`: space the yields
+    /// out after a slow one, closer after one that let a short-lived
+    /// thread run (the peer's task, the engine), as they are for.
+    fn yielded(&mut self, back: Instant, gone: Duration) {
+        if gone >= YIELD_SLOW {
+            self.charge(back, gone);
+            self.yield_gap = (self.yield_gap * 2).clamp(YIELD_GAP_MIN, YIELD_GAP_MAX);
+        } else if gone >= YIELD_USEFUL {
+            self.yield_gap /= 2;
+            if self.yield_gap < YIELD_GAP_MIN {
+                self.yield_gap = Duration::ZERO;
+            }
+        }
+        self.next_yield = (!self.yield_gap.is_zero()).then(|| back + self.yield_gap);
     }
 
     /// A slow yield lost `lost` at `now`.
@@ -211,6 +245,25 @@ const YIELD_SLOW: Duration = Duration::from_micros(200);
 /// a steady loss of 0.4 ms per 0.6 ms of spinning, a waiter spins about
 /// 0.6 ms in every 7 ms; under 8 ms slices, about one in 50 ms.
 const SPIN_BUDGET: Duration = Duration::from_millis(1);
+
+/// A yield that kept the core away this long (and less than
+/// [`YIELD_SLOW`]) let a short-lived thread run: the peer's task on this
+/// core, the device's engine; the yields are worth making at every look.
+const YIELD_USEFUL: Duration = Duration::from_micros(3);
+
+/// After a slow yield, the spin yields at most once per this gap, doubling
+/// at each further slow yield up to [`YIELD_GAP_MAX`] and halving at each
+/// useful one ([`YIELD_USEFUL`]) down to none: on a 6.18 kernel (EEVDF) a
+/// yield pushes the yielder's deadline a whole slice out, so a thread
+/// yielding at every look of its spin beside a `nice -n 19` busy loop
+/// lost 96 % of the core to it (the same loop that never yields lost
+/// 42 %, the share the other programs on that core took; yielding every
+/// 20 µs 64 %, every 100 µs 41 %).
+const YIELD_GAP_MIN: Duration = Duration::from_micros(25);
+
+/// The most time between two yields of a spin: a peer put on this core
+/// waits this long at most for it.
+const YIELD_GAP_MAX: Duration = Duration::from_micros(200);
 
 /// The time constant of the spin budget's debt ([`SPIN_BUDGET`]).
 const DEBT_DECAY: Duration = Duration::from_millis(20);
@@ -434,12 +487,14 @@ impl Shared {
         // above): the peer's spinning task when the scheduler put both on
         // this core, or the device's engine. How long the core was gone
         // says which kind of neighbour it was.
-        std::thread::yield_now();
-        let back = Instant::now();
-        let gone = back.duration_since(now);
-        if gone >= YIELD_SLOW {
-            SLOW_YIELDS.fetch_add(1, Ordering::Relaxed);
-            self.spin_state().charge(back, gone);
+        if self.spin_state().yield_due(now) {
+            std::thread::yield_now();
+            let back = Instant::now();
+            let gone = back.duration_since(now);
+            if gone >= YIELD_SLOW {
+                SLOW_YIELDS.fetch_add(1, Ordering::Relaxed);
+            }
+            self.spin_state().yielded(back, gone);
         }
         cx.waker().wake_by_ref();
         true
@@ -719,6 +774,34 @@ mod tests {
         // Long decayed: back to nothing.
         assert_eq!(s.debt_at(last + Duration::from_secs(2)), 0.0);
         assert!(s.debt_at.is_none());
+    }
+
+    #[test]
+    fn slow_yields_space_the_yields_out_and_useful_ones_close_them_up() {
+        let t0 = Instant::now();
+        let mut s = SpinState::default();
+        assert!(s.yield_due(t0));
+        // A fast yield (nothing else ran) changes nothing.
+        s.yielded(t0, Duration::from_nanos(500));
+        assert!(s.yield_due(t0));
+        let slow = Duration::from_micros(300);
+        s.yielded(t0, slow);
+        assert_eq!(s.yield_gap, YIELD_GAP_MIN);
+        assert!(!s.yield_due(t0 + YIELD_GAP_MIN / 2));
+        assert!(s.yield_due(t0 + YIELD_GAP_MIN));
+        for _ in 0..10 {
+            s.yielded(t0, slow);
+        }
+        assert_eq!(s.yield_gap, YIELD_GAP_MAX);
+        // Useful yields halve the gap, then drop it: a yield at every look.
+        let useful = Duration::from_micros(20);
+        s.yielded(t0, useful);
+        assert_eq!(s.yield_gap, YIELD_GAP_MAX / 2);
+        for _ in 0..10 {
+            s.yielded(t0, useful);
+        }
+        assert_eq!(s.yield_gap, Duration::ZERO);
+        assert!(s.yield_due(t0));
     }
 
     #[test]
