@@ -78,15 +78,15 @@ impl AsRawFd for CqFd {
 /// - the spin yields less often: at most once per 25 µs, doubling at each
 ///   further slow yield up to 200 µs, and back to every look as yields
 ///   that let a short-lived thread run (3-200 µs: the peer, the engine)
-///   halve the gap ([`YIELD_GAP_MIN`]): the kernel's scheduler (EEVDF)
-///   pushes a yielder's deadline out at each yield, and a thread yielding
-///   at every look beside a `nice -n 19` busy loop lost nearly all of its
-///   core to it;
+///   halve the gap (`YIELD_GAP_MIN` in the source says why): the kernel's
+///   scheduler (EEVDF) pushes a yielder's deadline out at each yield, and
+///   a thread yielding at every look beside a `nice -n 19` busy loop lost
+///   nearly all of its core to it;
 /// - the time it lost is charged to the CQ's spin budget: spinning goes
 ///   on while the time lost to slow yields, decaying exponentially (20 ms
 ///   time constant), stays under 1 ms, that is while spinning loses the
 ///   waiter under about 5 % of the core; over it, waiters sleep at once
-///   until it has decayed ([`SPIN_BUDGET`], which says what rule it
+///   until it has decayed (`SPIN_BUDGET` in the source says what rule it
 ///   replaced). A single slow yield (the peer's 1 MiB copy, a neighbour's
 ///   turn) costs the wait it happened in and nothing more; a core taken
 ///   again and again (a compiler beside the runtime) keeps waiters
@@ -130,8 +130,8 @@ struct SpinState {
     /// with the time constant [`DEBT_DECAY`].
     debt: f64,
     debt_at: Option<Instant>,
-    /// The least time between two yields of the spin ([`YIELD_GAP_MAX`]),
-    /// and when the next may come.
+    /// The least time between two yields of the spin (zero, or from
+    /// [`YIELD_GAP_MIN`] to [`YIELD_GAP_MAX`]), and when the next may come.
     yield_gap: Duration,
     next_yield: Option<Instant>,
 }
@@ -157,7 +157,7 @@ impl SpinState {
         self.next_yield.is_none_or(|at| now >= at)
     }
 
-    /// A yield at `at` kept the core away for `gone`: space the yields
+    /// A yield, back at `back`, kept the core away for `gone`: space the yields
     /// out after a slow one, closer after one that let a short-lived
     /// thread run (the peer's task, the engine), as they are for.
     fn yielded(&mut self, back: Instant, gone: Duration) {
