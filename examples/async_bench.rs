@@ -241,9 +241,10 @@ async fn lat_client(op: &str, addr: SocketAddr, iters: u64) -> Res<()> {
         .copied()
         .unwrap_or(f64::NAN);
     println!(
-        "{{\"test\":\"async-lat\",\"op\":\"{op}\",\"iterations\":{},\"t_typical_us\":{median:.3},\"p99_us\":{p99:.3},\"slow_yields\":{}}}",
+        "{{\"test\":\"async-lat\",\"op\":\"{op}\",\"iterations\":{},\"t_typical_us\":{median:.3},\"p99_us\":{p99:.3},\"slow_yields\":{},\"spent_budget_waits\":{}}}",
         samples.len(),
-        r#async::slow_yields()
+        r#async::slow_yields(),
+        r#async::spent_budget_waits()
     );
     // Let the goodbye leave before the QP goes.
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -267,7 +268,11 @@ async fn sink<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(mut s: S)
     // Wait for the client's close.
     let _ = s.read(&mut buf[..1]).await;
     // For the bench's log (the client's JSON has its own).
-    eprintln!("server slow_yields {}", r#async::slow_yields());
+    eprintln!(
+        "server slow_yields {} spent_budget_waits {}",
+        r#async::slow_yields(),
+        r#async::spent_budget_waits()
+    );
     Ok(())
 }
 
@@ -289,8 +294,9 @@ async fn source<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
     let _ = s.shutdown().await;
     let mb_s = (mib * MIB as u64) as f64 / secs / 1e6;
     println!(
-        "{{\"test\":\"{kind}\",\"bytes\":{MIB},\"mib\":{mib},\"bw_avg_mb_s\":{mb_s:.1},\"slow_yields\":{}}}",
-        r#async::slow_yields()
+        "{{\"test\":\"{kind}\",\"bytes\":{MIB},\"mib\":{mib},\"bw_avg_mb_s\":{mb_s:.1},\"slow_yields\":{},\"spent_budget_waits\":{}}}",
+        r#async::slow_yields(),
+        r#async::spent_budget_waits()
     );
     Ok(())
 }

@@ -72,7 +72,8 @@ pair() {
     wait "$spid" || true
     # The server's log, kept per pair (slow_yields of the stream sink).
     { echo "== round $round"; cat "$OUT/server.log"; } >>"$OUT/$name.server.log"
-    python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); print(json.dumps(d))' \
+    # Each round's client JSON, with the 1-minute load average at its end.
+    python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); d["load"]=float(open("/proc/loadavg").read().split()[0]); print(json.dumps(d))' \
         <"$OUT/client.out" >>"$OUT/$name.json"
     port=$((port + 7))
 }
@@ -194,6 +195,21 @@ if have("grpc-unary-rdma"):
         g = lat(name)
         rows.append(f"| tonic unary RPC latency, {what} (µs, median; {tail(name)}) | {g:.1f} | tonic over TCP {gt:.1f} ({tail('grpc-unary-tcp')}) | {g/gt:.2f}× | (compare) |")
         report[name] = {"rdma_us": g, "tcp_us": gt, "ratio": g / gt}
+# Per round, the async client's figure, the load, and its spin diagnostics
+# (slow yields; waits that found the spin budget spent: see
+# verbs/src/async/cq.rs "Spinning"), which say why a round was slow.
+rows += ["", "| per round | figures (load; slow yields / budget-spent waits) |", "|---|---|"]
+for name in ["async-lat-send-spin", "async-lat-write-imm-spin", "async-lat-fetch-add-spin",
+             "rdma-stream", "rdma-stream-sends", "tcp-stream"]:
+    if not have(name):
+        continue
+    cells = []
+    for d in runs(name):
+        r = d["results"][0] if "results" in d else d
+        v = r.get("t_typical_us", r.get("bw_avg_mb_s"))
+        diag = f"; {d['slow_yields']}/{d.get('spent_budget_waits', '-')}" if "slow_yields" in d else ""
+        cells.append(f"{v:.1f} ({d.get('load', float('nan')):.1f}{diag})")
+    rows.append(f"| {name} | {', '.join(cells)} |")
 (out / "report.md").write_text("\n".join(rows) + "\n")
 (out / "report.json").write_text(json.dumps(report, indent=2))
 print("\n".join(rows))

@@ -70,12 +70,29 @@ impl AsRawFd for CqFd {
 /// whenever a CPU hog held the other core). So a spin yields at every empty
 /// look, which on a core of its own is one cheap syscall. The other
 /// neighbour is a thread that runs until preempted (another program's
-/// busy loop, a compiler): a yield to it costs a whole time slice
-/// (milliseconds). After a yield that kept the core away 200 µs the CQ's
-/// waiters stop spinning for 50 ms and sleep at once: on a contended core
-/// a spin takes the time the peer, the engine or the runtime's other tasks
-/// need, and gives the waiter a time slice's delay at each yield (the
-/// tail of tonic over `RdmaStream` under load, session 9).
+/// busy loop, a compiler): a yield to it can cost a whole time slice
+/// (hundreds of microseconds to milliseconds). A yield that kept the core
+/// away 200 µs or more is a slow yield ([`slow_yields`] counts them), and
+/// two things follow from it:
+///
+/// - the spin yields less often: at most once per 25 µs, doubling at each
+///   further slow yield up to 200 µs, and back to every look as yields
+///   that let a short-lived thread run (3-200 µs: the peer, the engine)
+///   halve the gap (`YIELD_GAP_MIN` in the source says why): the kernel's
+///   scheduler (EEVDF) pushes a yielder's deadline out at each yield, and
+///   a thread yielding at every look beside a `nice -n 19` busy loop lost
+///   nearly all of its core to it;
+/// - the time it lost is charged to the CQ's spin budget: spinning goes
+///   on while the time lost to slow yields, decaying exponentially (20 ms
+///   time constant), stays under 1 ms, that is while spinning loses the
+///   waiter under about 5 % of the core; over it, waiters sleep at once
+///   until it has decayed (`SPIN_BUDGET` in the source says what rule it
+///   replaced). A single slow yield (the peer's 1 MiB copy, a neighbour's
+///   turn) costs the wait it happened in and nothing more; a core taken
+///   again and again (a compiler beside the runtime) keeps waiters
+///   asleep, as on a contended core a spin takes the time the peer, the
+///   engine or the runtime's other tasks need (the tail of tonic over
+///   `RdmaStream` under load, session 9).
 #[derive(Clone)]
 pub struct AsyncCompletionQueue {
     pub(super) shared: Arc<Shared>,
@@ -96,13 +113,71 @@ pub(super) struct Shared {
     /// How long the CQ may be found empty before a waiter sleeps (zero:
     /// sleep at once).
     spin: Duration,
+    /// The current spin, and the time slow yields lost lately.
+    spin_state: Mutex<SpinState>,
+}
+
+/// A CQ's spinning waiters: since when the CQ has been empty, and the
+/// spin budget's debt ([`SPIN_BUDGET`]).
+#[derive(Default)]
+struct SpinState {
     /// Since when every look found the CQ empty (while spinning).
-    idle_since: Mutex<Option<Instant>>,
-    /// Until this many nanoseconds after `epoch` a waiter sleeps at once,
-    /// not spinning: set by a slow yield ([`YIELD_SLOW`], [`SLOW_HOLD`]).
-    slow_until_ns: AtomicU64,
-    /// When the CQ was wrapped: the origin of `slow_until_ns`.
-    epoch: Instant,
+    idle_since: Option<Instant>,
+    /// This wait found the budget spent: it sleeps, not spinning again
+    /// until a look finds completions.
+    spent: bool,
+    /// Time lost to slow yields, in seconds, as of `debt_at`; it decays
+    /// with the time constant [`DEBT_DECAY`].
+    debt: f64,
+    debt_at: Option<Instant>,
+    /// The least time between two yields of the spin (zero, or from
+    /// [`YIELD_GAP_MIN`] to [`YIELD_GAP_MAX`]), and when the next may come.
+    yield_gap: Duration,
+    next_yield: Option<Instant>,
+}
+
+impl SpinState {
+    /// The debt as of `now`.
+    fn debt_at(&mut self, now: Instant) -> f64 {
+        let Some(at) = self.debt_at else {
+            return 0.0;
+        };
+        let age = now.saturating_duration_since(at).as_secs_f64();
+        let debt = self.debt * (-age / DEBT_DECAY.as_secs_f64()).exp();
+        if debt < 1e-7 {
+            self.debt_at = None;
+            self.debt = 0.0;
+            return 0.0;
+        }
+        debt
+    }
+
+    /// Whether the spin yields its thread at this look (`now`).
+    fn yield_due(&self, now: Instant) -> bool {
+        self.next_yield.is_none_or(|at| now >= at)
+    }
+
+    /// A yield, back at `back`, kept the core away for `gone`: space the yields
+    /// out after a slow one, closer after one that let a short-lived
+    /// thread run (the peer's task, the engine), as they are for.
+    fn yielded(&mut self, back: Instant, gone: Duration) {
+        if gone >= YIELD_SLOW {
+            self.charge(back, gone);
+            self.yield_gap = (self.yield_gap * 2).clamp(YIELD_GAP_MIN, YIELD_GAP_MAX);
+        } else if gone >= YIELD_USEFUL {
+            self.yield_gap /= 2;
+            if self.yield_gap < YIELD_GAP_MIN {
+                self.yield_gap = Duration::ZERO;
+            }
+        }
+        self.next_yield = (!self.yield_gap.is_zero()).then(|| back + self.yield_gap);
+    }
+
+    /// A slow yield lost `lost` at `now`.
+    fn charge(&mut self, now: Instant, lost: Duration) {
+        self.debt = self.debt_at(now) + lost.as_secs_f64();
+        self.debt_at = Some(now);
+    }
 }
 
 #[derive(Default)]
@@ -136,40 +211,84 @@ enum Slot {
 /// A stream's peer taking a 1 MiB message (copies of some hundred
 /// microseconds) trips it too ([`slow_yields`] counts): session 10, 7
 /// alternating rounds at load 2.3-2.8, rounds of `async_bench ... stream`
-/// with 2-5 slow yields ran 1955-3386 MB/s, the one with none 4618. A
-/// 1 ms threshold was tried (9+9 alternating rounds against this one):
-/// fewer slow yields (0-2 a run against 1-5), stream/TCP 0.83 against
-/// 0.78 at load 2.4-3.0 but 0.86 against 0.92 at load 1.2, and rounds
-/// with none still as slow as 0.57-0.67: not shown better, not taken.
+/// with 2-5 slow yields ran 1955-3386 MB/s, the one with none 4618 (under
+/// the 50 ms hold of [`SPIN_BUDGET`]'s history). A 1 ms threshold was
+/// tried (9+9 alternating rounds against this one): fewer slow yields
+/// (0-2 a run against 1-5), stream/TCP 0.83 against 0.78 at load 2.4-3.0
+/// but 0.86 against 0.92 at load 1.2, and rounds with none still as slow
+/// as 0.57-0.67: not shown better, not taken.
 const YIELD_SLOW: Duration = Duration::from_micros(200);
 
-/// How long a slow yield keeps waiters from spinning: a core shared with a
-/// thread that runs until preempted stays shared for a while. Session 8
-/// kept spinning then (holding the core 20 µs between yields): tonic unary
-/// calls with 1 ms spins at load 10 took 125-470 µs. Session 9, 200 µs
-/// spins, 3 alternating rounds at load 9, medians of 2000 calls: holding
-/// 243/376/402 µs (p90 452/497/462), sleeping 376/188/142 (p90
-/// 534/431/412); session 8's code 324/308/308 (p90 886/1624/848).
+/// How much time lost to slow yields (decayed, [`DEBT_DECAY`]) a CQ's
+/// spin may have on its account and still spin: 1 ms, about 5 % of the
+/// 20 ms time constant, so spinning goes on while it loses its waiter
+/// under about 5 % of the core.
 ///
-/// It is also why a spinning ping-pong or stream round is slow at times:
-/// session 10, `bench-async.sh` at load 3.3-4.8, async send with spin per
-/// round: no slow yield 5.4 µs, 1-2 of them 10.1-10.2, 6 of them 21.4
-/// (`stag lat send` busy 5.9-7.5). A hold starting at 2 ms and doubling
-/// while slow yields follow was tried (7 alternating rounds at load 18-21):
-/// send 1.25× against 1.26× busy, but stream 1990 against 2583 MB/s and
-/// tonic with spin 165 against 128 µs: not taken.
-const SLOW_HOLD: Duration = Duration::from_millis(50);
+/// Why a budget. On a core shared with a thread that runs until preempted
+/// a yield often gives a time slice away: a task spinning on
+/// `sched_yield` beside a `nice -n 19` busy loop on one core (6.18
+/// kernel, load 9) lost the core in 883 of 68864 yields, for 421 µs
+/// (median) every 0.6 ms (median gap); beside a nice 0 loop in 390 of
+/// 1045, 8 ms each. Waiters must stop spinning there. But most slow
+/// yields of a benchmark are single (the peer's copy of a 1 MiB message,
+/// a neighbour's turn), and the rule before this one (session 9) stopped
+/// spinning for 50 ms after any of them: a 5000-iteration ping-pong takes
+/// about 30 ms, so one slow yield turned a round into sleeping waits
+/// (session 10, async send with spin per round at load 3.3-4.8: no slow
+/// yield 5.4 µs, 1-2 of them 10.1-10.2, 6 of them 21.4), and the stream's
+/// rounds with 2-5 of them ran at half the rate. A 1 ms threshold (above)
+/// and a hold of 2 ms doubling to 50 ms while slow yields follow (session
+/// 10: stream 1990 against 2583 MB/s, tonic with spin 165 against 128 µs
+/// at load 18-21) were tried before. The budget charges each slow yield
+/// what it cost, so a lone one stops no spin, while a core taken every
+/// few milliseconds stops spinning until the losses have decayed: under
+/// a steady loss of 0.4 ms per 0.6 ms of spinning, a waiter spins about
+/// 0.6 ms in every 7 ms; under 8 ms slices, about one in 50 ms.
+const SPIN_BUDGET: Duration = Duration::from_millis(1);
+
+/// A yield that kept the core away this long (and less than
+/// [`YIELD_SLOW`]) let a short-lived thread run: the peer's task on this
+/// core, the device's engine; the yields are worth making at every look.
+const YIELD_USEFUL: Duration = Duration::from_micros(3);
+
+/// After a slow yield, the spin yields at most once per this gap, doubling
+/// at each further slow yield up to [`YIELD_GAP_MAX`] and halving at each
+/// useful one ([`YIELD_USEFUL`]) down to none: on a 6.18 kernel (EEVDF) a
+/// yield pushes the yielder's deadline a whole slice out, so a thread
+/// yielding at every look of its spin beside a `nice -n 19` busy loop
+/// lost 96 % of the core to it (the same loop that never yields lost
+/// 42 %, the share the other programs on that core took; yielding every
+/// 20 µs 64 %, every 100 µs 41 %).
+const YIELD_GAP_MIN: Duration = Duration::from_micros(25);
+
+/// The most time between two yields of a spin: a peer put on this core
+/// waits this long at most for it.
+const YIELD_GAP_MAX: Duration = Duration::from_micros(200);
+
+/// The time constant of the spin budget's debt ([`SPIN_BUDGET`]).
+const DEBT_DECAY: Duration = Duration::from_millis(20);
 
 /// Slow yields in this process so far ([`slow_yields`]).
 static SLOW_YIELDS: AtomicU64 = AtomicU64::new(0);
 
+/// Waits that slept at once, not spinning, because the spin budget was
+/// spent ([`spent_budget_waits`]).
+static SPENT_BUDGET_WAITS: AtomicU64 = AtomicU64::new(0);
+
 /// How many times, in this process, a spinning waiter's yield kept the
-/// core away 200 µs or longer, so that its CQ's waiters slept at once for
-/// the next 50 ms (see "Spinning" at [`AsyncCompletionQueue`]): a
-/// diagnostic for benchmarks, whose rounds spent partly in that hold run
-/// at the rate of no spin.
+/// core away 200 µs or longer (a slow yield, charged to its CQ's spin
+/// budget: see "Spinning" at [`AsyncCompletionQueue`]): a diagnostic for
+/// benchmarks.
 pub fn slow_yields() -> u64 {
     SLOW_YIELDS.load(Ordering::Relaxed)
+}
+
+/// How many waits, in this process, found their CQ's spin budget spent
+/// and slept without spinning (see "Spinning" at
+/// [`AsyncCompletionQueue`]): a diagnostic for benchmarks, whose rounds
+/// with many such waits run at the rate of no spin.
+pub fn spent_budget_waits() -> u64 {
+    SPENT_BUDGET_WAITS.load(Ordering::Relaxed)
 }
 
 /// Completions taken from the CQ per round.
@@ -211,9 +330,7 @@ impl AsyncCompletionQueue {
                 next_id: AtomicU64::new(1),
                 state: Mutex::new(State::default()),
                 spin,
-                idle_since: Mutex::new(None),
-                slow_until_ns: AtomicU64::new(0),
-                epoch: Instant::now(),
+                spin_state: Mutex::new(SpinState::default()),
             }),
         })
     }
@@ -350,42 +467,49 @@ impl Shared {
             return false;
         }
         let now = Instant::now();
-        let since = *self
-            .idle_since
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_or_insert(now);
-        let idle = now.duration_since(since);
-        if idle >= self.spin {
-            return false;
-        }
-        let since_epoch = |t: Instant| t.duration_since(self.epoch).as_nanos() as u64;
-        let slow = since_epoch(now) < self.slow_until_ns.load(Ordering::Relaxed);
-        if slow {
-            // A yield lately gave the core away for a time slice: another
-            // program wants it. Spinning on would keep taking it from the
-            // threads this task waits for; sleep until a completion.
-            return false;
+        {
+            let mut spin = self.spin_state();
+            let since = *spin.idle_since.get_or_insert(now);
+            if spin.spent || now.duration_since(since) >= self.spin {
+                return false;
+            }
+            if spin.debt_at(now) >= SPIN_BUDGET.as_secs_f64() {
+                // Yields lately gave the core away for time slices, again
+                // and again: another program wants it. Spinning on would
+                // keep taking it from the threads this task waits for;
+                // sleep until a completion.
+                spin.spent = true;
+                SPENT_BUDGET_WAITS.fetch_add(1, Ordering::Relaxed);
+                return false;
+            }
         }
         // Let this core's other runnable threads in (see "Spinning"
         // above): the peer's spinning task when the scheduler put both on
         // this core, or the device's engine. How long the core was gone
         // says which kind of neighbour it was.
-        std::thread::yield_now();
-        let back = Instant::now();
-        if back.duration_since(now) >= YIELD_SLOW {
-            SLOW_YIELDS.fetch_add(1, Ordering::Relaxed);
-            self.slow_until_ns
-                .store(since_epoch(back + SLOW_HOLD), Ordering::Relaxed);
+        if self.spin_state().yield_due(now) {
+            std::thread::yield_now();
+            let back = Instant::now();
+            let gone = back.duration_since(now);
+            if gone >= YIELD_SLOW {
+                SLOW_YIELDS.fetch_add(1, Ordering::Relaxed);
+            }
+            self.spin_state().yielded(back, gone);
         }
         cx.waker().wake_by_ref();
         true
     }
 
+    fn spin_state(&self) -> MutexGuard<'_, SpinState> {
+        self.spin_state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// A look found completions: the next empty look starts a new spin.
     fn found(&self) {
         if !self.spin.is_zero() {
-            *self.idle_since.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            let mut spin = self.spin_state();
+            spin.idle_since = None;
+            spin.spent = false;
         }
     }
 
@@ -611,5 +735,82 @@ impl Drop for Op {
         if let OpState::Posted(id) = self.state {
             self.cq.abandon(id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spendable(s: &mut SpinState, at: Instant) -> bool {
+        s.debt_at(at) < SPIN_BUDGET.as_secs_f64()
+    }
+
+    #[test]
+    fn a_lone_slow_yield_leaves_the_budget_unspent() {
+        let t0 = Instant::now();
+        let mut s = SpinState::default();
+        assert!(spendable(&mut s, t0));
+        s.charge(t0, Duration::from_micros(500));
+        assert!(spendable(&mut s, t0));
+    }
+
+    #[test]
+    fn slow_yields_in_a_row_spend_the_budget_until_it_decays() {
+        let t0 = Instant::now();
+        let mut s = SpinState::default();
+        // Three 400 µs losses 0.6 ms apart: 1.2 ms, less some decay.
+        for k in 0..3 {
+            s.charge(
+                t0 + Duration::from_micros(600 * k),
+                Duration::from_micros(400),
+            );
+        }
+        let last = t0 + Duration::from_micros(1200);
+        assert!(!spendable(&mut s, last));
+        // e^(-t/20 ms) takes ~1.17 ms under 1 ms in ~3 ms, not in 1 ms.
+        assert!(!spendable(&mut s, last + Duration::from_millis(1)));
+        assert!(spendable(&mut s, last + Duration::from_millis(4)));
+        // Long decayed: back to nothing.
+        assert_eq!(s.debt_at(last + Duration::from_secs(2)), 0.0);
+        assert!(s.debt_at.is_none());
+    }
+
+    #[test]
+    fn slow_yields_space_the_yields_out_and_useful_ones_close_them_up() {
+        let t0 = Instant::now();
+        let mut s = SpinState::default();
+        assert!(s.yield_due(t0));
+        // A fast yield (nothing else ran) changes nothing.
+        s.yielded(t0, Duration::from_nanos(500));
+        assert!(s.yield_due(t0));
+        let slow = Duration::from_micros(300);
+        s.yielded(t0, slow);
+        assert_eq!(s.yield_gap, YIELD_GAP_MIN);
+        assert!(!s.yield_due(t0 + YIELD_GAP_MIN / 2));
+        assert!(s.yield_due(t0 + YIELD_GAP_MIN));
+        for _ in 0..10 {
+            s.yielded(t0, slow);
+        }
+        assert_eq!(s.yield_gap, YIELD_GAP_MAX);
+        // Useful yields halve the gap, then drop it: a yield at every look.
+        let useful = Duration::from_micros(20);
+        s.yielded(t0, useful);
+        assert_eq!(s.yield_gap, YIELD_GAP_MAX / 2);
+        for _ in 0..10 {
+            s.yielded(t0, useful);
+        }
+        assert_eq!(s.yield_gap, Duration::ZERO);
+        assert!(s.yield_due(t0));
+    }
+
+    #[test]
+    fn one_time_slice_lost_holds_spinning_for_tens_of_milliseconds() {
+        let t0 = Instant::now();
+        let mut s = SpinState::default();
+        s.charge(t0, Duration::from_millis(8));
+        // 8 ms decays to 1 ms in 20 ms * ln 8 = 41.6 ms.
+        assert!(!spendable(&mut s, t0 + Duration::from_millis(40)));
+        assert!(spendable(&mut s, t0 + Duration::from_millis(43)));
     }
 }

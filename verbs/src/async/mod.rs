@@ -73,7 +73,7 @@ mod stream;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-pub use cq::{slow_yields, AsyncCompletionQueue, Op};
+pub use cq::{slow_yields, spent_budget_waits, AsyncCompletionQueue, Op};
 pub use qp::AsyncQueuePair;
 pub use stream::{RdmaStream, StreamOptions};
 

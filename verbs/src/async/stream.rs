@@ -55,6 +55,15 @@
 //! (`perf record -g`, 1 MiB writes, Sends) had 29% of its samples in the
 //! engine thread's `memmove` into the receive, more than its socket reads
 //! (`_copy_to_iter`, 8%); with Writes that copy is gone (4% left).
+//! Session 10 saw Sends ahead in one run (0.94× against 0.73× of tokio's
+//! TcpStream); session 11 measured both again, alternating in the same
+//! rounds (1 MiB writes, 512 MiB, `async_bench`): over 7-8 rounds in each
+//! of 5 runs at load 7-16 (two with a `nice -n 19` loop per core), Sends
+//! beat Writes with Immediate in 5 of the 10 paired comparisons and lost
+//! in 5 (medians of each round's stream/TCP 0.63-1.20 against 0.68-0.91),
+//! and in `bench-async.sh` at load 8-12, 1873 against 1736 MB/s: a coin
+//! toss at these loads, not a win, so Writes with Immediate stay the
+//! default (and keep the engine's copy out at low load, above).
 //!
 //! **Waking.** A stream that finds nothing to do sleeps on its CQ (armed)
 //! and, on stag0, on its QP's socket as well, which the device's engine
