@@ -18,7 +18,7 @@ use std::time::Instant;
 use tracing::debug;
 
 use crate::cq::{CompletionQueue, CqQp};
-use crate::engine::{Engine, EngineQp, Input, Ownership, Progress};
+use crate::engine::{Engine, EngineQp, Input, Ownership, Progress, PARK_RECHECK};
 use crate::error::DeviceError;
 use crate::linger::{CloseWatch, Stall};
 use crate::mem::{MrTable, PdId};
@@ -512,25 +512,39 @@ impl EngineQp for QpShared {
         engine.arm(self.qpn as u64, sock.as_fd(), io.input, io.writable_wanted);
     }
 
-    fn engine_unhold(&self) {
-        let mut io = self.lock();
+    fn engine_unhold(&self) -> Option<Instant> {
+        let now = Instant::now();
+        // A thread that keeps waiting on the socket keeps it: no lock
+        // taken here, which that thread would wait for (a futex pair per
+        // recheck on both sides, measured in qperf rc_lat), and no
+        // re-arm it would undo at its next wait.
+        if let Some(at) = self.own.hold_until(now) {
+            return Some(at);
+        }
+        let mut io = match self.io.try_lock() {
+            Ok(io) => io,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            // A thread is at the QP right now: look again later.
+            Err(std::sync::TryLockError::WouldBlock) => return Some(now + PARK_RECHECK),
+        };
         if !self.own.unhold() {
             // A thread sleeps on the socket again (it reads what comes,
             // and writes when its poll says the socket is writable), or a
             // polling thread drives the QP (parked): a drive here would
             // only find the socket empty, under the lock that thread
             // wants.
-            return;
+            return None;
         }
         self.drive(&mut io);
         if io.closed {
-            return;
+            return None;
         }
         let (Some(engine), Some(sock)) = (self.engine.upgrade(), self.sock.get()) else {
-            return;
+            return None;
         };
         self.own.armed.store(true, Ordering::Relaxed);
         engine.arm(self.qpn as u64, sock.as_fd(), io.input, io.writable_wanted);
+        None
     }
 }
 

@@ -109,6 +109,14 @@ pub const DEFAULT_ADAPTIVE_SPIN: Duration = Duration::from_micros(200);
 /// driving its QP without arming notifications or waiting on the CQ).
 pub const PARK_RECHECK: Duration = Duration::from_millis(1);
 
+/// Nanoseconds since the first call (a monotonic stamp that fits an
+/// atomic).
+pub(crate) fn mono_ns() -> u64 {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    epoch.elapsed().as_nanos() as u64
+}
+
 /// The epoll token of the engine's wake-up eventfd.
 const WAKE_TOKEN: u64 = u64::MAX;
 
@@ -220,6 +228,10 @@ pub(crate) struct Ownership {
     /// the engine's set for that thread's next wait: in the engine's
     /// held list until its recheck ([`Engine::hold`]).
     held: AtomicBool,
+    /// When a thread's wait on the socket last ended ([`mono_ns`]): a
+    /// held QP whose thread keeps coming back stays held, without the
+    /// engine taking the lock that thread wants ([`Ownership::hold_until`]).
+    wait_ended: AtomicU64,
     /// The socket's epoll registration is armed. Set by the driver (under
     /// its QP's lock, so the flags match its state); cleared by the engine
     /// when it parks the QP.
@@ -273,9 +285,25 @@ impl Ownership {
     /// whether the QP must join the engine's held list (it is neither
     /// parked nor held already, and nobody else sleeps on it).
     pub(crate) fn end_wait_holding(&self) -> bool {
+        self.wait_ended.store(mono_ns(), Ordering::Relaxed);
         self.app_waiters.fetch_sub(1, Ordering::SeqCst) == 1
             && !self.parked.load(Ordering::SeqCst)
             && !self.held.swap(true, Ordering::SeqCst)
+    }
+
+    /// The engine's recheck of a held QP, before it takes the QP's lock:
+    /// the time of the next recheck while a thread sleeps on the socket,
+    /// or its last wait ended less than [`PARK_RECHECK`] ago (an event
+    /// loop that comes back to the socket; the QP stays held, and the
+    /// thread's next wait costs the engine no wake-up and no lock). `None`:
+    /// take it back now ([`unhold`](Self::unhold), under the lock).
+    pub(crate) fn hold_until(&self, now: Instant) -> Option<Instant> {
+        if self.waited_on() {
+            return Some(now + PARK_RECHECK);
+        }
+        let ended = self.wait_ended.load(Ordering::Relaxed);
+        let since = Duration::from_nanos(mono_ns().saturating_sub(ended));
+        (since < PARK_RECHECK).then(|| now + (PARK_RECHECK - since))
     }
 
     /// The engine takes a held QP back (under the QP's io lock): whether
@@ -317,7 +345,9 @@ pub(crate) trait EngineQp: Send + Sync {
     fn engine_drive(&self, rearm: bool);
     /// Take a held QP back ([`Engine::hold`]): drive it and re-arm its
     /// socket unless a thread sleeps on it again ([`Ownership::unhold`]).
-    fn engine_unhold(&self);
+    /// `Some(at)`: the QP stays held until a recheck at `at` (its thread
+    /// still uses it: [`Ownership::hold_until`], or holds its lock).
+    fn engine_unhold(&self) -> Option<Instant>;
 }
 
 /// The registered QPs, by epoll token.
@@ -891,9 +921,10 @@ impl Run {
             .into_iter()
             .partition(|(at, _)| *at <= now);
         self.holds = later;
-        for (_, qp) in due {
-            if let Some(qp) = qp.upgrade() {
-                qp.engine_unhold();
+        for (_, weak) in due {
+            let Some(qp) = weak.upgrade() else { continue };
+            if let Some(at) = qp.engine_unhold() {
+                self.holds.push((at, weak));
             }
         }
     }
