@@ -586,24 +586,7 @@ impl CqQp for QpShared {
 
     fn set_waiting(&self, on: bool) {
         // Under the io lock, as every change of the socket's epoll flags.
-        // A socket out of the engine's set (this thread's last wait held
-        // it) needs no change to start a wait: if another thread has the
-        // lock (a thread posting on the QP, as rping's main thread beside
-        // its CQ thread), the wait starts without it instead of sleeping
-        // on a futex first. Should the engine re-arm the socket meanwhile
-        // (taking a held QP back), it leaves a socket a thread sleeps on
-        // to that thread, which hands it back when it wakes.
-        let io = match self.io.try_lock() {
-            Ok(io) => io,
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => {
-                if on && !self.own.armed.load(Ordering::Relaxed) {
-                    self.own.begin_wait();
-                    return;
-                }
-                self.lock()
-            }
-        };
+        let io = self.lock();
         let (Some(engine), Some(sock)) = (self.engine.upgrade(), self.sock.get()) else {
             if on {
                 self.own.begin_wait();
@@ -626,14 +609,11 @@ impl CqQp for QpShared {
     }
 
     fn end_wait_holding(&self) {
-        // No change of the socket's epoll flags (it stays out of the
-        // engine's set), so no io lock: the thread that woke would wait
-        // for it behind a posting thread. The engine decides under the
-        // lock when it takes the QP back ([`Ownership::unhold`]), and
-        // whichever order the two meet in, the QP ends up armed or held.
+        // Under the io lock, as every change of the socket's epoll flags.
         // Otherwise another thread still sleeps on the socket, or the
         // engine parked or holds the QP already: nothing to hand over.
-        if self.own.end_wait_holding() && !self.closed.load(Ordering::Acquire) {
+        let io = self.lock();
+        if self.own.end_wait_holding() && !io.closed {
             match self.engine.upgrade() {
                 Some(engine) => engine.hold(self.me.clone() as Weak<dyn EngineQp>),
                 None => {

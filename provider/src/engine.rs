@@ -266,9 +266,9 @@ impl Ownership {
     }
 
     /// An application thread starts sleeping on the socket (called under
-    /// the QP's io lock, or without it on a socket the engine is not
-    /// watching): whether it is the first, which takes the socket out of
-    /// the engine's epoll set so that an arrival wakes the waiter alone.
+    /// the QP's io lock): whether it is the first, which takes the socket
+    /// out of the engine's epoll set so that an arrival wakes the waiter
+    /// alone.
     pub(crate) fn begin_wait(&self) -> bool {
         self.app_waiters.fetch_add(1, Ordering::SeqCst) == 0
     }
@@ -281,7 +281,7 @@ impl Ownership {
     }
 
     /// The last application thread sleeping on the socket stops, and it
-    /// keeps the socket for its next wait (no lock: the flags stay):
+    /// keeps the socket for its next wait (under the QP's io lock):
     /// whether the QP must join the engine's held list (it is neither
     /// parked nor held already, and nobody else sleeps on it).
     pub(crate) fn end_wait_holding(&self) -> bool {
