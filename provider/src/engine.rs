@@ -976,6 +976,32 @@ fn disarm(epoll: &Epoll, token: u64, sock: BorrowedFd<'_>) {
 mod tests {
     use super::*;
 
+    /// A held QP stays held, with no lock taken, while a thread sleeps on
+    /// its socket and for [`PARK_RECHECK`] after that thread's last wait
+    /// ended (an event loop coming back); after that the engine takes it
+    /// back.
+    #[test]
+    fn a_held_qp_stays_held_while_its_thread_keeps_waiting() {
+        let own = Ownership::default();
+        assert!(own.begin_wait());
+        let now = Instant::now();
+        assert_eq!(own.hold_until(now), Some(now + PARK_RECHECK));
+        std::thread::sleep(PARK_RECHECK * 3);
+        // Still asleep on it: however long that takes.
+        let now = Instant::now();
+        assert_eq!(own.hold_until(now), Some(now + PARK_RECHECK));
+        assert!(own.end_wait_holding(), "the first hold joins the list");
+        let now = Instant::now();
+        let at = own.hold_until(now).expect("just came back from a wait");
+        assert!(at > now && at <= now + PARK_RECHECK, "{at:?} {now:?}");
+        // Held already: the next wait's end adds nothing to the list.
+        assert!(own.begin_wait());
+        assert!(!own.end_wait_holding());
+        std::thread::sleep(PARK_RECHECK * 2);
+        assert_eq!(own.hold_until(Instant::now()), None);
+        assert!(own.unhold(), "nobody waits: the engine re-arms");
+    }
+
     #[test]
     fn progress_parses_and_prints_every_mode() {
         for (text, mode) in [
