@@ -626,6 +626,10 @@ impl CqQp for QpShared {
     fn release_to_engine(&self) {
         self.own.release(self.engine.upgrade().as_deref());
     }
+
+    fn kept_by_waiter(&self) -> bool {
+        self.own.kept_by_waiter()
+    }
 }
 
 /// The verbs of a QP handle ([`crate::device::QueuePair`]), including what

@@ -314,6 +314,13 @@ impl Ownership {
         !self.waited_on() && !self.parked.load(Ordering::SeqCst)
     }
 
+    /// Whether a thread's channel wait keeps the socket: it sleeps on it,
+    /// or held it when its last wait ended (and the engine has not taken
+    /// it back).
+    pub(crate) fn kept_by_waiter(&self) -> bool {
+        self.held.load(Ordering::SeqCst) || self.waited_on()
+    }
+
     /// Whether an application thread sleeps on the socket (and drives
     /// the QP when it wakes).
     fn waited_on(&self) -> bool {
