@@ -18,7 +18,7 @@ use std::time::Instant;
 use tracing::debug;
 
 use crate::cq::{CompletionQueue, CqQp};
-use crate::engine::{Engine, EngineQp, Input, Ownership, Progress, PARK_RECHECK};
+use crate::engine::{Engine, EngineQp, Input, Ownership, Progress};
 use crate::error::DeviceError;
 use crate::linger::{CloseWatch, Stall};
 use crate::mem::{MrTable, PdId};
@@ -521,12 +521,7 @@ impl EngineQp for QpShared {
         if let Some(at) = self.own.hold_until(now) {
             return Some(at);
         }
-        let mut io = match self.io.try_lock() {
-            Ok(io) => io,
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-            // A thread is at the QP right now: look again later.
-            Err(std::sync::TryLockError::WouldBlock) => return Some(now + PARK_RECHECK),
-        };
+        let mut io = self.lock();
         if !self.own.unhold() {
             // A thread sleeps on the socket again (it reads what comes,
             // and writes when its poll says the socket is writable), or a

@@ -353,7 +353,7 @@ pub(crate) trait EngineQp: Send + Sync {
     /// Take a held QP back ([`Engine::hold`]): drive it and re-arm its
     /// socket unless a thread sleeps on it again ([`Ownership::unhold`]).
     /// `Some(at)`: the QP stays held until a recheck at `at` (its thread
-    /// still uses it: [`Ownership::hold_until`], or holds its lock).
+    /// still uses it: [`Ownership::hold_until`]).
     fn engine_unhold(&self) -> Option<Instant>;
 }
 
