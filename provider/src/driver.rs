@@ -513,13 +513,16 @@ impl EngineQp for QpShared {
     }
 
     fn engine_unhold(&self) -> Option<Instant> {
-        let now = Instant::now();
         // A thread that keeps waiting on the socket keeps it: no lock
         // taken here, which that thread would wait for (a futex pair per
         // recheck on both sides, measured in qperf rc_lat), and no
-        // re-arm it would undo at its next wait.
-        if let Some(at) = self.own.hold_until(now) {
-            return Some(at);
+        // re-arm it would undo at its next wait. Unless output waits for
+        // room: the engine keeps the stream full while that thread is
+        // away (fio's rdma writes at iodepth 16).
+        if !self.tx_blocked.load(Ordering::Acquire) {
+            if let Some(at) = self.own.hold_until(Instant::now()) {
+                return Some(at);
+            }
         }
         let mut io = self.lock();
         if !self.own.unhold() {
