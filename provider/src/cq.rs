@@ -49,8 +49,8 @@ pub(crate) trait CqQp: Send + Sync {
     /// sleep without driving it.
     fn release_to_engine(&self);
     /// Whether a channel wait keeps the QP's socket (a thread sleeps on
-    /// it, or its last wait held it): that wait reads the socket first
-    /// thing when it comes back.
+    /// it, or its last wait held it) and the QP has no output waiting for
+    /// room: that wait reads the socket first thing when it comes back.
     fn kept_by_waiter(&self) -> bool;
 }
 

@@ -626,7 +626,9 @@ impl CqQp for QpShared {
     }
 
     fn kept_by_waiter(&self) -> bool {
-        self.own.kept_by_waiter()
+        // Output waiting for room is written by whoever gets there first,
+        // as before: a sender's empty poll still pushes the stream.
+        self.own.kept_by_waiter() && !self.tx_blocked.load(Ordering::Acquire)
     }
 }
 
