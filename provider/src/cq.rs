@@ -48,6 +48,10 @@ pub(crate) trait CqQp: Send + Sync {
     /// Hand the QP to the device's engine: the application is going to
     /// sleep without driving it.
     fn release_to_engine(&self);
+    /// Whether a channel wait keeps the QP's socket (a thread sleeps on
+    /// it, or its last wait held it) and the QP has no output waiting for
+    /// room: that wait reads the socket first thing when it comes back.
+    fn kept_by_waiter(&self) -> bool;
 }
 
 /// Notification arming (`ibv_req_notify_cq`).
@@ -256,11 +260,24 @@ impl CompletionQueue {
         if n > 0 || out.is_empty() {
             return n;
         }
-        // A thread polling an armed CQ found it empty: it is about to
-        // sleep on the notification, so it drives without taking the QPs
-        // from the engine (which would then leave an arrival to a thread
-        // that is asleep).
-        self.drive_qps(!self.is_armed());
+        if self.is_armed() {
+            // A thread polling an armed CQ found it empty: it is about to
+            // sleep on the notification, so it drives without taking the
+            // QPs from the engine (which would then leave an arrival to a
+            // thread that is asleep). A QP whose socket a channel wait
+            // keeps is left alone: that wait polls the socket first thing,
+            // and a drive here mostly found it empty (a `recvfrom` EAGAIN
+            // per event in rping's CQ thread, whose last poll of each
+            // event is empty) under the lock a posting thread wants.
+            let qps = self.qps.read().unwrap_or_else(|p| p.into_inner());
+            for qp in qps.iter().filter_map(Weak::upgrade) {
+                if !qp.kept_by_waiter() {
+                    qp.try_progress(false);
+                }
+            }
+        } else {
+            self.drive_qps(true);
+        }
         self.try_poll(out)
     }
 

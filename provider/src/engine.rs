@@ -109,6 +109,14 @@ pub const DEFAULT_ADAPTIVE_SPIN: Duration = Duration::from_micros(200);
 /// driving its QP without arming notifications or waiting on the CQ).
 pub const PARK_RECHECK: Duration = Duration::from_millis(1);
 
+/// Nanoseconds since the first call (a monotonic stamp that fits an
+/// atomic).
+pub(crate) fn mono_ns() -> u64 {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    epoch.elapsed().as_nanos() as u64
+}
+
 /// The epoll token of the engine's wake-up eventfd.
 const WAKE_TOKEN: u64 = u64::MAX;
 
@@ -220,6 +228,10 @@ pub(crate) struct Ownership {
     /// the engine's set for that thread's next wait: in the engine's
     /// held list until its recheck ([`Engine::hold`]).
     held: AtomicBool,
+    /// When a thread's wait on the socket last ended ([`mono_ns`]): a
+    /// held QP whose thread keeps coming back stays held, without the
+    /// engine taking the lock that thread wants ([`Ownership::hold_until`]).
+    wait_ended: AtomicU64,
     /// The socket's epoll registration is armed. Set by the driver (under
     /// its QP's lock, so the flags match its state); cleared by the engine
     /// when it parks the QP.
@@ -273,9 +285,25 @@ impl Ownership {
     /// whether the QP must join the engine's held list (it is neither
     /// parked nor held already, and nobody else sleeps on it).
     pub(crate) fn end_wait_holding(&self) -> bool {
+        self.wait_ended.store(mono_ns(), Ordering::Relaxed);
         self.app_waiters.fetch_sub(1, Ordering::SeqCst) == 1
             && !self.parked.load(Ordering::SeqCst)
             && !self.held.swap(true, Ordering::SeqCst)
+    }
+
+    /// The engine's recheck of a held QP, before it takes the QP's lock:
+    /// the time of the next recheck while a thread sleeps on the socket,
+    /// or its last wait ended less than [`PARK_RECHECK`] ago (an event
+    /// loop that comes back to the socket; the QP stays held, and the
+    /// thread's next wait costs the engine no wake-up and no lock). `None`:
+    /// take it back now ([`unhold`](Self::unhold), under the lock).
+    pub(crate) fn hold_until(&self, now: Instant) -> Option<Instant> {
+        if self.waited_on() {
+            return Some(now + PARK_RECHECK);
+        }
+        let ended = self.wait_ended.load(Ordering::Relaxed);
+        let since = Duration::from_nanos(mono_ns().saturating_sub(ended));
+        (since < PARK_RECHECK).then(|| now + (PARK_RECHECK - since))
     }
 
     /// The engine takes a held QP back (under the QP's io lock): whether
@@ -284,6 +312,13 @@ impl Ownership {
     pub(crate) fn unhold(&self) -> bool {
         self.held.store(false, Ordering::SeqCst);
         !self.waited_on() && !self.parked.load(Ordering::SeqCst)
+    }
+
+    /// Whether a thread's channel wait keeps the socket: it sleeps on it,
+    /// or held it when its last wait ended (and the engine has not taken
+    /// it back).
+    pub(crate) fn kept_by_waiter(&self) -> bool {
+        self.held.load(Ordering::SeqCst) || self.waited_on()
     }
 
     /// Whether an application thread sleeps on the socket (and drives
@@ -317,7 +352,9 @@ pub(crate) trait EngineQp: Send + Sync {
     fn engine_drive(&self, rearm: bool);
     /// Take a held QP back ([`Engine::hold`]): drive it and re-arm its
     /// socket unless a thread sleeps on it again ([`Ownership::unhold`]).
-    fn engine_unhold(&self);
+    /// `Some(at)`: the QP stays held until a recheck at `at` (its thread
+    /// still uses it: [`Ownership::hold_until`]).
+    fn engine_unhold(&self) -> Option<Instant>;
 }
 
 /// The registered QPs, by epoll token.
@@ -891,9 +928,10 @@ impl Run {
             .into_iter()
             .partition(|(at, _)| *at <= now);
         self.holds = later;
-        for (_, qp) in due {
-            if let Some(qp) = qp.upgrade() {
-                qp.engine_unhold();
+        for (_, weak) in due {
+            let Some(qp) = weak.upgrade() else { continue };
+            if let Some(at) = qp.engine_unhold() {
+                self.holds.push((at, weak));
             }
         }
     }
@@ -944,6 +982,32 @@ fn disarm(epoll: &Epoll, token: u64, sock: BorrowedFd<'_>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A held QP stays held, with no lock taken, while a thread sleeps on
+    /// its socket and for [`PARK_RECHECK`] after that thread's last wait
+    /// ended (an event loop coming back); after that the engine takes it
+    /// back.
+    #[test]
+    fn a_held_qp_stays_held_while_its_thread_keeps_waiting() {
+        let own = Ownership::default();
+        assert!(own.begin_wait());
+        let now = Instant::now();
+        assert_eq!(own.hold_until(now), Some(now + PARK_RECHECK));
+        std::thread::sleep(PARK_RECHECK * 3);
+        // Still asleep on it: however long that takes.
+        let now = Instant::now();
+        assert_eq!(own.hold_until(now), Some(now + PARK_RECHECK));
+        assert!(own.end_wait_holding(), "the first hold joins the list");
+        let now = Instant::now();
+        let at = own.hold_until(now).expect("just came back from a wait");
+        assert!(at > now && at <= now + PARK_RECHECK, "{at:?} {now:?}");
+        // Held already: the next wait's end adds nothing to the list.
+        assert!(own.begin_wait());
+        assert!(!own.end_wait_holding());
+        std::thread::sleep(PARK_RECHECK * 2);
+        assert_eq!(own.hold_until(Instant::now()), None);
+        assert!(own.unhold(), "nobody waits: the engine re-arms");
+    }
 
     #[test]
     fn progress_parses_and_prints_every_mode() {
