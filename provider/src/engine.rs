@@ -109,6 +109,11 @@ pub const DEFAULT_ADAPTIVE_SPIN: Duration = Duration::from_micros(200);
 /// driving its QP without arming notifications or waiting on the CQ).
 pub const PARK_RECHECK: Duration = Duration::from_millis(1);
 
+/// How often a polling engine that found nothing looks for the QPs an
+/// application thread drives, to park them without waiting for an
+/// arrival to race that thread for ([`Run::park_app_driven`]).
+const SCAN_EVERY: Duration = Duration::from_micros(100);
+
 /// The epoll token of the engine's wake-up eventfd.
 const WAKE_TOKEN: u64 = u64::MAX;
 
@@ -387,6 +392,7 @@ impl Engine {
                 spinner: Spinner::new(progress),
                 parked: Vec::new(),
                 last_check: Instant::now(),
+                last_scan: Instant::now(),
             };
             let thread_name = format!("{name}-engine");
             std::thread::Builder::new()
@@ -756,6 +762,8 @@ struct Run {
     /// them.
     parked: Vec<Weak<dyn EngineQp>>,
     last_check: Instant,
+    /// When a polling engine last looked for application-driven QPs.
+    last_scan: Instant,
 }
 
 impl Run {
@@ -831,8 +839,7 @@ impl Run {
                         disarm(&self.epoll, token, fd);
                     }
                     if !own.parked.swap(true, Ordering::Relaxed) {
-                        self.parks.fetch_add(1, Ordering::Relaxed);
-                        self.parked.push(Arc::downgrade(&qp));
+                        self.add_parked(&qp);
                     }
                 } else {
                     qp.engine_drive(false);
@@ -844,6 +851,12 @@ impl Run {
             self.fire_holds(now);
             if traffic {
                 self.spinner.traffic(now);
+            } else if n == 0
+                && timeout == EpollTimeout::ZERO
+                && now.duration_since(self.last_scan) >= SCAN_EVERY
+            {
+                self.last_scan = now;
+                self.park_app_driven();
             }
             if !self.parked.is_empty()
                 && (recheck || now.duration_since(self.last_check) >= PARK_RECHECK)
@@ -866,6 +879,56 @@ impl Run {
 }
 
 impl Run {
+    /// Park every armed QP an application thread drove since the engine
+    /// last looked. A polling engine otherwise parks a QP only when it
+    /// catches an arrival before the application's own poll reads it, and
+    /// spins meanwhile: on two cores with a spinning application in each
+    /// of two processes, those are four spinning threads for two cores
+    /// (a busy engine took as much CPU as the application it served, and
+    /// busy-mode latency went bimodal). A parked QP comes back at the
+    /// recheck ([`PARK_RECHECK`]) once the application stops driving it,
+    /// as after a park on an arrival.
+    fn park_app_driven(&mut self) {
+        let qps: Vec<(u64, Arc<dyn EngineQp>)> = self
+            .qps
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter_map(|(token, w)| Some((*token, w.upgrade()?)))
+            .collect();
+        for (token, qp) in qps {
+            let own = qp.ownership();
+            if !own.armed.load(Ordering::Relaxed)
+                || own.parked.load(Ordering::Relaxed)
+                || own.waited_on()
+                || !own.app_active()
+            {
+                continue;
+            }
+            own.armed.store(false, Ordering::Relaxed);
+            if let Some(fd) = qp.fd() {
+                disarm(&self.epoll, token, fd);
+            }
+            own.parked.store(true, Ordering::Relaxed);
+            self.add_parked(&qp);
+        }
+    }
+
+    /// Put a QP just parked on the parked list. The first one starts the
+    /// recheck period: with the list empty the last recheck may be long
+    /// past, and a recheck right away (in the same turn of the loop)
+    /// found the application idle, because the park itself had just taken
+    /// its drive count ([`Ownership::app_active`]). The engine then took
+    /// the QP back at once, racing the application for its lock and its
+    /// socket on every arrival it caught, and kept spinning.
+    fn add_parked(&mut self, qp: &Arc<dyn EngineQp>) {
+        if self.parked.is_empty() {
+            self.last_check = Instant::now();
+        }
+        self.parks.fetch_add(1, Ordering::Relaxed);
+        self.parked.push(Arc::downgrade(qp));
+    }
+
     /// The earliest deadline of [`Engine::drive_at`].
     fn next_timer(&self) -> Option<Instant> {
         let timers = self.timers.lock().unwrap_or_else(|p| p.into_inner());
