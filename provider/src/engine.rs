@@ -27,10 +27,11 @@
 //! - **owner**: who is expected to drive a QP (`Ownership`): the
 //!   engine (the socket armed in its epoll set) or an application thread
 //!   (it polled a CQ with no notification armed).
-//! - **park**: the engine finds input on a QP an application thread owns:
-//!   it disarms the socket and looks again every [`PARK_RECHECK`], taking
-//!   the QP back once the application stops driving it
-//!   (`Device::engine_parks` counts them).
+//! - **park**: the engine finds input on a QP an application thread owns
+//!   (or, polling, finds the thread driving it): it disarms the socket
+//!   and looks again every [`PARK_RECHECK`], taking the QP back once the
+//!   application stops driving it (`Device::engine_parks` counts the
+//!   parks on an arrival, `Device::engine_idle_parks` the others).
 //! - **release**: an application thread hands its QPs back to the engine
 //!   at once (arming a CQ's notification, `QueuePair::release_to_engine`).
 //! - **wait**: a thread asleep on a CQ polls the QPs' sockets itself; the
@@ -70,7 +71,9 @@
 //! and a context switch per message. So when an event fires while an
 //! application thread is driving that QP (it polled a CQ with no
 //! notification armed since the engine last looked), the engine disarms
-//! the socket in its epoll set ("parks" it) and looks again every
+//! the socket in its epoll set ("parks" it; a polling engine also parks,
+//! every [`SCAN_EVERY`], the QPs it finds driven, without waiting for an
+//! arrival to catch) and looks again every
 //! [`PARK_RECHECK`]; once the application has stopped driving it, the
 //! engine drives the QP and re-arms. That recheck is the one timer left:
 //! it matters only to a program that polls a CQ unarmed and then stops
@@ -325,6 +328,13 @@ pub(crate) trait EngineQp: Send + Sync {
     fn engine_unhold(&self);
 }
 
+/// How many times the engine parked a QP, on an arrival or found idle.
+#[derive(Debug, Default)]
+struct ParkCounts {
+    on_arrival: AtomicU64,
+    idle: AtomicU64,
+}
+
 /// The registered QPs, by epoll token.
 type QpMap = Mutex<HashMap<u64, Weak<dyn EngineQp>>>;
 
@@ -345,8 +355,8 @@ pub(crate) struct Engine {
     held: Arc<Held>,
     /// QPs registered (armed or parked).
     registered: Arc<AtomicUsize>,
-    /// Arrivals the engine left to an application thread (parks).
-    parks: Arc<AtomicU64>,
+    /// QPs the engine left to an application thread (parks).
+    parks: Arc<ParkCounts>,
     stop: Arc<AtomicBool>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
@@ -376,7 +386,7 @@ impl Engine {
         let timers: Arc<Timers> = Arc::default();
         let held: Arc<Held> = Arc::default();
         let registered = Arc::new(AtomicUsize::new(0));
-        let parks = Arc::new(AtomicU64::new(0));
+        let parks = Arc::new(ParkCounts::default());
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let run = Run {
@@ -424,7 +434,13 @@ impl Engine {
     /// How many times an arrival found an application thread driving its
     /// QP, so that the engine left it alone (parked the QP).
     pub(crate) fn parks(&self) -> u64 {
-        self.parks.load(Ordering::Relaxed)
+        self.parks.on_arrival.load(Ordering::Relaxed)
+    }
+
+    /// How many times a polling engine found an application thread
+    /// driving a QP, with no arrival, and parked it.
+    pub(crate) fn idle_parks(&self) -> u64 {
+        self.parks.idle.load(Ordering::Relaxed)
     }
 
     /// Start watching a connected QP's socket under `token`, armed.
@@ -755,7 +771,7 @@ struct Run {
     /// Held QPs and when to take each back.
     holds: Vec<(Instant, Weak<dyn EngineQp>)>,
     registered: Arc<AtomicUsize>,
-    parks: Arc<AtomicU64>,
+    parks: Arc<ParkCounts>,
     stop: Arc<AtomicBool>,
     spinner: Spinner,
     /// QPs whose socket is disarmed because an application thread drives
@@ -839,7 +855,7 @@ impl Run {
                         disarm(&self.epoll, token, fd);
                     }
                     if !own.parked.swap(true, Ordering::Relaxed) {
-                        self.add_parked(&qp);
+                        self.add_parked(&qp, true);
                     }
                 } else {
                     qp.engine_drive(false);
@@ -910,7 +926,7 @@ impl Run {
                 disarm(&self.epoll, token, fd);
             }
             own.parked.store(true, Ordering::Relaxed);
-            self.add_parked(&qp);
+            self.add_parked(&qp, false);
         }
     }
 
@@ -921,11 +937,16 @@ impl Run {
     /// its drive count ([`Ownership::app_active`]). The engine then took
     /// the QP back at once, racing the application for its lock and its
     /// socket on every arrival it caught, and kept spinning.
-    fn add_parked(&mut self, qp: &Arc<dyn EngineQp>) {
+    fn add_parked(&mut self, qp: &Arc<dyn EngineQp>, on_arrival: bool) {
         if self.parked.is_empty() {
             self.last_check = Instant::now();
         }
-        self.parks.fetch_add(1, Ordering::Relaxed);
+        let count = if on_arrival {
+            &self.parks.on_arrival
+        } else {
+            &self.parks.idle
+        };
+        count.fetch_add(1, Ordering::Relaxed);
         self.parked.push(Arc::downgrade(qp));
     }
 
