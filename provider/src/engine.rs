@@ -71,7 +71,7 @@
 //! and a context switch per message. So when an event fires while an
 //! application thread is driving that QP (it polled a CQ with no
 //! notification armed since the engine last looked), the engine disarms
-//! the socket in its epoll set ("parks" it; a polling engine also parks,
+//! the socket in its epoll set ("parks" it; a busy engine also parks,
 //! every [`SCAN_EVERY`], the QPs it finds driven, without waiting for an
 //! arrival to catch) and looks again every
 //! [`PARK_RECHECK`]; once the application has stopped driving it, the
@@ -112,9 +112,13 @@ pub const DEFAULT_ADAPTIVE_SPIN: Duration = Duration::from_micros(200);
 /// driving its QP without arming notifications or waiting on the CQ).
 pub const PARK_RECHECK: Duration = Duration::from_millis(1);
 
-/// How often a polling engine that found nothing looks for the QPs an
+/// How often a busy engine that found nothing looks for the QPs an
 /// application thread drives, to park them without waiting for an
-/// arrival to race that thread for ([`Run::park_app_driven`]).
+/// arrival to race that thread for ([`Run::park_app_driven`]). Not an
+/// adaptive one: its window opens only on traffic it handled itself, and
+/// a park there would cost a program on a completion channel, which
+/// polls its CQ unarmed between an event and its next arm, a recheck
+/// wake-up at the arm.
 const SCAN_EVERY: Duration = Duration::from_micros(100);
 
 /// The epoll token of the engine's wake-up eventfd.
@@ -868,6 +872,7 @@ impl Run {
             if traffic {
                 self.spinner.traffic(now);
             } else if n == 0
+                && self.spinner.progress == Progress::Busy
                 && timeout == EpollTimeout::ZERO
                 && now.duration_since(self.last_scan) >= SCAN_EVERY
             {
