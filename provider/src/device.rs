@@ -81,6 +81,12 @@ impl Device {
         self.inner.engine.parks()
     }
 
+    /// How many times a busy engine found an application thread driving
+    /// a QP, with no arrival to race it for, and left the QP to it.
+    pub fn engine_idle_parks(&self) -> u64 {
+        self.inner.engine.idle_parks()
+    }
+
     /// The device name.
     pub fn name(&self) -> &str {
         &self.inner.name

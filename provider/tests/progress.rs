@@ -7,12 +7,12 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 use provider::cq::CompletionQueue;
 use provider::device::Device;
-use provider::engine::Progress;
+use provider::engine::{Progress, PARK_RECHECK};
 use provider::setup::MpaParams;
 use provider::wr::{SendOp, WcOpcode, WcStatus, WorkCompletion};
 
@@ -140,4 +140,40 @@ fn wait_blocking(cq: &Arc<CompletionQueue>, n: usize) -> Vec<WorkCompletion> {
         out.extend_from_slice(&buf[..got]);
     }
     out
+}
+
+/// A busy engine leaves a QP whose CQ the application spins on to that
+/// thread without waiting for an arrival to race it for, and the QP stays
+/// parked while the thread keeps polling: at most one park per recheck
+/// period (it comes back only at a recheck that finds the thread idle,
+/// preempted for a whole period). Without the look for driven QPs it was
+/// never parked, and the engine spun beside the application; when the
+/// first park's recheck came in the same turn of the engine's loop, it
+/// was taken back at once and parked again at every look, ten times a
+/// period.
+#[test]
+fn a_busy_engine_leaves_a_qp_the_application_polls_parked() {
+    let (a, _b) = pair_in(Progress::Busy, Progress::Busy);
+    let mut buf = [WorkCompletion::BLANK; 4];
+    let before = a.dev.engine_idle_parks();
+    let start = Instant::now();
+    while a.dev.engine_idle_parks() == before {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the polled QP was never parked"
+        );
+        assert_eq!(a.cq.poll(&mut buf), 0);
+    }
+    let parked = a.dev.engine_idle_parks();
+    let spin = Duration::from_millis(50);
+    let start = Instant::now();
+    while start.elapsed() < spin {
+        assert_eq!(a.cq.poll(&mut buf), 0);
+    }
+    let again = a.dev.engine_idle_parks() - parked;
+    let periods = (start.elapsed().as_micros() / PARK_RECHECK.as_micros()) as u64;
+    assert!(
+        again <= periods + 1,
+        "parked {again} more times in {periods} recheck periods"
+    );
 }
