@@ -72,7 +72,7 @@
 //! application thread is driving that QP (it polled a CQ with no
 //! notification armed since the engine last looked), the engine disarms
 //! the socket in its epoll set ("parks" it; a busy engine also parks,
-//! every [`SCAN_EVERY`], the QPs it finds driven, without waiting for an
+//! every `SCAN_EVERY` (100 µs), the QPs it finds driven, without waiting for an
 //! arrival to catch) and looks again every
 //! [`PARK_RECHECK`]; once the application has stopped driving it, the
 //! engine drives the QP and re-arms. That recheck is the one timer left:
