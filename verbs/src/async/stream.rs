@@ -435,8 +435,15 @@ impl StreamShared {
                         .cq
                         .poll_drain_asleep(cx, &mut batch, 64, own_socket, &mut asleep)
                     {
-                        // The socket has input: the next look drives the QP.
-                        Poll::Pending if asleep && self.sleep_on_socket(st, cx) => continue,
+                        // The socket has input. This task is the waiter
+                        // that kept it, and a look at an armed CQ leaves
+                        // such a QP to its waiter (the provider's
+                        // `kept_by_waiter`, which saves a channel waiter an
+                        // empty read): drive it here, then look again.
+                        Poll::Pending if asleep && self.sleep_on_socket(st, cx) => {
+                            self.qp.progress();
+                            continue;
+                        }
                         polled => break polled,
                     }
                 }
@@ -513,8 +520,8 @@ impl StreamShared {
 
     /// The task sleeps on the CQ (armed, `cx` registered on its fd): have
     /// it sleep on the QP's socket too, which the engine then leaves
-    /// alone. True when the socket has input now (the caller looks again,
-    /// which reads it), false when asleep on both (or on the CQ alone:
+    /// alone. True when the socket has input now (the caller drives the QP
+    /// and looks again), false when asleep on both (or on the CQ alone:
     /// no socket, or one that waits to be writable, which the engine
     /// watches).
     fn sleep_on_socket(&self, st: &mut StreamState, cx: &mut TaskContext<'_>) -> bool {
