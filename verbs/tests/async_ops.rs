@@ -663,6 +663,53 @@ fn a_stream_polled_while_asleep_loses_no_completion() {
     }
 }
 
+/// A peer that leaves as soon as it has read this side's close (it
+/// shuts down and drops its end at once, as a server does once its client
+/// said goodbye) does not fail this side's `shutdown`: the close left.
+/// The peer's own close arrives with or before its teardown, and this
+/// side's reads end cleanly. It failed with "Work Request Flushed" on
+/// siw0 when the credits this side returned for the peer's close were
+/// posted in the same batch as the close's completion and flushed by the
+/// teardown; the credits are no longer sent to a closed peer, and a Send
+/// after the close does not decide the shutdown.
+#[test]
+fn a_peer_that_leaves_once_it_reads_the_close_fails_no_shutdown() {
+    multi_thread().block_on(async {
+        let opts = StreamOptions {
+            slots: 2,
+            slot_size: 48,
+            spin: Duration::ZERO,
+            ..StreamOptions::default()
+        };
+        for round in 0..40usize {
+            let (mut c, mut s, _cc, sc) = stream_pair(opts).await;
+            let msg = pattern(1 + round * 7);
+            let len = msg.len();
+            let server = tokio::spawn(async move {
+                let mut got = Vec::new();
+                s.read_to_end(&mut got).await.unwrap();
+                s.write_all(&got).await.unwrap();
+                s.shutdown().await.unwrap();
+                drop(s);
+                drop(sc);
+                got.len()
+            });
+            c.write_all(&msg).await.unwrap();
+            tokio::time::timeout(LIMIT, c.shutdown())
+                .await
+                .unwrap_or_else(|_| panic!("round {round}: shutdown never finished"))
+                .unwrap_or_else(|e| panic!("round {round}: shutdown failed: {e}"));
+            let mut back = Vec::new();
+            tokio::time::timeout(LIMIT, c.read_to_end(&mut back))
+                .await
+                .unwrap_or_else(|_| panic!("round {round}: read never ended"))
+                .unwrap_or_else(|e| panic!("round {round}: read failed: {e}"));
+            assert!(back == msg, "round {round} came back different");
+            assert_eq!(server.await.unwrap(), len);
+        }
+    });
+}
+
 /// Where the connection has no native Write with Immediate (here one end
 /// forces its emulation, as a libibverbs device has it) the stream's
 /// data goes as Sends, and every byte still arrives in order.

@@ -271,13 +271,8 @@ struct StreamState {
     /// Send slots free to fill, and control slots.
     free_send: Vec<usize>,
     free_control: Vec<usize>,
-    /// Sends posted and not completed.
-    in_flight: usize,
-    /// A Send of this side (data, credits or close) completed with an
-    /// error: not everything written left.
-    send_failed: bool,
-    /// Close sent.
-    closed: bool,
+    /// This side's close, as `shutdown` tracks it.
+    close: Close,
     read_waker: Option<Waker>,
     write_waker: Option<Waker>,
     scratch: Vec<Completion>,
@@ -289,6 +284,22 @@ struct StreamState {
 enum Side {
     Read,
     Write,
+}
+
+/// This side's close. `shutdown` succeeds once the close's own completion
+/// comes back without error: a QP completes its Sends in order, so every
+/// byte written before it left too. Sends posted after it (credit returns
+/// for what this side still reads) are none of `shutdown`'s business: the
+/// peer, having read the close, may drop its end and flush them, and that
+/// is the reading side's end of stream, not a failed close.
+#[derive(Default, Clone, Copy, PartialEq, Eq, Debug)]
+enum Close {
+    #[default]
+    Open,
+    /// Posted as the work request with this id.
+    Posted(u64),
+    /// Its completion came back without error.
+    Sent,
 }
 
 impl RdmaStream {
@@ -556,24 +567,16 @@ impl StreamShared {
             if st.broken.is_none() {
                 st.broken = Some(c.status);
             }
-            match c.wr_id & TAG_MASK {
-                TAG_SEND | TAG_CONTROL => {
-                    st.in_flight = st.in_flight.saturating_sub(1);
-                    st.send_failed = true;
-                }
-                _ => {}
-            }
             return;
         }
         match (c.wr_id & TAG_MASK, c.kind) {
             (TAG_SEND, _) => {
-                st.in_flight -= 1;
+                if st.close == Close::Posted(c.wr_id) {
+                    st.close = Close::Sent;
+                }
                 st.free_send.push(slot);
             }
-            (TAG_CONTROL, _) => {
-                st.in_flight -= 1;
-                st.free_control.push(slot);
-            }
+            (TAG_CONTROL, _) => st.free_control.push(slot),
             (
                 TAG_RECV,
                 CompletionKind::Recv {
@@ -677,6 +680,12 @@ impl StreamShared {
 
     /// Send a credit update when half the window is owed (or `force`).
     fn return_credits(&self, st: &mut StreamState, force: bool) -> Result<()> {
+        // A peer that closed sends no more data: data credits would be a
+        // Send for nothing, racing the peer's teardown. It may still need
+        // control credits, to return ours while this side writes on.
+        if st.peer_closed {
+            st.data_owed = 0;
+        }
         let due = st.data_owed as usize * 2 >= self.opts.slots
             || (force && st.data_owed + st.control_owed > 0);
         if !due || st.broken.is_some() || st.control_credits == 0 {
@@ -698,7 +707,6 @@ impl StreamShared {
             return Err(e);
         }
         st.control_credits -= 1;
-        st.in_flight += 1;
         st.data_owed = 0;
         st.control_owed = 0;
         Ok(())
@@ -794,7 +802,9 @@ impl StreamShared {
         }
         st.ring_next = (st.ring_next + posted) % self.opts.slots;
         st.data_credits -= posted;
-        st.in_flight += posted;
+        if kind == KIND_CLOSE {
+            st.close = Close::Posted(TAG_SEND | slots[0] as u64);
+        }
         st.data_owed = 0;
         st.control_owed = 0;
         Ok(Some(
@@ -959,7 +969,7 @@ impl AsyncWrite for RdmaStream {
             if st.broken.is_some() {
                 return Poll::Ready(Err(StreamShared::broken_error(&st)));
             }
-            if st.closed {
+            if st.close != Close::Open {
                 return Poll::Ready(Err(io::Error::new(
                     io::ErrorKind::BrokenPipe,
                     "write after shutdown",
@@ -990,22 +1000,16 @@ impl AsyncWrite for RdmaStream {
         let sh = &*self.shared;
         let mut st = sh.lock();
         loop {
-            // Every Send, the close included, completed: done, even when
-            // the connection failed since (the peer, having read the
-            // close, may have gone, flushing this side's receives).
-            if st.closed && st.in_flight == 0 && !st.send_failed {
+            // The close left, and all before it (see `Close`), even when
+            // the connection failed since.
+            if st.close == Close::Sent {
                 return Poll::Ready(Ok(()));
             }
             if st.broken.is_some() {
                 return Poll::Ready(Err(StreamShared::broken_error(&st)));
             }
-            if !st.closed
-                && sh
-                    .send_messages(&mut st, KIND_CLOSE, &[])
-                    .map_err(io_err)?
-                    .is_some()
-            {
-                st.closed = true;
+            if st.close == Close::Open {
+                sh.send_messages(&mut st, KIND_CLOSE, &[]).map_err(io_err)?;
             }
             if sh.poll_progress(&mut st, cx, Side::Write)?.is_pending() {
                 return Poll::Pending;
