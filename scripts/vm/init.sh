@@ -97,8 +97,16 @@ setup_dev dummy1 "$STAG_SIW_ADDR" siw0 siw
 if [ ! -e $R/dev/infiniband/uverbs0 ] || [ ! -e $R/dev/infiniband/uverbs1 ]; then
     fail "no /dev/infiniband/uverbs0 and uverbs1"
 fi
+# The CPUs vm.sh kept offline for the boot (maxcpus=1, see there) come up
+# now, once the kernel has done its boot-time code patching.
+for cpu in /sys/devices/system/cpu/cpu[0-9]*; do
+    [ -f "$cpu/online" ] || continue
+    if [ "$(cat "$cpu/online")" = 0 ]; then
+        echo 1 >"$cpu/online" || fail "cannot bring ${cpu##*/} online"
+    fi
+done
 read -r up _ </proc/uptime
-log "ready after ${up}s (kernel $(uname -r))"
+log "ready after ${up}s (kernel $(uname -r), $(grep -c '^processor' /proc/cpuinfo) CPUs)"
 echo "$up" >/ctl/ready
 
 # 4. The command. Raw ttys: no \n -> \r\n rewriting on the way to the host.

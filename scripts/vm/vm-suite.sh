@@ -66,19 +66,9 @@ done < <(cargo test --quiet -p stag-verbs --features tokio --no-run --message-fo
 
 out=$(mktemp -d "${TMPDIR:-/tmp}/stag-vm-suite.XXXXXX")
 trap 'rm -rf "$out"' EXIT
-for attempt in 1 2; do
-    rc=0
-    scripts/vm/vm.sh --kernel "$KERNEL" --timeout "$TIMEOUT" --share "$out" -- \
-        bash scripts/vm/suite.sh "$out" "${tests[@]}" || rc=$?
-    # A TCG guest that dies before running anything (exit 3, no results:
-    # seen once in a few dozen 6.12 boots) gets one more boot; a test
-    # failure or a timeout never does.
-    if ((rc == 3)) && [[ ! -f $out/counts ]] && ((attempt == 1)); then
-        echo "vm-suite: the VM ran nothing (vm.sh exit 3); booting once more" >&2
-        continue
-    fi
-    break
-done
+rc=0
+scripts/vm/vm.sh --kernel "$KERNEL" --timeout "$TIMEOUT" --share "$out" -- \
+    bash scripts/vm/suite.sh "$out" "${tests[@]}" || rc=$?
 passed=0 failed=0
 if [[ -f $out/counts ]]; then
     read -r passed failed <"$out/counts"
