@@ -277,8 +277,9 @@ impl Ownership {
         !self.waited_on()
     }
 
-    /// An application thread starts sleeping on the socket (called under
-    /// the QP's io lock): whether it is the first, which takes the socket
+    /// An application thread starts sleeping on the socket (counted
+    /// before it takes the QP's io lock, which it skips when the socket
+    /// is [`kept_quiet`](Self::kept_quiet)): whether it is the first, which takes the socket
     /// out of the engine's epoll set so that an arrival wakes the waiter
     /// alone.
     pub(crate) fn begin_wait(&self) -> bool {
@@ -293,7 +294,7 @@ impl Ownership {
     }
 
     /// The last application thread sleeping on the socket stops, and it
-    /// keeps the socket for its next wait (under the QP's io lock):
+    /// keeps the socket for its next wait (without the QP's io lock):
     /// whether the QP must join the engine's held list (it is neither
     /// parked nor held already, and nobody else sleeps on it).
     pub(crate) fn end_wait_holding(&self) -> bool {
@@ -301,6 +302,15 @@ impl Ownership {
         self.app_waiters.fetch_sub(1, Ordering::SeqCst) == 1
             && !self.parked.load(Ordering::SeqCst)
             && !self.held.swap(true, Ordering::SeqCst)
+    }
+
+    /// Whether the socket is held for a waiter and out of the engine's
+    /// epoll set: a thread starting a wait (counted already by
+    /// [`begin_wait`](Self::begin_wait)) then has no flag to change. The
+    /// engine clears `held` before it looks for waiters, under the QP's
+    /// lock, so it cannot re-arm the socket once this saw `held`.
+    pub(crate) fn kept_quiet(&self) -> bool {
+        self.held.load(Ordering::SeqCst) && !self.armed.load(Ordering::SeqCst)
     }
 
     /// The engine's recheck of a held QP, before it takes the QP's lock:
