@@ -1115,6 +1115,33 @@ mod tests {
         assert!(own.unhold(), "nobody waits: the engine re-arms");
     }
 
+    /// A wait that starts on a socket its thread's last wait kept (held,
+    /// not re-armed) needs no lock ([`Ownership::kept_quiet`]); once that
+    /// thread counts as a waiter, the engine's unhold does not re-arm the
+    /// socket behind it; an armed or unheld socket takes the locked path.
+    #[test]
+    fn a_wait_on_a_kept_socket_starts_without_the_lock() {
+        let own = Ownership::default();
+        assert!(!own.kept_quiet(), "never held");
+        assert!(own.begin_wait());
+        assert!(own.end_wait_holding());
+        assert!(own.kept_quiet(), "held by the last wait");
+        // The next wait counts itself, then looks.
+        assert!(own.begin_wait());
+        assert!(own.kept_quiet());
+        // The engine's recheck meanwhile: a waiter is counted, so it
+        // leaves the socket out of its set.
+        assert!(!own.unhold(), "a thread sleeps on it: no re-arm");
+        assert!(!own.kept_quiet(), "no longer held: the next wait locks");
+        // That wait ends holding again: back in the list, quiet.
+        assert!(own.end_wait_holding());
+        assert!(own.kept_quiet());
+        // Armed by the engine: a wait must take the lock to disarm it.
+        own.armed.store(true, Ordering::SeqCst);
+        assert!(own.begin_wait());
+        assert!(!own.kept_quiet());
+    }
+
     #[test]
     fn progress_parses_and_prints_every_mode() {
         for (text, mode) in [
