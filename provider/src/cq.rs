@@ -31,6 +31,10 @@ pub(crate) trait CqQp: Send + Sync {
     /// stands back; a thread polling an armed CQ is about to sleep on
     /// its notification and leaves the QP with the engine.
     fn try_progress(&self, claim: bool);
+    /// Drive the QP from a waiter whose sleep on its socket just ended
+    /// with the socket ready, waiting for the lock if another thread holds
+    /// it (the input is still unread behind that thread).
+    fn drive_woken(&self);
     /// The socket to sleep on in [`CompletionQueue::wait`], with whether
     /// to wait for writability too; `None` before connection, after
     /// close, and unless `always` when waiters leave the QP to the
@@ -291,16 +295,10 @@ impl CompletionQueue {
         if out.is_empty() {
             return 0;
         }
-        self.sleep_until(timeout, |drive| {
-            let n = self.try_poll(out);
-            if n > 0 || !drive {
-                return n;
-            }
-            // Woken by a socket: drive, leaving the QPs with the engine
-            // (the waiter goes back to sleep if this brought nothing).
-            self.drive_qps(false);
-            self.try_poll(out)
-        })
+        // The sleep drives the QPs whose sockets woke it, leaving them
+        // with the engine (the waiter goes back to sleep if that brought
+        // nothing).
+        self.sleep_until(timeout, || self.try_poll(out))
     }
 
     /// Like [`wait`](Self::wait), but leave the completions queued: returns
@@ -308,12 +306,7 @@ impl CompletionQueue {
     /// [`interrupt_wait`](Self::interrupt_wait)). For a layer above that
     /// must take completions under its own lock, in CQ order.
     pub fn wait_ready(&self, timeout: Duration) -> usize {
-        self.sleep_until(timeout, |drive| {
-            if drive {
-                self.drive_qps(false);
-            }
-            self.len()
-        })
+        self.sleep_until(timeout, || self.len())
     }
 
     /// Drive the CQ's QPs once from this thread (`claim`: see
@@ -325,17 +318,16 @@ impl CompletionQueue {
         }
     }
 
-    /// The sleeping loop of [`wait`](Self::wait): `check(drive)` looks (after
-    /// driving the QPs when a socket woke us) and returns how many
-    /// completions it found.
-    fn sleep_until(&self, timeout: Duration, mut check: impl FnMut(bool) -> usize) -> usize {
+    /// The sleeping loop of [`wait`](Self::wait): `check()` looks and
+    /// returns how many completions it found; the loop drives the QPs
+    /// whose sockets woke it before it looks again.
+    fn sleep_until(&self, timeout: Duration, mut check: impl FnMut() -> usize) -> usize {
         let deadline = Instant::now() + timeout;
         // Drive only after a socket woke us: input already waiting makes
         // `poll(2)` return at once, so a read beforehand would be a wasted
         // syscall in the common case (the peer has not answered yet).
-        let mut drive = false;
         loop {
-            let n = check(drive);
+            let n = check();
             if n > 0 {
                 return n;
             }
@@ -390,10 +382,8 @@ impl CompletionQueue {
             // engine, which keeps the stream full while this thread is
             // away (held, 1 MiB Writes fell to 0.77×), and so does one
             // that stayed quiet.
-            let mut woke_by_socket = false;
             for ((qp, write), f) in sleeping.iter().zip(&fds[1..]) {
                 let revents = f.revents().unwrap_or(PollFlags::empty());
-                woke_by_socket |= !revents.is_empty();
                 if revents.contains(PollFlags::POLLIN) && !write {
                     qp.end_wait_holding();
                 } else {
@@ -404,7 +394,14 @@ impl CompletionQueue {
             if fds[0].any().unwrap_or(false) {
                 let _ = self.wake.read();
             }
-            drive = woke_by_socket;
+            // The QPs whose sockets woke us, waiting for a thread that
+            // holds one (`drive_woken`). The others have nothing to read:
+            // the engine drives those we did not sleep on.
+            for ((qp, _), f) in sleeping.iter().zip(&fds[1..]) {
+                if f.any().unwrap_or(false) {
+                    qp.drive_woken();
+                }
+            }
         }
     }
 
@@ -492,7 +489,7 @@ impl CompletionQueue {
             polled?;
             for (qp, f) in sleeping.iter().zip(&fds[1..]) {
                 if f.any().unwrap_or(false) {
-                    qp.try_progress(false);
+                    qp.drive_woken();
                 }
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {

@@ -582,22 +582,48 @@ impl CqQp for QpShared {
         Some((sock.as_fd(), self.tx_blocked.load(Ordering::Acquire)))
     }
 
+    fn drive_woken(&self) {
+        // Blocking, unlike `try_progress`: a thread that posts holds the
+        // lock for its write, and the waiter's input is still unread
+        // behind it. Skipping the drive would send the waiter straight
+        // back into `poll(2)` on a socket that is still readable (a spin
+        // on one core while the poster is preempted); waiting on the
+        // lock is one futex pair, and only when the two actually meet.
+        let mut io = self.lock();
+        self.drive(&mut io);
+    }
+
     fn set_waiting(&self, on: bool) {
+        if on {
+            let first = self.own.begin_wait();
+            // The common case in an event loop: the thread's last wait
+            // kept the socket (held) and nobody re-armed it since. Then
+            // there is no epoll flag to change and no lock to take: the
+            // lock would meet a thread that is posting (measured in
+            // rping, a futex pair per wait on both threads). Counted as
+            // a waiter first, so that the engine's unhold (which clears
+            // `held` and then looks for waiters, under the lock) cannot
+            // re-arm the socket behind this look.
+            if self.own.kept_quiet() {
+                return;
+            }
+            // Under the io lock, as every change of the socket's epoll
+            // flags.
+            let _io = self.lock();
+            if first && self.own.armed.swap(false, Ordering::Relaxed) {
+                if let (Some(engine), Some(sock)) = (self.engine.upgrade(), self.sock.get()) {
+                    engine.disarm(self.qpn as u64, sock.as_fd());
+                }
+            }
+            return;
+        }
         // Under the io lock, as every change of the socket's epoll flags.
         let io = self.lock();
         let (Some(engine), Some(sock)) = (self.engine.upgrade(), self.sock.get()) else {
-            if on {
-                self.own.begin_wait();
-            } else {
-                self.own.end_wait();
-            }
+            self.own.end_wait();
             return;
         };
-        if on {
-            if self.own.begin_wait() && self.own.armed.swap(false, Ordering::Relaxed) {
-                engine.disarm(self.qpn as u64, sock.as_fd());
-            }
-        } else if self.own.end_wait() && !io.closed {
+        if self.own.end_wait() && !io.closed {
             // Back to the engine the moment nobody sleeps on the socket:
             // input that arrives while the application does something
             // else is answered at once.
@@ -607,11 +633,15 @@ impl CqQp for QpShared {
     }
 
     fn end_wait_holding(&self) {
-        // Under the io lock, as every change of the socket's epoll flags.
-        // Otherwise another thread still sleeps on the socket, or the
-        // engine parked or holds the QP already: nothing to hand over.
-        let io = self.lock();
-        if self.own.end_wait_holding() && !io.closed {
+        // No lock: holding changes no epoll flag (the socket stays out of
+        // the engine's set), and joining the engine's held list needs
+        // only the QP's weak reference. The engine's unhold takes the
+        // lock and re-reads the waiters, so a hold racing it at worst
+        // leaves the QP both armed and held until its next recheck; the
+        // thread's next wait disarms it (`set_waiting`). Otherwise
+        // another thread still sleeps on the socket, or the engine
+        // parked or holds the QP already: nothing to hand over.
+        if self.own.end_wait_holding() && !self.closed.load(Ordering::Acquire) {
             match self.engine.upgrade() {
                 Some(engine) => engine.hold(self.me.clone() as Weak<dyn EngineQp>),
                 None => {

@@ -277,8 +277,9 @@ impl Ownership {
         !self.waited_on()
     }
 
-    /// An application thread starts sleeping on the socket (called under
-    /// the QP's io lock): whether it is the first, which takes the socket
+    /// An application thread starts sleeping on the socket (counted
+    /// before it takes the QP's io lock, which it skips when the socket
+    /// is [`kept_quiet`](Self::kept_quiet)): whether it is the first, which takes the socket
     /// out of the engine's epoll set so that an arrival wakes the waiter
     /// alone.
     pub(crate) fn begin_wait(&self) -> bool {
@@ -293,7 +294,7 @@ impl Ownership {
     }
 
     /// The last application thread sleeping on the socket stops, and it
-    /// keeps the socket for its next wait (under the QP's io lock):
+    /// keeps the socket for its next wait (without the QP's io lock):
     /// whether the QP must join the engine's held list (it is neither
     /// parked nor held already, and nobody else sleeps on it).
     pub(crate) fn end_wait_holding(&self) -> bool {
@@ -301,6 +302,15 @@ impl Ownership {
         self.app_waiters.fetch_sub(1, Ordering::SeqCst) == 1
             && !self.parked.load(Ordering::SeqCst)
             && !self.held.swap(true, Ordering::SeqCst)
+    }
+
+    /// Whether the socket is held for a waiter and out of the engine's
+    /// epoll set: a thread starting a wait (counted already by
+    /// [`begin_wait`](Self::begin_wait)) then has no flag to change. The
+    /// engine clears `held` before it looks for waiters, under the QP's
+    /// lock, so it cannot re-arm the socket once this saw `held`.
+    pub(crate) fn kept_quiet(&self) -> bool {
+        self.held.load(Ordering::SeqCst) && !self.armed.load(Ordering::SeqCst)
     }
 
     /// The engine's recheck of a held QP, before it takes the QP's lock:
@@ -1103,6 +1113,33 @@ mod tests {
         std::thread::sleep(PARK_RECHECK * 2);
         assert_eq!(own.hold_until(Instant::now()), None);
         assert!(own.unhold(), "nobody waits: the engine re-arms");
+    }
+
+    /// A wait that starts on a socket its thread's last wait kept (held,
+    /// not re-armed) needs no lock ([`Ownership::kept_quiet`]); once that
+    /// thread counts as a waiter, the engine's unhold does not re-arm the
+    /// socket behind it; an armed or unheld socket takes the locked path.
+    #[test]
+    fn a_wait_on_a_kept_socket_starts_without_the_lock() {
+        let own = Ownership::default();
+        assert!(!own.kept_quiet(), "never held");
+        assert!(own.begin_wait());
+        assert!(own.end_wait_holding());
+        assert!(own.kept_quiet(), "held by the last wait");
+        // The next wait counts itself, then looks.
+        assert!(own.begin_wait());
+        assert!(own.kept_quiet());
+        // The engine's recheck meanwhile: a waiter is counted, so it
+        // leaves the socket out of its set.
+        assert!(!own.unhold(), "a thread sleeps on it: no re-arm");
+        assert!(!own.kept_quiet(), "no longer held: the next wait locks");
+        // That wait ends holding again: back in the list, quiet.
+        assert!(own.end_wait_holding());
+        assert!(own.kept_quiet());
+        // Armed by the engine: a wait must take the lock to disarm it.
+        own.armed.store(true, Ordering::SeqCst);
+        assert!(own.begin_wait());
+        assert!(!own.kept_quiet());
     }
 
     #[test]

@@ -331,3 +331,88 @@ fn a_socket_kept_after_a_wait_goes_back_to_the_engine() {
         assert_eq!(b.cq.len(), 1, "{mode}: only the Receive completed on b");
     }
 }
+
+/// rping's pattern, on b: one thread posts Sends while another sleeps on
+/// the CQ's notifications, and the peer's Read Requests and Sends arrive
+/// on the socket that sleeper keeps. The sleeper starts and ends its
+/// waits without the QP's lock when the socket stays held, and drives a
+/// socket that woke it under the lock, behind the posting thread: every
+/// Read is answered, every Send and Receive completes, in every mode.
+#[test]
+fn a_thread_posting_beside_a_channel_sleeper_loses_nothing() {
+    const ROUNDS: u64 = 300;
+    for mode in MODES {
+        let (a, b) = pair_in(mode);
+        for i in 0..4u64 {
+            a.recv(1000 + i, 4096, 64);
+            b.recv(2000 + i, 4096, 64);
+        }
+        let (recv_tx, recv_rx) = std::sync::mpsc::channel::<u64>();
+        std::thread::scope(|s| {
+            let b = &b;
+            // b's completion thread: arm, poll, sleep on the notification
+            // (its QP's socket too), and hand each Receive to b's poster.
+            s.spawn(move || {
+                let mut got = 0;
+                let mut sends = 0;
+                let mut buf = [WorkCompletion::BLANK; 4];
+                while got < ROUNDS || sends < ROUNDS {
+                    b.cq.req_notify(false);
+                    let n = b.cq.poll(&mut buf);
+                    for wc in &buf[..n] {
+                        assert_eq!(wc.status, WcStatus::Success, "{mode}: {wc:?}");
+                        match wc.opcode {
+                            WcOpcode::Recv => {
+                                b.recv(wc.wr_id, 4096, 64);
+                                got += 1;
+                                recv_tx.send(got).unwrap();
+                            }
+                            _ => sends += 1,
+                        }
+                    }
+                    if n == 0 {
+                        let woke = CompletionQueue::wait_notified(
+                            b.cq.as_fd(),
+                            std::slice::from_ref(&b.cq),
+                            Some(Duration::from_secs(10)),
+                            &|| false,
+                        )
+                        .unwrap();
+                        assert!(woke, "{mode}: no notification in 10 s");
+                        b.cq.ack_events();
+                    }
+                }
+            });
+            // a: wait for b's Send, read b's memory, answer with a Send.
+            s.spawn(|| {
+                for i in 0..ROUNDS {
+                    let c = wait_cq(&a.cq, 1);
+                    assert_eq!(c[0].opcode, WcOpcode::Recv, "{mode}: {c:?}");
+                    a.recv(c[0].wr_id, 4096, 64);
+                    a.post(
+                        1,
+                        SendOp::Read {
+                            remote: b.mr.remote(64),
+                        },
+                        vec![a.mr.sge(0, 8)],
+                    );
+                    let c = wait_cq(&a.cq, 1);
+                    assert_eq!(c[0].status, WcStatus::Success, "{mode}: {c:?}");
+                    assert_eq!(a.mr.region().load_u64(0).unwrap(), i, "{mode}");
+                    send(&a, 2, false);
+                    let c = wait_cq(&a.cq, 1);
+                    assert_eq!(c[0].status, WcStatus::Success, "{mode}: {c:?}");
+                }
+            });
+            // b's poster: a Send per round, then wait for a's answer.
+            for i in 0..ROUNDS {
+                b.mr.region().store_u64(64, i).unwrap();
+                send(b, 3, false);
+                let got = recv_rx
+                    .recv_timeout(Duration::from_secs(10))
+                    .unwrap_or_else(|_| panic!("{mode}: round {i}: no answer in 10 s"));
+                assert_eq!(got, i + 1, "{mode}");
+            }
+        });
+    }
+}
