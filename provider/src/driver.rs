@@ -274,11 +274,14 @@ impl QpShared {
         };
         // What was posted leaves before we look for input: a post's
         // request is on the wire one read syscall sooner.
-        if read && !*writable_wanted && conn.has_pending_tx() {
+        let mut idle = read && !*writable_wanted && !*closed && *input == Input::Read;
+        if idle && conn.has_pending_tx() {
+            idle = false;
             Self::flush(conn, &mut sock, &env);
         }
+        idle &= hold_timer.is_none() && close_timer.is_none();
         // Bounded so that one busy QP cannot starve the others.
-        for _ in 0..if read { 64 } else { 0 } {
+        for turn in 0..if read { 64 } else { 0 } {
             // Input that waits for a Receive, with all the input it may
             // hold behind it, stops the reading, unless the peer closed:
             // then the rest is read (it is finite) to learn of the close.
@@ -340,7 +343,23 @@ impl QpShared {
                         break;
                     }
                 }
-                Err(Errno::EAGAIN) => break,
+                Err(Errno::EAGAIN) => {
+                    // The common empty poll of a spinning application:
+                    // nothing was sent, nothing came and nothing waits in
+                    // the connection, so the rest of the drive (a second
+                    // flush, the hold and close checks, the flags, the
+                    // queues) would find nothing either.
+                    if idle
+                        && turn == 0
+                        && !conn.rx_held()
+                        && !conn.has_output()
+                        && !conn.wants_close()
+                        && conn.state() != QpState::Error
+                    {
+                        return;
+                    }
+                    break;
+                }
                 Err(Errno::EINTR) => {}
                 Err(e) => {
                     debug!(qpn = self.qpn, error = %e, "socket read failed");

@@ -285,6 +285,52 @@ mod tests {
         assert_eq!(reg.live().len(), 1);
     }
 
+    /// A CQ that every QP of the device is on has nothing to sweep: once a
+    /// sweep found that, its next ones skip the walk, until a QP is
+    /// registered (a QP on another CQ is then swept as before).
+    #[test]
+    fn a_cq_with_every_qp_skips_its_sweeps_until_a_qp_is_created() {
+        let dev = Device::open("sweep-skip-test").unwrap();
+        let pd = dev.alloc_pd();
+        let (mine, theirs) = (
+            CompletionQueue::new(4).unwrap(),
+            CompletionQueue::new(4).unwrap(),
+        );
+        let reg = QpRegistry::with_idle(Duration::ZERO);
+        let qp = pd.create_qp(QpCaps::default(), &mine, &mine, None);
+        reg.register(qp.shared(), Arc::default());
+        assert_eq!(mine.mark().all_mine_at.load(Ordering::Relaxed), 0);
+        assert_eq!(reg.sweep(&mine), 0, "its own poller never sweeps it");
+        let generation = reg.generation.load(Ordering::Relaxed);
+        assert_eq!(mine.mark().all_mine_at.load(Ordering::Relaxed), generation);
+        // Held for writing: a sweep that walked would wait for it forever.
+        let table = reg.qps.write().unwrap();
+        let skipped = std::thread::scope(|s| {
+            let h = s.spawn(|| reg.sweep(&mine));
+            let start = Instant::now();
+            while !h.is_finished() && start.elapsed() < Duration::from_secs(5) {
+                std::thread::yield_now();
+            }
+            let skipped = h.is_finished();
+            // Released before the scope joins the sweep, finished or not.
+            drop(table);
+            skipped
+        });
+        assert!(
+            skipped,
+            "a sweep with nothing to sweep took the table's lock"
+        );
+        let other = pd.create_qp(QpCaps::default(), &theirs, &theirs, None);
+        reg.register(other.shared(), Arc::default());
+        assert_eq!(reg.sweep(&mine), 0, "new: its CQs not yet seen idle");
+        assert_eq!(reg.sweep(&mine), 1, "a new QP on another CQ is swept");
+        assert_ne!(
+            mine.mark().all_mine_at.load(Ordering::Relaxed),
+            reg.generation.load(Ordering::Relaxed)
+        );
+        assert_eq!(reg.sweep(&theirs), 0, "first seen by this sweep");
+    }
+
     /// Dead entries are pruned now and then, not on every registration:
     /// the map stays within twice the live QPs (plus the minimum gap),
     /// and registering n QPs walks O(n) entries in all, not O(n²).
