@@ -13,7 +13,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -86,6 +86,10 @@ impl fmt::Debug for NotifySink {
 #[derive(Debug)]
 pub struct CompletionQueue {
     queue: Mutex<VecDeque<WorkCompletion>>,
+    /// The queue's length, written under its lock: a poll that finds it
+    /// zero takes no lock (a spinning poller's empty polls are most of
+    /// them).
+    queued: AtomicUsize,
     capacity: usize,
     event_fd: EventFd,
     armed: AtomicU8,
@@ -115,6 +119,10 @@ pub struct CompletionQueue {
 pub(crate) struct PollMark {
     polls: AtomicU64,
     empty: AtomicBool,
+    /// The registry's generation when a sweep from this CQ last found
+    /// every QP of the device on this CQ (nothing to sweep until a QP is
+    /// created); 0 = never ([`crate::registry::QpRegistry::sweep`]).
+    pub(crate) all_mine_at: AtomicU64,
 }
 
 impl PollMark {
@@ -151,6 +159,7 @@ impl CompletionQueue {
             EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)?;
         Ok(Arc::new(CompletionQueue {
             queue: Mutex::new(VecDeque::with_capacity(capacity.min(65536))),
+            queued: AtomicUsize::new(0),
             capacity,
             event_fd,
             armed: AtomicU8::new(ARM_NONE),
@@ -190,6 +199,7 @@ impl CompletionQueue {
         }
         let solicited = wc.solicited || wc.status != WcStatus::Success;
         q.push_back(wc);
+        self.queued.store(q.len(), Ordering::Release);
         drop(q);
         if first_overrun {
             if let Some(hook) = self.overrun_hook.get() {
@@ -220,6 +230,7 @@ impl CompletionQueue {
         let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
         let before = q.len();
         q.retain(|wc| wc.qp_num != qpn);
+        self.queued.store(q.len(), Ordering::Release);
         before - q.len()
     }
 
@@ -248,11 +259,32 @@ impl CompletionQueue {
 
     /// Take up to `out.len()` completions without driving any QP.
     pub fn try_poll(&self, out: &mut [WorkCompletion]) -> usize {
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        let n = out.len().min(q.len());
-        for (slot, wc) in out.iter_mut().zip(q.drain(..n)) {
-            *slot = wc;
+        let mut slots = out.iter_mut();
+        self.try_poll_each(slots.len(), |wc| {
+            if let Some(slot) = slots.next() {
+                *slot = wc;
+            }
+        })
+    }
+
+    /// Hand up to `max` completions to `take`, in order, without driving
+    /// any QP; returns how many. `take` runs under the queue's lock: it
+    /// only stores the completion (a caller's own buffer needs no
+    /// blank-filled array in between).
+    #[inline]
+    pub fn try_poll_each(&self, max: usize, mut take: impl FnMut(WorkCompletion)) -> usize {
+        // A push stores the length after queuing, under the lock: a
+        // completion this look misses was pushed after it began, as if the
+        // poll had come a moment earlier.
+        if max == 0 || self.queued.load(Ordering::Acquire) == 0 {
+            return 0;
         }
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let n = max.min(q.len());
+        for wc in q.drain(..n) {
+            take(wc);
+        }
+        self.queued.store(q.len(), Ordering::Release);
         n
     }
 
@@ -260,8 +292,19 @@ impl CompletionQueue {
     /// waiting, the calling thread drives the QPs on this CQ once (reads
     /// their sockets), so busy polling needs no other thread.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> usize {
-        let n = self.try_poll(out);
-        if n > 0 || out.is_empty() {
+        let mut slots = out.iter_mut();
+        self.poll_each(slots.len(), |wc| {
+            if let Some(slot) = slots.next() {
+                *slot = wc;
+            }
+        })
+    }
+
+    /// [`poll`](Self::poll), handing up to `max` completions to `take`
+    /// ([`try_poll_each`](Self::try_poll_each)).
+    pub fn poll_each(&self, max: usize, mut take: impl FnMut(WorkCompletion)) -> usize {
+        let n = self.try_poll_each(max, &mut take);
+        if n > 0 || max == 0 {
             return n;
         }
         if self.is_armed() {
@@ -282,7 +325,7 @@ impl CompletionQueue {
         } else {
             self.drive_qps(true);
         }
-        self.try_poll(out)
+        self.try_poll_each(max, take)
     }
 
     /// Block until a completion is waiting or `timeout` passes; then poll.
@@ -537,7 +580,8 @@ impl CompletionQueue {
         self.event_fd.read().unwrap_or(0)
     }
 
-    /// Completions waiting.
+    /// Completions waiting (under the queue's lock: a waiter's last look
+    /// before it sleeps pairs with the push's wake-up through it).
     pub fn len(&self) -> usize {
         self.queue.lock().unwrap_or_else(|p| p.into_inner()).len()
     }

@@ -115,12 +115,37 @@ impl Device {
     /// QPs stay with the engine. The rdma-core plugin's `poll_cq` and
     /// verbs' userspace backend poll through here.
     pub fn poll_cq(&self, cq: &CompletionQueue, out: &mut [WorkCompletion]) -> usize {
+        let mut slots = out.iter_mut();
+        self.poll_cq_each(cq, slots.len(), |wc| {
+            if let Some(slot) = slots.next() {
+                *slot = wc;
+            }
+        })
+    }
+
+    /// [`poll_cq`](Self::poll_cq), handing up to `max` completions to
+    /// `take` in order (under the CQ's lock: it should only store them),
+    /// so that a front end fills its own buffer (`struct ibv_wc`, a Vec)
+    /// without a blank-filled array in between.
+    #[inline]
+    pub fn poll_cq_each(
+        &self,
+        cq: &CompletionQueue,
+        max: usize,
+        mut take: impl FnMut(WorkCompletion),
+    ) -> usize {
         cq.mark().bump();
-        if out.is_empty() {
+        if max == 0 {
             return 0;
         }
         let armed = cq.is_armed();
-        let mut n = cq.poll(out);
+        // What the assist needs of the last completion reaped.
+        let mut last = None;
+        let mut take = |wc: WorkCompletion| {
+            last = Some((wc.opcode, wc.status, wc.qp_num));
+            take(wc);
+        };
+        let mut n = cq.poll_each(max, &mut take);
         // Only a thread that spins on an empty CQ sweeps. A program that
         // polls many CQs in turn, each until it is empty (`stag bw --qps
         // 1024`), ends every visit with one empty poll; with a sweep
@@ -129,20 +154,16 @@ impl Device {
         // against 0.9 Mpps).
         if n == 0 && cq.mark().empty_again() && !armed && self.inner.qps.sweep(cq) > 0 {
             // What the sweep delivered may have landed here.
-            n = cq.try_poll(out);
+            n = cq.try_poll_each(max, &mut take);
         }
         if n > 0 {
             cq.mark().found();
         }
-        if let Some(last) = out[..n].last() {
-            if !armed
-                && last.opcode == WcOpcode::RdmaWrite
-                && last.status == WcStatus::Success
-                && cq.is_empty()
-            {
+        if let Some((WcOpcode::RdmaWrite, WcStatus::Success, qpn)) = last {
+            if !armed && cq.is_empty() {
                 // The program may now wait for the peer's answer in
                 // memory, without entering the provider.
-                self.inner.qps.after_write(last.qp_num);
+                self.inner.qps.after_write(qpn);
             }
         }
         n

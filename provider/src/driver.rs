@@ -8,9 +8,12 @@
 //! (write only), or a thread polling or waiting on one of its CQs.
 
 use std::collections::VecDeque;
-use std::io::{ErrorKind, Read};
+use std::io::ErrorKind;
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+
+use nix::errno::Errno;
+use nix::sys::socket::{self, MsgFlags};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::Instant;
@@ -271,11 +274,14 @@ impl QpShared {
         };
         // What was posted leaves before we look for input: a post's
         // request is on the wire one read syscall sooner.
-        if read && !*writable_wanted && conn.has_pending_tx() {
+        let mut idle = read && !*writable_wanted && !*closed && *input == Input::Read;
+        if idle && conn.has_pending_tx() {
+            idle = false;
             Self::flush(conn, &mut sock, &env);
         }
+        idle &= hold_timer.is_none() && close_timer.is_none();
         // Bounded so that one busy QP cannot starve the others.
-        for _ in 0..if read { 64 } else { 0 } {
+        for turn in 0..if read { 64 } else { 0 } {
             // Input that waits for a Receive, with all the input it may
             // hold behind it, stops the reading, unless the peer closed:
             // then the rest is read (it is finite) to learn of the close.
@@ -321,7 +327,9 @@ impl QpShared {
                 continue;
             }
             let want = conn.read_hint().unwrap_or(rbuf.len()).min(rbuf.len());
-            match sock.read(&mut rbuf[..want]) {
+            // `recv` through nix: the errno as a plain value, no
+            // `io::Error` to build, classify and drop per empty poll.
+            match socket::recv(sock.as_raw_fd(), &mut rbuf[..want], MsgFlags::empty()) {
                 Ok(0) => {
                     conn.handle_closed();
                     *closed = true;
@@ -335,8 +343,24 @@ impl QpShared {
                         break;
                     }
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(Errno::EAGAIN) => {
+                    // The common empty poll of a spinning application:
+                    // nothing was sent, nothing came and nothing waits in
+                    // the connection, so the rest of the drive (a second
+                    // flush, the hold and close checks, the flags, the
+                    // queues) would find nothing either.
+                    if idle
+                        && turn == 0
+                        && !conn.rx_held()
+                        && !conn.has_output()
+                        && !conn.wants_close()
+                        && conn.state() != QpState::Error
+                    {
+                        return;
+                    }
+                    break;
+                }
+                Err(Errno::EINTR) => {}
                 Err(e) => {
                     debug!(qpn = self.qpn, error = %e, "socket read failed");
                     conn.handle_stream_failed();
@@ -344,7 +368,9 @@ impl QpShared {
                 }
             }
         }
-        let engine = self.engine.upgrade();
+        // The engine is upgraded where it is needed, not per drive: an
+        // empty poll's drive needs none (an atomic pair on a count the
+        // engine thread shares, per poll).
         if conn.rx_held() || hold_timer.is_some() {
             let now = Instant::now();
             if hold_timer.is_some_and(|at| at <= now) {
@@ -366,7 +392,7 @@ impl QpShared {
                     // new one began looks again when it comes.
                     let at = since + HOLD_LIMIT;
                     *hold_timer = Some(at);
-                    if let Some(engine) = &engine {
+                    if let Some(engine) = self.engine.upgrade() {
                         engine.drive_at(at, self.me.clone() as Weak<dyn EngineQp>);
                     }
                 }
@@ -385,7 +411,7 @@ impl QpShared {
                 Stall::Until(at) => {
                     if close_timer.is_none_or(|t| t <= now) {
                         *close_timer = Some(at);
-                        if let Some(engine) = &engine {
+                        if let Some(engine) = self.engine.upgrade() {
                             engine.drive_at(at, self.me.clone() as Weak<dyn EngineQp>);
                         }
                     }
@@ -417,7 +443,7 @@ impl QpShared {
             // A parked socket is re-armed with the right flags when the
             // engine takes it back; application waiters poll for output
             // through `tx_blocked`.
-            if let Some(engine) = &engine {
+            if let Some(engine) = self.engine.upgrade() {
                 if self.own.armed.load(Ordering::Relaxed) {
                     engine.arm(self.qpn as u64, sock.as_fd(), want, pending);
                 }
@@ -445,7 +471,7 @@ impl QpShared {
         }
         if *closed && conn.state() == QpState::Error {
             let _ = sock.shutdown(Shutdown::Both);
-            if let Some(engine) = &engine {
+            if let Some(engine) = self.engine.upgrade() {
                 engine.deregister(self.qpn as u64, sock.as_fd());
             }
             self.closed.store(true, Ordering::Release);

@@ -85,6 +85,10 @@ pub(crate) struct QpRegistry {
     /// them each time); pruning once the map may have doubled keeps it
     /// amortised O(1) per QP and the map within twice the live QPs.
     until_prune: AtomicUsize,
+    /// Bumped (under the write lock) by every registration, from 1: a CQ
+    /// whose sweep found every QP on itself skips its sweeps until it
+    /// changes (`PollMark::all_mine_at`).
+    generation: AtomicU64,
     /// The time base of `Entry::seen_at`.
     epoch: Instant,
     idle_for: Duration,
@@ -102,6 +106,7 @@ impl QpRegistry {
         QpRegistry {
             qps: RwLock::default(),
             until_prune: AtomicUsize::new(0),
+            generation: AtomicU64::new(0),
             epoch: Instant::now(),
             idle_for,
         }
@@ -124,6 +129,7 @@ impl QpRegistry {
         } else {
             self.until_prune.store(left - 1, Ordering::Relaxed);
         }
+        self.generation.fetch_add(1, Ordering::Relaxed);
         qps.by_pd.entry(qp.pd).or_default().push(qp.qpn);
         qps.by_qpn.insert(
             qp.qpn,
@@ -174,9 +180,20 @@ impl QpRegistry {
     /// the QPs on other CQs that no thread polled for `idle_for`. Returns
     /// how many it progressed.
     pub(crate) fn sweep(&self, polling: &CompletionQueue) -> usize {
-        let qps = self.qps.read().unwrap_or_else(|p| p.into_inner());
-        let mut driven = 0;
         let polling = polling.mark();
+        // A program whose QPs are all on the CQ it spins on (one QP, one
+        // CQ: every latency test) has nothing to sweep: no lock and no
+        // walk per empty poll until a QP is created. The generation read
+        // unlocked is at most as new as the table read below; a stale
+        // match is one a creation after it breaks.
+        let generation = self.generation.load(Ordering::Relaxed);
+        if generation != 0 && polling.all_mine_at.load(Ordering::Relaxed) == generation {
+            return 0;
+        }
+        let qps = self.qps.read().unwrap_or_else(|p| p.into_inner());
+        let generation = self.generation.load(Ordering::Relaxed);
+        let mut all_mine = true;
+        let mut driven = 0;
         // Read the clock only for a QP off this CQ (a program with one CQ
         // pays no clock read per empty poll).
         let mut clock = None;
@@ -187,6 +204,7 @@ impl QpRegistry {
                 // Polling this CQ already drove it.
                 continue;
             }
+            all_mine = false;
             let marks = e.send.get().wrapping_add(e.recv.get());
             if e.swept.load(Ordering::Relaxed) != marks {
                 // Someone polls its CQs (or it is new): theirs to drive.
@@ -203,6 +221,9 @@ impl QpRegistry {
             };
             CqQp::try_progress(&*qp, true);
             driven += 1;
+        }
+        if all_mine {
+            polling.all_mine_at.store(generation, Ordering::Relaxed);
         }
         driven
     }
@@ -262,6 +283,52 @@ mod tests {
         let other = pd.create_qp(QpCaps::default(), &mine, &theirs, None);
         reg.register(other.shared(), Arc::default());
         assert_eq!(reg.live().len(), 1);
+    }
+
+    /// A CQ that every QP of the device is on has nothing to sweep: once a
+    /// sweep found that, its next ones skip the walk, until a QP is
+    /// registered (a QP on another CQ is then swept as before).
+    #[test]
+    fn a_cq_with_every_qp_skips_its_sweeps_until_a_qp_is_created() {
+        let dev = Device::open("sweep-skip-test").unwrap();
+        let pd = dev.alloc_pd();
+        let (mine, theirs) = (
+            CompletionQueue::new(4).unwrap(),
+            CompletionQueue::new(4).unwrap(),
+        );
+        let reg = QpRegistry::with_idle(Duration::ZERO);
+        let qp = pd.create_qp(QpCaps::default(), &mine, &mine, None);
+        reg.register(qp.shared(), Arc::default());
+        assert_eq!(mine.mark().all_mine_at.load(Ordering::Relaxed), 0);
+        assert_eq!(reg.sweep(&mine), 0, "its own poller never sweeps it");
+        let generation = reg.generation.load(Ordering::Relaxed);
+        assert_eq!(mine.mark().all_mine_at.load(Ordering::Relaxed), generation);
+        // Held for writing: a sweep that walked would wait for it forever.
+        let table = reg.qps.write().unwrap();
+        let skipped = std::thread::scope(|s| {
+            let h = s.spawn(|| reg.sweep(&mine));
+            let start = Instant::now();
+            while !h.is_finished() && start.elapsed() < Duration::from_secs(5) {
+                std::thread::yield_now();
+            }
+            let skipped = h.is_finished();
+            // Released before the scope joins the sweep, finished or not.
+            drop(table);
+            skipped
+        });
+        assert!(
+            skipped,
+            "a sweep with nothing to sweep took the table's lock"
+        );
+        let other = pd.create_qp(QpCaps::default(), &theirs, &theirs, None);
+        reg.register(other.shared(), Arc::default());
+        assert_eq!(reg.sweep(&mine), 0, "new: its CQs not yet seen idle");
+        assert_eq!(reg.sweep(&mine), 1, "a new QP on another CQ is swept");
+        assert_ne!(
+            mine.mark().all_mine_at.load(Ordering::Relaxed),
+            reg.generation.load(Ordering::Relaxed)
+        );
+        assert_eq!(reg.sweep(&theirs), 0, "first seen by this sweep");
     }
 
     /// Dead entries are pruned now and then, not on every registration:

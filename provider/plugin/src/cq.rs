@@ -439,14 +439,17 @@ pub(crate) unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, num: c_int, wc: *mut ib
             errno::set(libc::EINVAL);
             return -1;
         }
-        let mut buf = [WorkCompletion::BLANK; POLL_BATCH];
         let want = (num as usize).min(POLL_BATCH);
-        // The device's policies (sweep, assist) for a polling thread.
-        let n = st.device.poll_cq(inner, &mut buf[..want]);
-        for (i, c) in buf[..n].iter().enumerate() {
-            // SAFETY: the caller gave room for `num` ≥ n entries.
-            unsafe { ptr::write(wc.add(i), to_ibv_wc(c)) };
-        }
+        // The device's policies (sweep, assist) for a polling thread; each
+        // completion written straight into the caller's array.
+        let mut i = 0;
+        let n = st.device.poll_cq_each(inner, want, |c| {
+            if i < want {
+                // SAFETY: the caller gave room for `num` ≥ want > i entries.
+                unsafe { ptr::write(wc.add(i), to_ibv_wc(&c)) };
+                i += 1;
+            }
+        });
         n as c_int
     })
 }

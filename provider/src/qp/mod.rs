@@ -662,6 +662,14 @@ impl Connection {
 
     // ---- outputs ----
 
+    /// Whether the driver has anything to take from the connection:
+    /// completions, events or a Commit to perform. With nothing to send
+    /// either ([`has_pending_tx`](Self::has_pending_tx)) and no input, a
+    /// drive has nothing to do.
+    pub fn has_output(&self) -> bool {
+        !self.completions.is_empty() || !self.events.is_empty() || !self.durability.is_empty()
+    }
+
     /// The next completion, with the CQ it belongs on.
     pub fn poll_completion(&mut self) -> Option<(CqSide, WorkCompletion)> {
         self.completions.pop_front()
