@@ -109,6 +109,12 @@ use provider::wr::{Remote, SendOp};
 /// Control slots per side (credit updates in flight).
 pub const CONTROL_SLOTS: usize = 2;
 
+/// Data messages per post list: a large write goes out in pieces, so the
+/// peer starts reading the first while this side still copies the rest
+/// into its send slots (one post list for a whole 1 MiB write left the
+/// reader idle for the copy).
+const POST_BATCH: usize = 4;
+
 const HEADER: usize = 16;
 const KIND_DATA: u8 = 1;
 const KIND_CREDIT: u8 = 2;
@@ -724,28 +730,64 @@ impl StreamShared {
 
     /// Post as much of `payload` as the free send slots and data credits
     /// take, one message of `kind` per slot (a close: one empty message),
-    /// each a Write with Immediate into the peer's next ring slot, as one
-    /// post list (on stag0 one write to the socket). The bytes posted, or
-    /// `None` when no slot or credit is free.
+    /// each a Write with Immediate into the peer's next ring slot, in post
+    /// lists of at most [`POST_BATCH`] (on stag0 one write to the socket
+    /// each). The bytes posted, or `None` when no slot or credit is free.
     fn send_messages(
         &self,
         st: &mut StreamState,
         kind: u8,
         payload: &[IoSlice<'_>],
     ) -> Result<Option<usize>> {
-        let room = self.opts.slot_size - HEADER;
         let total: usize = payload.iter().map(|b| b.len()).sum();
+        // Where the next byte comes from: buffer, offset in it.
+        let mut cursor = (0, 0);
+        let mut sent = 0;
+        let mut messages = 0;
+        while sent < total || messages == 0 {
+            match self.send_batch(st, kind, payload, &mut cursor, total - sent) {
+                Ok(Some((n, k))) => {
+                    sent += n;
+                    messages += k;
+                    // A short list: out of slots or credits, or a post
+                    // failed part way (`cursor` is past bytes not posted).
+                    if k < POST_BATCH {
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                // What went before was posted: report it, and the error
+                // comes back at the next write.
+                Err(_) if messages > 0 => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok((messages > 0).then_some(sent))
+    }
+
+    /// One post list of [`send_messages`](Self::send_messages): up to
+    /// [`POST_BATCH`] messages holding the next at most `left` bytes of
+    /// `payload` from `cursor` on. (bytes, messages) posted, or `None`
+    /// when no slot or credit is free.
+    fn send_batch(
+        &self,
+        st: &mut StreamState,
+        kind: u8,
+        payload: &[IoSlice<'_>],
+        cursor: &mut (usize, usize),
+        left: usize,
+    ) -> Result<Option<(usize, usize)>> {
+        let room = self.opts.slot_size - HEADER;
         let mut slices = Vec::new();
         let mut slots = Vec::new();
         let mut at_byte = 0;
-        // Where the next byte comes from: buffer, offset in it.
-        let mut cursor = (0, 0);
-        while (slots.is_empty() || at_byte < total) && slots.len() < st.data_credits {
+        while (slots.is_empty() || at_byte < left) && slots.len() < st.data_credits.min(POST_BATCH)
+        {
             let Some(i) = st.free_send.pop() else {
                 break;
             };
             slots.push(i);
-            let n = (total - at_byte).min(room);
+            let n = (left - at_byte).min(room);
             let at = self.opts.send_offset(i);
             // The first message returns every owed credit, the rest none.
             let header = if slices.is_empty() {
@@ -756,7 +798,7 @@ impl StreamShared {
             let filled = self
                 .mr
                 .write_at(at, &header)
-                .and_then(|()| self.gather(at + HEADER, n, payload, &mut cursor))
+                .and_then(|()| self.gather(at + HEADER, n, payload, cursor))
                 .and_then(|()| self.mr.slice(at, HEADER + n));
             match filled {
                 Ok(slice) => slices.push(slice),
@@ -807,12 +849,11 @@ impl StreamShared {
         }
         st.data_owed = 0;
         st.control_owed = 0;
-        Ok(Some(
-            slices[..posted]
-                .iter()
-                .map(|s| s.len() as usize - HEADER)
-                .sum(),
-        ))
+        let bytes = slices[..posted]
+            .iter()
+            .map(|s| s.len() as usize - HEADER)
+            .sum();
+        Ok(Some((bytes, posted)))
     }
 
     /// Copy the next `n` bytes of `bufs`, from `cursor` (buffer, offset
@@ -922,6 +963,10 @@ impl AsyncRead for RdmaStream {
                         sh.repost(&mut st, slot);
                     }
                     st.data_owed += 1;
+                    // Half the window free: return it now, not after the
+                    // copy of what else arrived, so the writer refills
+                    // those slots while this side copies on.
+                    sh.return_credits(&mut st, false).map_err(io_err)?;
                 } else if let Some(front) = st.inbox.front_mut() {
                     front.1 = at + n;
                 }
