@@ -148,7 +148,7 @@ impl Default for StreamOptions {
     fn default() -> Self {
         StreamOptions {
             slots: 16,
-            slot_size: 64 * 1024,
+            slot_size: StreamOptions::DEFAULT_SLOT_SIZE,
             spin: StreamOptions::DEFAULT_SPIN,
             write_imm: true,
         }
@@ -156,6 +156,14 @@ impl Default for StreamOptions {
 }
 
 impl StreamOptions {
+    /// The size of a slot by default, header included: a message that
+    /// fills one is one DDP segment on stag0 (whose segments carry at
+    /// most 65536 - 512 bytes). A 64 KiB slot went as a 65024-byte
+    /// segment and a 512-byte one, which the peer reads with a syscall of
+    /// its own and copies out of its read buffer (`strace -c` of the
+    /// reader, 256 MiB in 1 MiB writes: see `DEFAULT_SLOT_SIZE`'s commit).
+    pub const DEFAULT_SLOT_SIZE: usize = 65536 - 512;
+
     /// The spin of a stream's CQ by default ([`spin`](Self::spin)): while
     /// bytes flow, the task reading or writing finds the next completion
     /// itself, driving the QP from its own thread (on stag0 it reads the
