@@ -556,6 +556,65 @@ fn a_vectored_write_gathers_its_buffers_into_messages() {
     });
 }
 
+/// A window of more slots than one post list takes (11: two full lists
+/// and a short one), written with vectored writes much larger than the
+/// window whose buffers end at other places than the slots and the post
+/// lists do, and read with one large buffer that takes many slots at a
+/// time (the reader returns credits while it copies): every byte arrives
+/// once, in order, and each write takes more than one post list's worth.
+#[test]
+fn writes_larger_than_a_post_list_arrive_byte_exact() {
+    multi_thread().block_on(async {
+        let opts = StreamOptions {
+            slots: 11,
+            slot_size: 16 + 40,
+            ..StreamOptions::default()
+        };
+        let (mut c, mut s, _cc, _sc) = stream_pair(opts).await;
+        let data = pattern(400_000);
+        let send = data.clone();
+        let writer = tokio::spawn(async move {
+            let mut at = 0;
+            let mut most = 0;
+            let sizes = [1_001, 77, 2_223];
+            while at < send.len() {
+                let mut bufs = Vec::new();
+                let mut end = at;
+                for n in sizes {
+                    let next = (end + n).min(send.len());
+                    bufs.push(std::io::IoSlice::new(&send[end..next]));
+                    end = next;
+                }
+                let n = c.write_vectored(&bufs).await.unwrap();
+                assert!(n > 0);
+                most = most.max(n);
+                at += n;
+            }
+            c.shutdown().await.unwrap();
+            most
+        });
+        let mut got = Vec::new();
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = tokio::time::timeout(LIMIT, s.read(&mut buf))
+                .await
+                .expect("in time")
+                .unwrap();
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&buf[..n]);
+        }
+        let most = writer.await.unwrap();
+        assert!(
+            most > 4 * 40,
+            "no write took more than one post list ({most} bytes)"
+        );
+        assert_eq!(got.len(), data.len());
+        assert!(got == data, "the bytes differ from what was sent");
+    });
+}
+
 /// Streams that never spin sleep between messages (on stag0 on their
 /// QP's socket, which the engine then leaves to them): a ping-pong of
 /// small messages, each end's halves in tasks of their own on a

@@ -13,8 +13,8 @@ use super::{
 use crate::mem::{Access, AtomicOp, MrTable, PdId};
 use crate::setup::Rtr;
 use crate::wire::atomic::AtomicOpcode;
-use crate::wire::ddp::Segments;
-use crate::wire::rdmap::{RdmapRepr, SendKind};
+use crate::wire::ddp::{Control, Segments};
+use crate::wire::rdmap::{Opcode, RdmapRepr, SendKind};
 use crate::wire::stream::Deframer;
 use crate::wire::{Error, TerminateCause};
 use crate::wr::{RecvWr, SendOp, Sge, WcOpcode, WcStatus};
@@ -239,8 +239,14 @@ impl Connection {
                     break;
                 }
             };
-            if ulpdu.first().is_some_and(|c| c & 0x80 == 0) {
-                // An untagged message: back to reading all there is.
+            if ulpdu.first().is_some_and(|c| c & 0x80 == 0) && !is_immediate_data(&ulpdu) {
+                // An untagged message: back to reading all there is. Not
+                // for the Immediate Data that ends a Write with Immediate:
+                // a stream of those is a stream of large Writes, and
+                // reading all there is after each would take the next
+                // Write's payload into the read buffer and copy it out
+                // again (RdmaStream's reader: 5.6% of its samples in that
+                // copy, a third of what its own copy to the user costs).
                 self.streaming = false;
             }
             if let Some(placing) = self.placing.take() {
@@ -712,4 +718,13 @@ fn scatter(
     } else {
         Err(Error::MessageTooLong)
     }
+}
+
+/// Whether `ulpdu` (untagged) is an Immediate Data message (RFC 7306).
+fn is_immediate_data(ulpdu: &[u8]) -> bool {
+    let [a, b, ..] = *ulpdu else {
+        return false;
+    };
+    let opcode = Control::from_bytes([a, b]).opcode();
+    opcode == Opcode::ImmediateData as u8 || opcode == Opcode::ImmediateDataSe as u8
 }
