@@ -769,6 +769,48 @@ fn a_peer_that_leaves_once_it_reads_the_close_fails_no_shutdown() {
     });
 }
 
+/// Ends whose `StreamOptions` give the ring another shape cannot share
+/// it: each would place the other's slots elsewhere. Both refuse the
+/// connection at once, with an error that names the options, and neither
+/// hangs.
+#[test]
+fn streams_whose_slot_geometry_differs_refuse_each_other() {
+    multi_thread().block_on(async {
+        let sctx = Context::open(&device()).unwrap();
+        let cctx = Context::open(&device()).unwrap();
+        let spd = sctx.alloc_pd().unwrap();
+        let cpd = cctx.alloc_pd().unwrap();
+        let listener = AsyncListener::bind(&sctx, listen_addr()).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = StreamOptions {
+            slots: 4,
+            slot_size: 4096,
+            ..StreamOptions::default()
+        };
+        let client = StreamOptions {
+            slot_size: 8192,
+            ..server
+        };
+        let (s, c) = tokio::time::timeout(LIMIT, async {
+            tokio::join!(
+                RdmaStream::accept(&listener, &spd, server),
+                RdmaStream::connect(&cpd, addr, client)
+            )
+        })
+        .await
+        .expect("a refused stream never hangs");
+        for (end, r) in [("server", s), ("client", c)] {
+            let e = r
+                .err()
+                .unwrap_or_else(|| panic!("the {end} accepted another geometry"));
+            assert!(
+                e.to_string().contains("slot_size"),
+                "the {end}'s error names the options: {e}"
+            );
+        }
+    });
+}
+
 /// Where the connection has no native Write with Immediate (here one end
 /// forces its emulation, as a libibverbs device has it) the stream's
 /// data goes as Sends, and every byte still arrives in order.

@@ -4,7 +4,9 @@
 //!
 //! Data goes as RDMA Writes with Immediate into a ring of slots the
 //! peer registered (its address and rkey travel in the connection's
-//! private data, 12 bytes: address then rkey, little endian), where the
+//! private data, 20 bytes, little endian: address, rkey, then the ring's
+//! `slots` and `slot_size`, which both ends must share: a stream whose
+//! peer's differ fails at once with an error that says so), where the
 //! connection runs Write with Immediate natively (stag0 to stag0), and as
 //! Sends into the peer's posted receives where it does not (libibverbs
 //! devices, whose 4-byte immediate stag emulates with three work
@@ -137,7 +139,9 @@ const TAG_SEND: u64 = 2 << 40;
 const TAG_CONTROL: u64 = 3 << 40;
 const TAG_MASK: u64 = 0xff << 40;
 
-/// The shape of a stream's buffers (both sides should agree).
+/// The shape of a stream's buffers. `slots` and `slot_size` must be the
+/// same on both ends (each says its own when they connect, and a stream
+/// whose peer's differ fails with an error); the rest is local.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamOptions {
     /// Receive slots (the window in messages); send slots as many.
@@ -227,6 +231,8 @@ impl StreamOptions {
         let place = ring.remote(0);
         let mut private_data = place.addr.to_le_bytes().to_vec();
         private_data.extend_from_slice(&place.rkey.to_le_bytes());
+        private_data.extend_from_slice(&(self.slots as u32).to_le_bytes());
+        private_data.extend_from_slice(&(self.slot_size as u32).to_le_bytes());
         ConnectOptions {
             caps: QpCaps {
                 max_send_wr: depth,
@@ -402,6 +408,30 @@ impl RdmaStream {
             addr: u64::from_le_bytes(addr.try_into().unwrap_or_default()),
             rkey: u32::from_le_bytes(rkey.try_into().unwrap_or_default()),
         };
+        // Each side computes where the other's ring slots lie from its
+        // own options: a peer with another geometry would write across
+        // slot boundaries (or past the ring), so it is refused here.
+        let word = |at: usize| {
+            private
+                .get(at..at + 4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+        };
+        match (word(12), word(16)) {
+            (Some(slots), Some(slot_size))
+                if slots == opts.slots && slot_size == opts.slot_size => {}
+            (Some(_), Some(_)) => {
+                return Err(Error::InvalidRequest(
+                    "the peer's RdmaStream has other slots or slot_size \
+                     (StreamOptions must match on both ends)",
+                ))
+            }
+            _ => {
+                return Err(Error::InvalidRequest(
+                    "the peer's RdmaStream did not say its slots and slot_size \
+                     (an older build?)",
+                ))
+            }
+        }
         let state = StreamState {
             data_credits: opts.slots,
             control_credits: CONTROL_SLOTS,
