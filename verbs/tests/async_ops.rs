@@ -444,6 +444,23 @@ async fn stream_pair_on(
     (c.unwrap(), s.unwrap(), cctx, sctx)
 }
 
+/// Everything `s` delivers until its end, read `size` bytes at a time
+/// (each read within [`LIMIT`]): how the tests read across slot edges.
+async fn read_in_reads_of(s: &mut RdmaStream, size: usize) -> Vec<u8> {
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; size];
+    loop {
+        let n = tokio::time::timeout(LIMIT, s.read(&mut buf))
+            .await
+            .expect("in time")
+            .unwrap();
+        if n == 0 {
+            return got;
+        }
+        got.extend_from_slice(&buf[..n]);
+    }
+}
+
 fn pattern(n: usize) -> Vec<u8> {
     (0..n).map(|i| (i * 131 % 251) as u8).collect()
 }
@@ -470,18 +487,7 @@ fn a_two_slot_ring_wraps_thousands_of_times_in_order() {
             c.shutdown().await.unwrap();
             c
         });
-        let mut got = Vec::new();
-        let mut buf = [0u8; 1_000];
-        loop {
-            let n = tokio::time::timeout(LIMIT, s.read(&mut buf))
-                .await
-                .expect("in time")
-                .unwrap();
-            if n == 0 {
-                break;
-            }
-            got.extend_from_slice(&buf[..n]);
-        }
+        let got = read_in_reads_of(&mut s, 1_000).await;
         let _c = writer.await.unwrap();
         assert_eq!(got.len(), data.len());
         assert!(got == data, "the bytes differ from what was sent");
@@ -593,18 +599,7 @@ fn writes_larger_than_a_post_list_arrive_byte_exact() {
             c.shutdown().await.unwrap();
             most
         });
-        let mut got = Vec::new();
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            let n = tokio::time::timeout(LIMIT, s.read(&mut buf))
-                .await
-                .expect("in time")
-                .unwrap();
-            if n == 0 {
-                break;
-            }
-            got.extend_from_slice(&buf[..n]);
-        }
+        let got = read_in_reads_of(&mut s, 64 * 1024).await;
         let most = writer.await.unwrap();
         assert!(
             most > 4 * 40,
