@@ -259,12 +259,8 @@ impl CompletionQueue {
 
     /// Take up to `out.len()` completions without driving any QP.
     pub fn try_poll(&self, out: &mut [WorkCompletion]) -> usize {
-        let mut slots = out.iter_mut();
-        self.try_poll_each(slots.len(), |wc| {
-            if let Some(slot) = slots.next() {
-                *slot = wc;
-            }
-        })
+        let (max, take) = fill(out);
+        self.try_poll_each(max, take)
     }
 
     /// Hand up to `max` completions to `take`, in order, without driving
@@ -292,12 +288,8 @@ impl CompletionQueue {
     /// waiting, the calling thread drives the QPs on this CQ once (reads
     /// their sockets), so busy polling needs no other thread.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> usize {
-        let mut slots = out.iter_mut();
-        self.poll_each(slots.len(), |wc| {
-            if let Some(slot) = slots.next() {
-                *slot = wc;
-            }
-        })
+        let (max, take) = fill(out);
+        self.poll_each(max, take)
     }
 
     /// [`poll`](Self::poll), handing up to `max` completions to `take`
@@ -618,6 +610,17 @@ impl AsFd for CompletionQueue {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.event_fd.as_fd()
     }
+}
+
+/// The `take` of the `*_each` polls for a caller with a slice: stores the
+/// completions in `out` in order; with how many it can hold.
+pub(crate) fn fill(out: &mut [WorkCompletion]) -> (usize, impl FnMut(WorkCompletion) + '_) {
+    let mut slots = out.iter_mut();
+    (slots.len(), move |wc| {
+        if let Some(slot) = slots.next() {
+            *slot = wc;
+        }
+    })
 }
 
 #[cfg(test)]

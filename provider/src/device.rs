@@ -115,12 +115,8 @@ impl Device {
     /// QPs stay with the engine. The rdma-core plugin's `poll_cq` and
     /// verbs' userspace backend poll through here.
     pub fn poll_cq(&self, cq: &CompletionQueue, out: &mut [WorkCompletion]) -> usize {
-        let mut slots = out.iter_mut();
-        self.poll_cq_each(cq, slots.len(), |wc| {
-            if let Some(slot) = slots.next() {
-                *slot = wc;
-            }
-        })
+        let (max, take) = crate::cq::fill(out);
+        self.poll_cq_each(cq, max, take)
     }
 
     /// [`poll_cq`](Self::poll_cq), handing up to `max` completions to
