@@ -109,6 +109,14 @@ print(f"{(t1 - t0) / 1e3 / n:.1f} {tot['task-clock'] * 1e3 / n:.1f} {tot['contex
 PY
 }
 
+# rping_under PID: the rping process started by `timeout` PID (through stag run).
+rping_under() {
+    local p
+    for p in $(pgrep -P "$1"); do
+        pgrep -x -P "$p" rping
+    done | head -1
+}
+
 # threads STAG: per-thread switches and system calls per iteration, one run.
 threads() {
     local ev=context-switches sc
@@ -119,14 +127,14 @@ threads() {
     timeout "$LIMIT" "$1" run -- rping -s -a 127.0.0.1 -p "$port" -C "$COUNT" >/dev/null 2>&1 &
     local s=$!
     wait_port "$port"
-    local before sp cp
-    before=$(pgrep -x rping | tr '\n' ' ')
     timeout "$LIMIT" "$1" run -- rping -c -a 127.0.0.1 -p "$port" -C "$COUNT" >/dev/null 2>&1 &
     local c=$!
     sleep 0.2
-    # The server is the rping that was there before the client started.
-    sp=$(pgrep -x rping | grep -Fxf <(echo "$before" | tr ' ' '\n' | grep .) | tail -1)
-    cp=$(pgrep -x rping | grep -vFxf <(echo "$before" | tr ' ' '\n' | grep .) | tail -1)
+    # timeout → stag run → rping: ours, not another user's rping.
+    local sp cp
+    sp=$(rping_under "$s")
+    cp=$(rping_under "$c")
+    [[ -n $sp && -n $cp ]] || { echo "  (rping not found)"; wait "$c"; wait "$s"; return; }
     perf stat --per-thread -x, -e "$ev" -p "$sp" -o "$OUT/ts" &
     local ps=$!
     perf stat --per-thread -x, -e "$ev" -p "$cp" -o "$OUT/tc" &
