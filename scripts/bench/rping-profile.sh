@@ -9,10 +9,13 @@
 #   cpu   CPU time of both processes (perf task-clock), in us
 #   cs    context switches of both processes
 #
-# then, from one more run of each build, every thread's context switches and
-# system calls per iteration (perf stat --per-thread on both processes; the
-# iterations counted are the server's sendmsg calls / 4: it sends a Read
-# Request, a Send, a Write and a Send per iteration). On this 2-core machine
+# then, from two more runs of each build, every thread's context switches and
+# system calls per iteration, and why each thread left the CPU (asleep in
+# poll/futex/epoll_wait, or preempted on the way out of a system call by a
+# thread it woke: perf record of sched_switch with kernel stacks). perf stat
+# --per-thread watches both processes; the iterations counted are the
+# server's sendmsg calls / 4 (it sends a Read Request, a Send, a Write and a
+# Send per iteration). On this 2-core machine
 # wall time swings with everyone else's load; CPU time and switches per
 # iteration are the steadier figures, and the per-thread table says which
 # thread pays them (rping's main thread, its CQ thread, stag's engine).
@@ -109,12 +112,17 @@ print(f"{(t1 - t0) / 1e3 / n:.1f} {tot['task-clock'] * 1e3 / n:.1f} {tot['contex
 PY
 }
 
-# rping_under PID: the rping process started by `timeout` PID (through stag run).
+# rping_under PID: the rping process started by `timeout` PID (through stag
+# run), once it is there (up to 5 s).
 rping_under() {
-    local p
-    for p in $(pgrep -P "$1"); do
-        pgrep -x -P "$p" rping
-    done | head -1
+    local p r
+    for _ in $(seq 50); do
+        for p in $(pgrep -P "$1"); do
+            r=$(pgrep -x -P "$p" rping | head -1)
+            [[ -n $r ]] && { echo "$r"; return; }
+        done
+        sleep 0.1
+    done
 }
 
 # threads STAG: per-thread switches and system calls per iteration, one run.
@@ -129,7 +137,6 @@ threads() {
     wait_port "$port"
     timeout "$LIMIT" "$1" run -- rping -c -a 127.0.0.1 -p "$port" -C "$COUNT" >/dev/null 2>&1 &
     local c=$!
-    sleep 0.2
     # timeout → stag run → rping: ours, not another user's rping.
     local sp cp
     sp=$(rping_under "$s")
@@ -168,6 +175,73 @@ for side, d in (("server", srv), ("client", cli)):
 PY
 }
 
+# why STAG: why each thread left the CPU, per iteration, one run (perf
+# record of sched_switch with kernel stacks): asleep in poll, futex (rping's
+# semaphores, or a lock) or epoll_wait, or preempted on the way out of a
+# system call (a thread it woke ran in its place) or elsewhere.
+why() {
+    next_port
+    timeout "$LIMIT" "$1" run -- rping -s -a 127.0.0.1 -p "$port" -C "$COUNT" >/dev/null 2>&1 &
+    local s=$!
+    wait_port "$port"
+    timeout "$LIMIT" "$1" run -- rping -c -a 127.0.0.1 -p "$port" -C "$COUNT" >/dev/null 2>&1 &
+    local c=$!
+    local sp cp
+    sp=$(rping_under "$s")
+    cp=$(rping_under "$c")
+    [[ -n $sp && -n $cp ]] || { echo "  (rping not found)"; wait "$c"; wait "$s"; return; }
+    perf record -q -g -e sched:sched_switch -e syscalls:sys_enter_sendmsg -p "$sp,$cp" \
+        -o "$OUT/why.data" >/dev/null 2>&1 &
+    local pr=$!
+    wait "$c"
+    kill -INT "$pr" 2>/dev/null
+    wait "$pr" 2>/dev/null
+    wait "$s"
+    perf script -i "$OUT/why.data" -F comm,pid,tid,event,ip,sym >"$OUT/why.txt" 2>/dev/null
+    rm -f "$OUT/why.data"
+    python3 - "$sp" "$OUT/why.txt" <<'PY'
+import collections, sys
+srv = sys.argv[1]
+count, names, side = collections.Counter(), {}, {}
+for ev in open(sys.argv[2]).read().split('\n\n'):
+    lines = ev.strip().split('\n')
+    if not lines or not lines[0].strip():
+        continue
+    head = lines[0].split()
+    comm, pid_tid = head[0], head[1]
+    pid, _, tid = pid_tid.partition('/')
+    names[tid], side[tid] = comm, 'server' if pid == srv else 'client'
+    if 'sys_enter_sendmsg' in lines[0]:
+        count[(tid, 'sendmsg calls')] += 1
+        continue
+    frames = [l.split(None, 1)[-1] for l in lines[1:]]
+    body = ' '.join(frames)
+    if 'futex_wait' in body:
+        why = 'asleep: futex'
+    elif 'do_sys_poll' in body:
+        why = 'asleep: poll'
+    elif 'do_epoll_wait' in body:
+        why = 'asleep: epoll_wait'
+    elif 'exit_to_user_mode' in body:
+        why = 'preempted'
+        for i, f in enumerate(frames):
+            if 'entry_SYSCALL' in f and i + 1 < len(frames):
+                why = 'preempted after ' + frames[i + 1].split()[0]
+                break
+    else:
+        why = 'other'
+    count[(tid, why)] += 1
+n = sum(v for (t, k), v in count.items() if k == 'sendmsg calls' and side[t] == 'server') / 4
+if n < 1:
+    sys.exit('  (no iteration seen)')
+print(f'  {n:.0f} iterations seen')
+for (t, k), v in sorted(count.items(), key=lambda kv: (side[kv[0][0]], kv[0])):
+    if k != 'sendmsg calls' and v / n >= 0.02:
+        print(f'  {side[t]} {names[t]}-{t:<8} {k:<36} {v / n:.2f}')
+PY
+    rm -f "$OUT/why.txt"
+}
+
 declare -A R
 F=()
 for r in $(seq "$ROUNDS"); do
@@ -196,4 +270,6 @@ done
 for b in "${BUILDS[@]}"; do
     echo "per thread, per iteration ($b):"
     threads "$b"
+    echo "why each thread left the CPU, per iteration ($b):"
+    why "$b"
 done
