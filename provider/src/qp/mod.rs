@@ -363,10 +363,6 @@ const MAX_HEADER_LEN: usize = 128;
 /// header that carries a payload.
 const MAX_SEGMENT: u32 = u16::MAX as u32 - MAX_HEADER_LEN as u32;
 
-/// The most send-queue entries [`Connection::make_send_room`] makes room
-/// for at the first post.
-const SEND_ROOM_MAX: usize = 4096;
-
 const QN_SEND: usize = 0;
 const QN_REQUEST: usize = 1;
 const QN_TERMINATE: usize = 2;
@@ -513,19 +509,6 @@ impl Connection {
 
     /// Admit one send WR; `inline` is its payload when it has no SGEs of
     /// its own (then `wr.sg_list` is the one SGE `post_inline` made).
-    /// At the first post, room for the send queue's depth in the queue
-    /// and the in-flight list (which together hold at most that many),
-    /// rather than doubling up to it while the first window is posted (a
-    /// copy and fresh pages at each step: about 5 % of the posting thread
-    /// of `stag bw --qps 1024`, where each QP posts 250 WRs). Not at
-    /// creation: a connected QP that never posts costs no more memory.
-    /// Deeper queues than [`SEND_ROOM_MAX`] still grow past it.
-    fn make_send_room(&mut self) {
-        let depth = (self.caps.max_send_wr as usize).min(SEND_ROOM_MAX);
-        self.sq.reserve_exact(depth);
-        self.in_flight.reserve_exact(depth);
-    }
-
     fn post_queued(
         &mut self,
         mut wr: SendWr,
@@ -540,9 +523,6 @@ impl Connection {
         }
         if self.sq.len() + self.in_flight.len() >= self.caps.max_send_wr as usize {
             return Err(PostError::SendQueueFull(self.caps.max_send_wr));
-        }
-        if self.sq.capacity() == 0 {
-            self.make_send_room();
         }
         let atomic = matches!(
             wr.op,
