@@ -68,8 +68,6 @@ struct Slab<T> {
 /// Posted WRs by token.
 pub(crate) struct Tracker<T> {
     table: Table,
-    /// The room made at the first insert ([`Tracker::with_depth`]).
-    depth: usize,
     slab: Mutex<Slab<T>>,
 }
 
@@ -195,20 +193,8 @@ impl RecvPost<'_> {
 
 impl<T> Tracker<T> {
     pub fn new(table: Table) -> Tracker<T> {
-        Tracker::with_depth(table, 0)
-    }
-
-    /// A table that, when it first needs room, makes room for `depth`
-    /// entries at once (the queue's depth) rather than doubling up to
-    /// it: filling the queue the first time then moves no entry. At 1024
-    /// QPs (`stag bw --qps 1024`, 250 WRs a QP) the slabs doubling (a
-    /// copy and fresh pages at each step) while the first window was
-    /// posted were 17 % of the posting thread. Nothing is allocated
-    /// before the first post: a connected idle QP costs no more memory.
-    pub fn with_depth(table: Table, depth: usize) -> Tracker<T> {
         Tracker {
             table,
-            depth,
             slab: Mutex::new(Slab {
                 slots: Vec::new(),
                 free: Vec::new(),
@@ -241,10 +227,6 @@ impl<T> Tracker<T> {
         let index = match slab.free.pop() {
             Some(i) => i,
             None => {
-                if slab.slots.capacity() == 0 && self.depth > 0 {
-                    slab.slots.reserve_exact(self.depth);
-                    slab.free.reserve_exact(self.depth);
-                }
                 slab.slots.push(Slot {
                     generation: 0,
                     entry: None,
@@ -342,45 +324,6 @@ mod tests {
         assert!(qp.remove(s).is_none());
         assert!(srq.remove(q).is_none());
         assert_eq!(srq.remove(s).map(|e| e.0), Some(2));
-    }
-
-    /// A table made for a queue's depth allocates nothing before its
-    /// first entry, then takes that many entries without growing (its
-    /// storage never moves), and past it still takes more.
-    #[test]
-    fn a_table_made_for_a_depth_fills_it_without_growing() {
-        let t: Tracker<u64> = Tracker::with_depth(Table::Qp, 16);
-        assert_eq!(
-            t.slab.lock().unwrap().slots.capacity(),
-            0,
-            "idle: no room yet"
-        );
-        let first = t.insert(0, Held::new()).token();
-        let (slots, free) = {
-            let slab = t.slab.lock().unwrap();
-            assert!(slab.slots.capacity() >= 16 && slab.free.capacity() >= 16);
-            (slab.slots.as_ptr(), slab.free.as_ptr())
-        };
-        let mut toks: Vec<u64> = (1..16).map(|i| t.insert(i, Held::new()).token()).collect();
-        toks.push(first);
-        assert_eq!(
-            t.slab.lock().unwrap().slots.as_ptr(),
-            slots,
-            "the slots moved"
-        );
-        for tok in &toks {
-            assert!(t.remove(*tok).is_some());
-        }
-        assert_eq!(
-            t.slab.lock().unwrap().free.as_ptr(),
-            free,
-            "the free list moved"
-        );
-        let more: Vec<u64> = (0..20).map(|i| t.insert(i, Held::new()).token()).collect();
-        assert_eq!(t.len(), 20);
-        for tok in more {
-            assert!(t.remove(tok).is_some());
-        }
     }
 
     #[test]

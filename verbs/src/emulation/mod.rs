@@ -283,7 +283,7 @@ impl QpCore {
             pd: pd.clone(),
             qp_num,
             send_cq: send_cq.clone(),
-            tracker: Tracker::with_depth(Table::Qp, max_send_wr as usize),
+            tracker: Tracker::new(Table::Qp),
             order: Mutex::new(SendOrder::default()),
             srq,
             agent: OnceLock::new(),
