@@ -551,6 +551,21 @@ impl EngineQp for QpShared {
         engine.arm(self.qpn as u64, sock.as_fd(), io.input, io.writable_wanted);
     }
 
+    fn engine_poll(&self) -> bool {
+        let mut io = match self.io.try_lock() {
+            Ok(io) => io,
+            // Another thread drives it right now: nothing to read here.
+            Err(std::sync::TryLockError::WouldBlock) => return true,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        };
+        if io.closed || io.conn.is_none() || io.input != Input::Read || io.writable_wanted {
+            // Not a plain read: its socket's events say when to drive.
+            return false;
+        }
+        self.drive(&mut io);
+        true
+    }
+
     fn engine_unhold(&self) -> Option<Instant> {
         // A thread that keeps waiting on the socket keeps it: no lock
         // taken here, which that thread would wait for (a futex pair per

@@ -129,6 +129,12 @@ pub(crate) fn mono_ns() -> u64 {
 /// wake-up at the arm.
 const SCAN_EVERY: Duration = Duration::from_micros(100);
 
+/// How many passes of a busy engine that drives one QP read its socket
+/// directly ([`Run::poll_sole`]) between two `epoll_wait(0)`s, which see
+/// the other sockets, hang-ups and the wake-up eventfd: at most this many
+/// passes (a few microseconds) late.
+const SOLE_POLLS: u32 = 8;
+
 /// The epoll token of the engine's wake-up eventfd.
 const WAKE_TOKEN: u64 = u64::MAX;
 
@@ -269,6 +275,13 @@ impl Ownership {
         polls != seen && !self.released.load(Ordering::Relaxed)
     }
 
+    /// Engine only: [`app_active`](Self::app_active) without taking
+    /// the look, for a check that leaves the decision to the next event.
+    fn app_drove_unseen(&self) -> bool {
+        self.app_polls.load(Ordering::Relaxed) != self.engine_seen.load(Ordering::Relaxed)
+            && !self.released.load(Ordering::Relaxed)
+    }
+
     /// The engine takes a parked QP back (under the QP's io lock): whether
     /// to re-arm its socket now, which waits for the last thread asleep on
     /// it to wake ([`end_wait`](Self::end_wait) re-arms it then).
@@ -372,6 +385,12 @@ pub(crate) trait EngineQp: Send + Sync {
     /// if `rearm` (the QP was parked), take it back
     /// ([`Ownership::unpark`]) and re-arm the socket.
     fn engine_drive(&self, rearm: bool);
+    /// A busy engine's poll of the one QP it drives ([`Run::poll_sole`]):
+    /// drive it (a read of its socket, which an idle QP answers with
+    /// `EAGAIN`) unless another thread drives it now. `false`: its socket
+    /// waits for something other than input (closed, input blocked on a
+    /// Receive, output blocked on room), which only its epoll events tell.
+    fn engine_poll(&self) -> bool;
     /// Take a held QP back ([`Engine::hold`]): drive it and re-arm its
     /// socket unless a thread sleeps on it again ([`Ownership::unhold`]).
     /// `Some(at)`: the QP stays held until a recheck at `at` (its thread
@@ -454,6 +473,8 @@ impl Engine {
                 parked: Vec::new(),
                 last_check: Instant::now(),
                 last_scan: Instant::now(),
+                sole: None,
+                sole_polls: 0,
             };
             let thread_name = format!("{name}-engine");
             std::thread::Builder::new()
@@ -831,6 +852,11 @@ struct Run {
     last_check: Instant,
     /// When a polling engine last looked for application-driven QPs.
     last_scan: Instant,
+    /// Busy only: the one QP the engine drives, whose socket it reads
+    /// directly on most passes ([`Run::poll_sole`]).
+    sole: Option<Weak<dyn EngineQp>>,
+    /// Passes since the last `epoll_wait`.
+    sole_polls: u32,
 }
 
 impl Run {
@@ -867,14 +893,21 @@ impl Run {
                 }
                 None => timeout,
             };
-            let n = match self.epoll.wait(&mut events, timeout) {
-                Ok(n) => n,
-                Err(nix::errno::Errno::EINTR) => continue,
-                Err(e) => {
-                    warn!(error = %e, "epoll_wait failed; engine stops");
-                    return;
+            let n = if timeout == EpollTimeout::ZERO && self.poll_sole() {
+                0
+            } else {
+                self.sole_polls = 0;
+                match self.epoll.wait(&mut events, timeout) {
+                    Ok(n) => n,
+                    Err(nix::errno::Errno::EINTR) => continue,
+                    Err(e) => {
+                        warn!(error = %e, "epoll_wait failed; engine stops");
+                        return;
+                    }
                 }
             };
+            let sole_candidate = self.spinner.progress == Progress::Busy
+                && self.registered.load(Ordering::Relaxed) == self.parked.len() + 1;
             let mut recheck = false;
             let mut traffic = false;
             for ev in &events[..n] {
@@ -911,6 +944,9 @@ impl Run {
                 } else {
                     qp.engine_drive(false);
                     traffic = true;
+                    if sole_candidate && self.sole.is_none() {
+                        self.sole = Some(Arc::downgrade(&qp));
+                    }
                 }
             }
             let now = Instant::now();
@@ -947,6 +983,49 @@ impl Run {
 }
 
 impl Run {
+    /// A busy engine that drives one QP reads its socket directly instead
+    /// of asking `epoll_wait(0)` first: a request then costs the responder
+    /// the read that brings it, as on a plain polling socket, and not an
+    /// `epoll_wait` that reports it, a map lookup and then the read. Every
+    /// [`SOLE_POLLS`] passes the engine waits on its epoll set as before
+    /// (the other sockets, hang-ups, its wake-up eventfd). Whether it
+    /// polled the QP: not when there is no such QP, or it is no longer
+    /// the engine's alone (parked, waited on, disarmed, driven by an
+    /// application thread since the engine last looked, or another QP
+    /// joined); the next event decides then, as without this.
+    fn poll_sole(&mut self) -> bool {
+        let Some(weak) = &self.sole else {
+            return false;
+        };
+        if self.sole_polls >= SOLE_POLLS {
+            return false;
+        }
+        let qp = match weak.upgrade() {
+            Some(qp)
+                if self.registered.load(Ordering::Relaxed) == self.parked.len() + 1
+                    && self.spinner.progress == Progress::Busy =>
+            {
+                qp
+            }
+            _ => {
+                self.sole = None;
+                return false;
+            }
+        };
+        let own = qp.ownership();
+        if !own.armed.load(Ordering::Relaxed)
+            || own.parked.load(Ordering::Relaxed)
+            || own.waited_on()
+            || own.app_drove_unseen()
+            || !qp.engine_poll()
+        {
+            self.sole = None;
+            return false;
+        }
+        self.sole_polls += 1;
+        true
+    }
+
     /// Park every armed QP an application thread drove since the engine
     /// last looked. A polling engine otherwise parks a QP only when it
     /// catches an arrival before the application's own poll reads it, and
@@ -1164,6 +1243,100 @@ mod tests {
         own.armed.store(true, Ordering::SeqCst);
         assert!(own.begin_wait());
         assert!(!own.kept_quiet());
+    }
+
+    /// A stand-in QP over a Unix socket pair: counts the engine's drives
+    /// (after an epoll event) and direct polls, each reading what came.
+    struct FakeQp {
+        own: Ownership,
+        sock: std::os::unix::net::UnixStream,
+        drives: AtomicU32,
+        polls: AtomicU32,
+    }
+
+    impl FakeQp {
+        fn drain(&self) {
+            use std::io::Read as _;
+            let mut buf = [0u8; 64];
+            while matches!((&self.sock).read(&mut buf), Ok(n) if n > 0) {}
+        }
+    }
+
+    impl EngineQp for FakeQp {
+        fn ownership(&self) -> &Ownership {
+            &self.own
+        }
+        fn fd(&self) -> Option<BorrowedFd<'_>> {
+            Some(self.sock.as_fd())
+        }
+        fn engine_drive(&self, _rearm: bool) {
+            self.drain();
+            self.drives.fetch_add(1, Ordering::SeqCst);
+        }
+        fn engine_poll(&self) -> bool {
+            self.drain();
+            self.polls.fetch_add(1, Ordering::SeqCst);
+            true
+        }
+        fn engine_unhold(&self) -> Option<Instant> {
+            None
+        }
+    }
+
+    fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+        let until = Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(Instant::now() < until, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// A busy engine that drives one QP, once an arrival made it drive
+    /// that QP, reads its socket directly on most passes (no epoll_wait
+    /// first), and still waits on its epoll set between; it stops once
+    /// an application thread drives the QP. An adaptive engine never
+    /// polls that way.
+    #[test]
+    fn a_busy_engine_polls_its_one_qp_directly_until_the_application_drives_it() {
+        use std::io::Write as _;
+        for progress in [Progress::Busy, Progress::default()] {
+            let (ours, mut peer) = std::os::unix::net::UnixStream::pair().unwrap();
+            ours.set_nonblocking(true).unwrap();
+            let qp = Arc::new(FakeQp {
+                own: Ownership::default(),
+                sock: ours,
+                drives: AtomicU32::new(0),
+                polls: AtomicU32::new(0),
+            });
+            let engine = Engine::start("sole-test", progress).unwrap();
+            let weak: Weak<dyn EngineQp> = Arc::downgrade(&(qp.clone() as Arc<dyn EngineQp>));
+            engine.register(7, weak, &qp.own, qp.sock.as_fd()).unwrap();
+            peer.write_all(b"x").unwrap();
+            wait_for("the first drive", || qp.drives.load(Ordering::SeqCst) >= 1);
+            if progress != Progress::Busy {
+                std::thread::sleep(Duration::from_millis(20));
+                assert_eq!(qp.polls.load(Ordering::SeqCst), 0, "{progress}");
+                continue;
+            }
+            wait_for("direct polls", || qp.polls.load(Ordering::SeqCst) >= 1000);
+            // What comes now is read by a direct poll, not an event's drive.
+            let drives = qp.drives.load(Ordering::SeqCst);
+            for _ in 0..20 {
+                peer.write_all(b"y").unwrap();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert!(
+                qp.drives.load(Ordering::SeqCst) - drives < 20,
+                "every arrival took an epoll event"
+            );
+            // An application thread drives the QP: the engine stops polling it.
+            qp.own.note_app();
+            std::thread::sleep(Duration::from_millis(20));
+            let polls = qp.polls.load(Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(20));
+            assert_eq!(qp.polls.load(Ordering::SeqCst), polls, "still polled");
+            engine.deregister(7, qp.sock.as_fd());
+        }
     }
 
     #[test]
