@@ -989,13 +989,30 @@ fn slot_messages_arrive_in_order_across_ring_wraps() {
                 let mut at = 0;
                 let mut k = 0;
                 while at < send.len() {
-                    let mut slot = c.send_slot().await.unwrap();
-                    assert_eq!(slot.capacity(), 48);
-                    let n = (1 + k % 48).min(send.len() - at);
-                    slot[..n].copy_from_slice(&send[at..at + n]);
-                    slot.commit(n).unwrap();
-                    at += n;
-                    k += 1;
+                    // Every other message alone (`commit`), the rest in
+                    // batches of what is free (`commit_all`).
+                    let mut batch = vec![c.send_slot().await.unwrap()];
+                    while k % 2 == 1 && batch.len() < 3 {
+                        match c.try_send_slot().unwrap() {
+                            Some(slot) => batch.push(slot),
+                            None => break,
+                        }
+                    }
+                    let mut filled = Vec::new();
+                    for mut slot in batch {
+                        assert_eq!(slot.capacity(), 48);
+                        let n = (1 + k % 48).min(send.len() - at);
+                        slot[..n].copy_from_slice(&send[at..at + n]);
+                        filled.push((slot, n));
+                        at += n;
+                        k += 1;
+                    }
+                    if filled.len() == 1 {
+                        let (slot, n) = filled.pop().unwrap();
+                        slot.commit(n).unwrap();
+                    } else {
+                        c.commit_all(filled).unwrap();
+                    }
                 }
                 c.shutdown().await.unwrap();
                 c
@@ -1103,6 +1120,12 @@ fn a_send_slot_dropped_without_commit_sends_nothing() {
                 }
             }
         }
+        // A batch with one slot too long posts none of them.
+        let a = c.send_slot().await.unwrap();
+        let b = c.try_send_slot().unwrap().expect("a second slot is free");
+        assert!(c.try_send_slot().unwrap().is_none(), "two slots only");
+        let e = c.commit_all([(a, 1), (b, 33)]).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
         let mut slot = c.send_slot().await.unwrap();
         slot[..5].copy_from_slice(b"hello");
         slot.commit(5).unwrap();

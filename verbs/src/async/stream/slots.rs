@@ -34,7 +34,8 @@ use std::ops::{Deref, DerefMut};
 use std::task::{Context as TaskContext, Poll};
 
 use super::{
-    io_err, Close, RdmaStream, Side, StreamShared, StreamState, HEADER, KIND_DATA, TAG_SEND,
+    io_err, plain_header, Close, RdmaStream, Side, StreamShared, StreamState, HEADER, KIND_DATA,
+    TAG_SEND,
 };
 use crate::cq::WcStatus;
 use crate::mr::MemoryRegion;
@@ -80,6 +81,14 @@ impl RdmaStream {
     /// Fails once the connection failed, or after `shutdown`.
     /// Cancel-safe: the future holds nothing until it resolves.
     ///
+    /// Each slot holds one of the window's credits until it is committed
+    /// or dropped, and the peer returns credits only for messages it got:
+    /// a task that holds slots while it awaits another can wait forever
+    /// when the window is no larger than what it holds. To fill several
+    /// before posting them together ([`commit_all`](Self::commit_all)),
+    /// await the first and take the rest with
+    /// [`try_send_slot`](Self::try_send_slot).
+    ///
     /// ```no_run
     /// # async fn demo(stream: verbs::r#async::RdmaStream) -> std::io::Result<()> {
     /// let mut slot = stream.send_slot().await?;
@@ -89,6 +98,40 @@ impl RdmaStream {
     /// ```
     pub async fn send_slot(&self) -> io::Result<SendSlot<'_>> {
         poll_fn(|cx| self.poll_send_slot(cx)).await
+    }
+
+    /// A send slot if one (and a credit) is free now, without waiting or
+    /// driving the connection; `None` otherwise. Fails as `send_slot`.
+    pub fn try_send_slot(&self) -> io::Result<Option<SendSlot<'_>>> {
+        let st = &mut *self.shared.lock();
+        Self::take_send_slot(st).map(|slot| {
+            slot.map(|slot| SendSlot {
+                stream: self,
+                slot,
+                done: false,
+            })
+        })
+    }
+
+    /// Reserve a send slot and a data credit, if free.
+    fn take_send_slot(st: &mut StreamState) -> io::Result<Option<usize>> {
+        if st.broken.is_some() {
+            return Err(StreamShared::broken_error(st));
+        }
+        if st.close != Close::Open {
+            return Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "send_slot after shutdown",
+            ));
+        }
+        if st.data_credits == 0 {
+            return Ok(None);
+        }
+        let slot = st.free_send.pop();
+        if slot.is_some() {
+            st.data_credits -= 1;
+        }
+        Ok(slot)
     }
 
     /// Borrow the next message in the ring slot it landed in: no copy of
@@ -109,6 +152,70 @@ impl RdmaStream {
         poll_fn(|cx| self.poll_recv_slot(cx)).await
     }
 
+    /// Post filled slots as the stream's next messages, in the order
+    /// given, in one post list (one socket write on stag0, where a
+    /// [`SendSlot::commit`] each costs one each): (slot, bytes to send).
+    /// A length of 0 sends nothing for that slot. A length past a slot's
+    /// capacity fails before anything is posted. Should the post fail
+    /// part way, the slots posted stay posted and the rest go back; the
+    /// error says so.
+    ///
+    /// ```no_run
+    /// # async fn demo(stream: verbs::r#async::RdmaStream) -> std::io::Result<()> {
+    /// // Wait for one slot, then take up to 3 more that are free now.
+    /// let mut batch = vec![stream.send_slot().await?];
+    /// while batch.len() < 4 {
+    ///     match stream.try_send_slot()? {
+    ///         Some(slot) => batch.push(slot),
+    ///         None => break,
+    ///     }
+    /// }
+    /// let filled = batch.into_iter().map(|mut slot| {
+    ///     slot.fill(7);
+    ///     let n = slot.capacity();
+    ///     (slot, n)
+    /// });
+    /// stream.commit_all(filled)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn commit_all<'a>(
+        &'a self,
+        slots: impl IntoIterator<Item = (SendSlot<'a>, usize)>,
+    ) -> io::Result<()> {
+        let mut slots: Vec<(SendSlot<'a>, usize)> =
+            slots.into_iter().filter(|(_, len)| *len > 0).collect();
+        if slots.iter().any(|(slot, len)| *len > slot.capacity()) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "commit_all: more bytes than a slot holds",
+            ));
+        }
+        if slots
+            .iter()
+            .any(|(slot, _)| !std::ptr::eq(slot.stream, self))
+        {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "commit_all: a slot of another stream",
+            ));
+        }
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let sh = &*self.shared;
+        let mut st = sh.lock();
+        if st.broken.is_some() {
+            return Err(StreamShared::broken_error(&st));
+        }
+        let posted = sh.post_slots(&mut st, &slots);
+        for (slot, _) in &mut slots[..posted.as_ref().map_or_else(|e| e.0, |&n| n)] {
+            slot.done = true;
+        }
+        // The slots not posted go back as they drop, which locks.
+        drop(st);
+        posted.map(drop).map_err(|(_, e)| io_err(e))
+    }
+
     /// The most bytes one [`SendSlot`] (and one message) carries.
     pub fn slot_capacity(&self) -> usize {
         self.shared.opts.slot_size - HEADER
@@ -118,24 +225,12 @@ impl RdmaStream {
         let sh = &*self.shared;
         let mut st = sh.lock();
         loop {
-            if st.broken.is_some() {
-                return Poll::Ready(Err(StreamShared::broken_error(&st)));
-            }
-            if st.close != Close::Open {
-                return Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::BrokenPipe,
-                    "send_slot after shutdown",
-                )));
-            }
-            if st.data_credits > 0 {
-                if let Some(slot) = st.free_send.pop() {
-                    st.data_credits -= 1;
-                    return Poll::Ready(Ok(SendSlot {
-                        stream: self,
-                        slot,
-                        done: false,
-                    }));
-                }
+            if let Some(slot) = Self::take_send_slot(&mut st)? {
+                return Poll::Ready(Ok(SendSlot {
+                    stream: self,
+                    slot,
+                    done: false,
+                }));
             }
             if sh.poll_progress(&mut st, cx, Side::Slot)?.is_pending() {
                 return Poll::Pending;
@@ -200,6 +295,14 @@ impl SendSlot<'_> {
         Ok(())
     }
 
+    fn payload(&self) -> (usize, usize) {
+        let opts = &self.stream.shared.opts;
+        (
+            opts.send_offset(self.slot) + HEADER,
+            opts.slot_size - HEADER,
+        )
+    }
+
     fn post(&self, sh: &StreamShared, st: &mut StreamState, len: usize) -> crate::Result<()> {
         let at = sh.opts.send_offset(self.slot);
         sh.mr.write_at(at, &sh.header(st, KIND_DATA, len))?;
@@ -216,13 +319,54 @@ impl SendSlot<'_> {
         st.control_owed = 0;
         Ok(())
     }
+}
 
-    fn payload(&self) -> (usize, usize) {
-        let opts = &self.stream.shared.opts;
-        (
-            opts.send_offset(self.slot) + HEADER,
-            opts.slot_size - HEADER,
-        )
+impl StreamShared {
+    /// Post `slots` (filled, lengths checked) as consecutive data
+    /// messages in one post list: how many were posted, or how many were
+    /// and why the rest were not.
+    fn post_slots(
+        &self,
+        st: &mut StreamState,
+        slots: &[(SendSlot<'_>, usize)],
+    ) -> std::result::Result<usize, (usize, crate::Error)> {
+        let mut slices = Vec::with_capacity(slots.len());
+        for (k, (slot, len)) in slots.iter().enumerate() {
+            let at = self.opts.send_offset(slot.slot);
+            // The first message returns every owed credit, the rest none.
+            let header = if k == 0 {
+                self.header(st, KIND_DATA, *len)
+            } else {
+                plain_header(KIND_DATA, *len)
+            };
+            let slice = self
+                .mr
+                .write_at(at, &header)
+                .and_then(|()| self.mr.slice(at, HEADER + len));
+            slices.push(slice.map_err(|e| (0, e))?);
+        }
+        let wrs: Vec<WorkRequest<'_>> = slices
+            .iter()
+            .zip(slots)
+            .enumerate()
+            .map(|(k, (slice, (slot, _)))| {
+                let op = self.data_op((st.ring_next + k) % self.opts.slots);
+                WorkRequest::new(TAG_SEND | slot.slot as u64, op, std::slice::from_ref(slice))
+            })
+            .collect();
+        let (posted, failed) = match self.qp.post_send_list(&wrs) {
+            Ok(()) => (wrs.len(), None),
+            Err(e) => (e.posted, Some(e.source)),
+        };
+        if posted > 0 {
+            st.ring_next = (st.ring_next + posted) % self.opts.slots;
+            st.data_owed = 0;
+            st.control_owed = 0;
+        }
+        match failed {
+            None => Ok(posted),
+            Some(e) => Err((posted, e)),
+        }
     }
 }
 
