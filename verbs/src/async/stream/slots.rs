@@ -32,9 +32,11 @@
 //! processes, alternating rounds, medians; `async_bench ... stream-slots`
 //! stamps each message's first 8 bytes and copies no payload, as `stag bw
 //! write` copies none). Against `stag bw write -s 1048576` in the same
-//! runs, load 2.2-2.9: the slot path 0.90× (7 rounds of 512 MiB), 0.78×
-//! and 0.85× (9 rounds of 2 GiB); the traits 0.81×, 0.69×, 0.90×. The
-//! slot path was ahead of the traits in 6 of 7, 7 of 9 and 6 of 9 rounds.
+//! runs, load 2.2-3.2: the slot path 0.90× (7 rounds of 512 MiB), 0.78×,
+//! 0.85× (9 rounds of 2 GiB) and 0.85× (11 rounds of 2 GiB); the traits
+//! 0.81×, 0.69×, 0.90×, 0.76×. The slot path was ahead of the traits in
+//! 6 of 7, 7 of 9, 6 of 9 and 7 of 11 rounds; against tokio's TcpStream
+//! it was 1.18×, 1.22×, 1.12×, 1.21×.
 //! `perf` of the slot path's writer: the kernel's socket copy 42 %, CRC
 //! 8 %, the stream's own copy gone (memmove 0.7 %); what is left is what
 //! `stag bw write` pays too. One post per message costs: `commit` each
