@@ -28,7 +28,7 @@ cargo test --workspace --doc --features stag/grpc
 echo "== examples (each checks its own result and fails loudly)"
 cargo build --workspace --examples --features stag/grpc --quiet
 ex_pass=0
-for e in quickstart counter lock durable_log stream async_quickstart async_kv grpc_echo; do
+for e in quickstart counter lock durable_log stream async_quickstart async_stream_slots async_kv grpc_echo; do
     if timeout 300 "target/debug/examples/$e" > "target/example-$e.log" 2>&1; then
         ex_pass=$((ex_pass + 1))
         tail -1 "target/example-$e.log"

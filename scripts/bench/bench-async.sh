@@ -10,13 +10,17 @@
 #     polling and --blocking (event-driven, as the runtime is); and the
 #     same with the CQ spinning SPIN_US before it sleeps, against busy;
 #   - RdmaStream, 1 MiB writes (its defaults; no CQ spin; Sends), against
-#     `stag bw write -s 1048576` and a tokio TcpStream;
+#     `stag bw write -s 1048576` and a tokio TcpStream; and the same MiB
+#     through its zero-copy slot path (`rdma-stream-slots`: send_slot /
+#     recv_slot, no payload copy on either side); with SLOT_SHAPES (e.g.
+#     "8x128 4x256": slots x KiB per slot), both stream rows again at each
+#     shape, in the same rounds;
 #   - tonic unary RPC latency (examples/grpc_echo.rs, GRPC_CALLS calls)
 #     over RdmaStream (CQ spin none; SPIN_US; SPIN_US with Sends)
 #     against tonic over TCP.
 #
 #   scripts/bench/bench-async.sh   (ROUNDS=3 ITERS=5000 MIB=512 SPIN_US=1000 OUT=target/bench-async
-#                                   PARTS="lat stream grpc": which groups run)
+#                                   PARTS="lat stream grpc": which groups run; SLOT_SHAPES="")
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -30,6 +34,7 @@ GRPC_CALLS=${GRPC_CALLS:-2000}
 BW_ITERS=${BW_ITERS:-$MIB}
 OUT=${OUT:-target/bench-async}
 PARTS=${PARTS:-lat stream grpc}
+SLOT_SHAPES=${SLOT_SHAPES:-}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 rm -f "$OUT"/*.json "$OUT"/*.server.log
@@ -121,6 +126,15 @@ for round in $(seq "$ROUNDS"); do
     pair stag-bw-write $STAG bw write -s 1048576 -n "$BW_ITERS" -p $port --json -- \
         $STAG bw write -s 1048576 -n "$BW_ITERS" -p $port --json 127.0.0.1
     pair rdma-stream $BENCH server stream $port -- $BENCH client stream 127.0.0.1:$port "$MIB"
+    pair rdma-stream-slots $BENCH server stream-slots $port -- \
+        $BENCH client stream-slots 127.0.0.1:$port "$MIB"
+    for shape in $SLOT_SHAPES; do
+        geo=(env ASYNC_BENCH_SLOTS=${shape%x*} ASYNC_BENCH_SLOT_KIB=${shape#*x})
+        pair "rdma-stream-$shape" "${geo[@]}" $BENCH server stream $port -- \
+            "${geo[@]}" $BENCH client stream 127.0.0.1:$port "$MIB"
+        pair "rdma-stream-slots-$shape" "${geo[@]}" $BENCH server stream-slots $port -- \
+            "${geo[@]}" $BENCH client stream-slots 127.0.0.1:$port "$MIB"
+    done
     pair rdma-stream-nospin env ASYNC_BENCH_SPIN_US=0 $BENCH server stream $port -- \
         env ASYNC_BENCH_SPIN_US=0 $BENCH client stream 127.0.0.1:$port "$MIB"
     pair rdma-stream-sends env ASYNC_BENCH_SENDS=1 $BENCH server stream $port -- \
@@ -183,11 +197,20 @@ if have("rdma-stream"):
     rows.append(f"| RdmaStream 1 MiB, CQ spin 0 (MB/s) | {sn:.0f} | tokio TcpStream {tc:.0f} | {sn/tc:.2f}× | (compare) |")
     ss = bw("rdma-stream-sends")
     rows.append(f"| RdmaStream 1 MiB, Sends (MB/s) | {ss:.0f} | tokio TcpStream {tc:.0f} | {ss/tc:.2f}× | (compare) |")
-    report["stream"] = {"rdma_stream_mb_s": st, "rdma_stream_nospin_mb_s": sn,
+    sl = bw("rdma-stream-slots")
+    rows.append(f"| RdmaStream 1 MiB, slot path (MB/s) | {sl:.0f} | stag bw write {sb:.0f} | {sl/sb:.2f}× | ≥ 0.8× |")
+    rows.append(f"| RdmaStream 1 MiB, slot path (MB/s) | {sl:.0f} | tokio TcpStream {tc:.0f} | {sl/tc:.2f}× | ≥ 0.8× |")
+    shapes = sorted(p.stem[len("rdma-stream-slots-"):] for p in out.glob("rdma-stream-slots-*.json"))
+    for shape in shapes:
+        a, b = bw(f"rdma-stream-{shape}"), bw(f"rdma-stream-slots-{shape}")
+        rows.append(f"| RdmaStream 1 MiB, {shape} KiB slots: traits / slot path (MB/s) | {a:.0f} / {b:.0f} | stag bw write {sb:.0f} | {a/sb:.2f}× / {b/sb:.2f}× | (compare) |")
+        report[f"stream-{shape}"] = {"rdma_stream_mb_s": a, "rdma_stream_slots_mb_s": b}
+    report["stream"] = {"rdma_stream_mb_s": st, "rdma_stream_slots_mb_s": sl, "rdma_stream_nospin_mb_s": sn,
                         "rdma_stream_sends_mb_s": ss, "stag_bw_write_mb_s": sb, "tcp_mb_s": tc,
                         "rounds": {n: [(r["results"][0] if "results" in r else r)["bw_avg_mb_s"]
                                        for r in runs(n)]
-                                   for n in ["rdma-stream", "stag-bw-write", "tcp-stream"]}}
+                                   for n in ["rdma-stream", "rdma-stream-slots", "stag-bw-write",
+                                             "tcp-stream"]}}
 if have("grpc-unary-rdma"):
     gt = lat("grpc-unary-tcp")
     for name, what in [("grpc-unary-rdma", "CQ spin 0"), ("grpc-unary-rdma-spin", "stream CQ spin"),
@@ -200,7 +223,7 @@ if have("grpc-unary-rdma"):
 # verbs/src/async/cq.rs "Spinning"), which say why a round was slow.
 rows += ["", "| per round | figures (load; slow yields / budget-spent waits) |", "|---|---|"]
 for name in ["async-lat-send-spin", "async-lat-write-imm-spin", "async-lat-fetch-add-spin",
-             "rdma-stream", "rdma-stream-sends", "tcp-stream"]:
+             "stag-bw-write", "rdma-stream", "rdma-stream-slots", "rdma-stream-sends", "tcp-stream"]:
     if not have(name):
         continue
     cells = []

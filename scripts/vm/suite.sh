@@ -140,7 +140,7 @@ for kind in rxe siw; do
             run_tests "$name" "$exe"
         fi
     done
-    for e in quickstart counter lock durable_log stream async_quickstart async_kv; do
+    for e in quickstart counter lock durable_log stream async_quickstart async_stream_slots async_kv; do
         log=$(mktemp)
         timeout 300 "$bin/examples/$e" >"$log" 2>&1
         r=$?

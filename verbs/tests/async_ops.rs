@@ -944,3 +944,304 @@ fn a_stream_whose_peer_goes_away_fails_its_reads_and_writes() {
         drop(c);
     });
 }
+
+/// Everything `s` delivers through its slot path until its end (each
+/// slot within [`LIMIT`]), holding `hold` slots at once and dropping them
+/// newest first, so credits must go back in the order the slots came.
+async fn read_slots(s: &RdmaStream, hold: usize) -> Vec<u8> {
+    let mut got = Vec::new();
+    let mut held = Vec::new();
+    loop {
+        let slot = tokio::time::timeout(LIMIT, s.recv_slot())
+            .await
+            .expect("a slot in time")
+            .unwrap();
+        let Some(slot) = slot else {
+            return got;
+        };
+        assert!(!slot.is_empty() && slot.len() <= s.slot_capacity());
+        got.extend_from_slice(&slot);
+        held.push(slot);
+        if held.len() >= hold {
+            while held.pop().is_some() {}
+        }
+    }
+}
+
+/// The slot path, Writes with Immediate and Sends: messages of every
+/// length up to a slot's capacity go round a three-slot ring thousands of
+/// times; the reader holds two slots at a time (freeing the newer first);
+/// every byte arrives once, in order, then end of stream.
+#[test]
+fn slot_messages_arrive_in_order_across_ring_wraps() {
+    for write_imm in [true, false] {
+        multi_thread().block_on(async {
+            let opts = StreamOptions {
+                slots: 3,
+                slot_size: 16 + 48,
+                write_imm,
+                ..StreamOptions::default()
+            };
+            let (mut c, s, _cc, _sc) = stream_pair(opts).await;
+            let data = pattern(150_000);
+            let send = data.clone();
+            let writer = tokio::spawn(async move {
+                let mut at = 0;
+                let mut k = 0;
+                while at < send.len() {
+                    // Every other message alone (`commit`), the rest in
+                    // batches of what is free (`commit_all`).
+                    let mut batch = vec![c.send_slot().await.unwrap()];
+                    while k % 2 == 1 && batch.len() < 3 {
+                        match c.try_send_slot().unwrap() {
+                            Some(slot) => batch.push(slot),
+                            None => break,
+                        }
+                    }
+                    let mut filled = Vec::new();
+                    for mut slot in batch {
+                        assert_eq!(slot.capacity(), 48);
+                        let n = (1 + k % 48).min(send.len() - at);
+                        slot[..n].copy_from_slice(&send[at..at + n]);
+                        filled.push((slot, n));
+                        at += n;
+                        k += 1;
+                    }
+                    if filled.len() == 1 {
+                        let (slot, n) = filled.pop().unwrap();
+                        slot.commit(n).unwrap();
+                    } else {
+                        c.commit_all(filled).unwrap();
+                    }
+                }
+                c.shutdown().await.unwrap();
+                c
+            });
+            let got = read_slots(&s, 2).await;
+            let _c = writer.await.unwrap();
+            assert_eq!(got.len(), data.len(), "write_imm {write_imm}");
+            assert!(got == data, "the bytes differ (write_imm {write_imm})");
+        });
+    }
+}
+
+/// The slot path and the traits on one stream, both ends: writes and
+/// committed slots alternate, reads take part of a message and a slot
+/// the rest; the bytes keep the order of the calls.
+#[test]
+fn slots_and_reads_and_writes_mix_in_byte_order() {
+    multi_thread().block_on(async {
+        let opts = StreamOptions {
+            slots: 4,
+            slot_size: 16 + 100,
+            ..StreamOptions::default()
+        };
+        let (mut c, mut s, _cc, _sc) = stream_pair(opts).await;
+        let data = pattern(100_000);
+        let send = data.clone();
+        let writer = tokio::spawn(async move {
+            let mut at = 0;
+            let mut k = 0;
+            while at < send.len() {
+                let n = (1 + k * 37 % 250).min(send.len() - at);
+                if k % 2 == 0 {
+                    c.write_all(&send[at..at + n]).await.unwrap();
+                } else {
+                    let n = n.min(100);
+                    let mut slot = c.send_slot().await.unwrap();
+                    slot[..n].copy_from_slice(&send[at..at + n]);
+                    slot.commit(n).unwrap();
+                    at += n;
+                    k += 1;
+                    continue;
+                }
+                at += n;
+                k += 1;
+            }
+            c.shutdown().await.unwrap();
+            c
+        });
+        let mut got = Vec::new();
+        let mut buf = [0u8; 7];
+        let mut k = 0;
+        loop {
+            if k % 2 == 0 {
+                let n = tokio::time::timeout(LIMIT, s.read(&mut buf))
+                    .await
+                    .expect("in time")
+                    .unwrap();
+                if n == 0 {
+                    break;
+                }
+                got.extend_from_slice(&buf[..n]);
+            } else {
+                let slot = tokio::time::timeout(LIMIT, s.recv_slot())
+                    .await
+                    .expect("in time")
+                    .unwrap();
+                let Some(slot) = slot else {
+                    break;
+                };
+                got.extend_from_slice(&slot);
+            }
+            k += 1;
+        }
+        let _c = writer.await.unwrap();
+        assert_eq!(got.len(), data.len());
+        assert!(got == data, "the bytes differ from what was sent");
+    });
+}
+
+/// A send slot dropped without a commit (or committed with 0 bytes)
+/// sends nothing and gives its slot and credit back: far more of them
+/// than the ring has slots neither stall the writer nor reach the
+/// reader; a commit past the capacity fails and gives the slot back too.
+#[test]
+fn a_send_slot_dropped_without_commit_sends_nothing() {
+    current_thread().block_on(async {
+        let opts = StreamOptions {
+            slots: 2,
+            slot_size: 16 + 32,
+            ..StreamOptions::default()
+        };
+        let (mut c, s, _cc, _sc) = stream_pair(opts).await;
+        for i in 0..20u8 {
+            let mut slot = tokio::time::timeout(LIMIT, c.send_slot())
+                .await
+                .expect("a slot comes back after each drop")
+                .unwrap();
+            slot.fill(0xee);
+            match i % 3 {
+                0 => drop(slot),
+                1 => slot.commit(0).unwrap(),
+                _ => {
+                    let e = slot.commit(33).unwrap_err();
+                    assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+                }
+            }
+        }
+        // A batch with one slot too long posts none of them.
+        let a = c.send_slot().await.unwrap();
+        let b = c.try_send_slot().unwrap().expect("a second slot is free");
+        assert!(c.try_send_slot().unwrap().is_none(), "two slots only");
+        let e = c.commit_all([(a, 1), (b, 33)]).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+        let mut slot = c.send_slot().await.unwrap();
+        slot[..5].copy_from_slice(b"hello");
+        slot.commit(5).unwrap();
+        c.shutdown().await.unwrap();
+        let got = read_slots(&s, 1).await;
+        assert_eq!(got, b"hello");
+    });
+}
+
+/// Backpressure on the slot path: a writer whose peer reads nothing gets
+/// no slot past the window (and dropping its waiting future loses
+/// nothing); a reader that holds the oldest slot keeps the credits of
+/// the later ones it dropped; once it drops that one the writer goes on,
+/// and every message arrives once, in order.
+#[test]
+fn a_slot_writer_waits_for_a_reader_that_holds_its_slots() {
+    current_thread().block_on(async {
+        let opts = StreamOptions {
+            slots: 4,
+            slot_size: 16 + 8,
+            ..StreamOptions::default()
+        };
+        let (mut c, s, _cc, _sc) = stream_pair(opts).await;
+        let commit = |mut slot: verbs::r#async::SendSlot<'_>, i: u64| {
+            slot.copy_from_slice(&i.to_le_bytes());
+            slot.commit(8).unwrap();
+        };
+        for i in 0..4 {
+            commit(c.send_slot().await.unwrap(), i);
+        }
+        let short = Duration::from_millis(300);
+        // The window is full: cancelled after a while, taking nothing.
+        assert!(tokio::time::timeout(short, c.send_slot()).await.is_err());
+        let first = s.recv_slot().await.unwrap().unwrap();
+        assert_eq!(&first[..], &0u64.to_le_bytes());
+        for i in 1..4u64 {
+            let later = s.recv_slot().await.unwrap().unwrap();
+            assert_eq!(&later[..], &i.to_le_bytes());
+        }
+        // Three slots dropped, but the oldest held: no credit goes back.
+        assert!(
+            tokio::time::timeout(short, c.send_slot()).await.is_err(),
+            "a slot came free while the reader held the oldest"
+        );
+        drop(first);
+        for i in 4..12 {
+            let slot = tokio::time::timeout(LIMIT, c.send_slot())
+                .await
+                .expect("the freed window takes more");
+            commit(slot.unwrap(), i);
+            let got = tokio::time::timeout(LIMIT, s.recv_slot())
+                .await
+                .expect("in time")
+                .unwrap()
+                .unwrap();
+            assert_eq!(&got[..], &i.to_le_bytes());
+        }
+        c.shutdown().await.unwrap();
+        assert!(s.recv_slot().await.unwrap().is_none());
+    });
+}
+
+/// The peer goes away mid-stream, with no close: the slot reader gets a
+/// prefix of what was sent, then an error (never end of stream), and the
+/// slot writer's next slots fail; nothing hangs.
+#[test]
+fn slots_fail_when_the_peer_goes_away_mid_stream() {
+    current_thread().block_on(async {
+        let opts = StreamOptions {
+            slots: 4,
+            slot_size: 16 + 64,
+            ..StreamOptions::default()
+        };
+        let (c, s, _cc, sc) = stream_pair(opts).await;
+        let data = pattern(3 * 64);
+        for chunk in data.chunks(64) {
+            let mut slot = s.send_slot().await.unwrap();
+            slot[..chunk.len()].copy_from_slice(chunk);
+            slot.commit(chunk.len()).unwrap();
+        }
+        drop(s);
+        drop(sc);
+        let mut got = Vec::new();
+        let reader = async {
+            loop {
+                match tokio::time::timeout(LIMIT, c.recv_slot())
+                    .await
+                    .expect("the reader ends in time")
+                {
+                    Ok(Some(slot)) => got.extend_from_slice(&slot),
+                    Ok(None) => panic!("end of stream from a peer that never closed"),
+                    Err(_) => break,
+                }
+            }
+        };
+        let writer = async {
+            // As in the traits' test: a device that hears of a lost peer
+            // only through work it sends learns it here.
+            if let Ok(Ok(slot)) = tokio::time::timeout(LIMIT, c.send_slot()).await {
+                let _ = slot.commit(1);
+            }
+        };
+        tokio::join!(reader, writer);
+        assert!(data.starts_with(&got));
+        let later = tokio::time::timeout(LIMIT, async {
+            loop {
+                match c.send_slot().await {
+                    Ok(slot) => {
+                        if slot.commit(1).is_err() {
+                            return;
+                        }
+                    }
+                    Err(_) => return,
+                }
+            }
+        });
+        later.await.expect("the writer fails in time");
+    });
+}

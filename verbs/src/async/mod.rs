@@ -75,7 +75,7 @@ use std::sync::Arc;
 
 pub use cq::{slow_yields, spent_budget_waits, AsyncCompletionQueue, Op};
 pub use qp::AsyncQueuePair;
-pub use stream::{RdmaStream, StreamOptions};
+pub use stream::{RdmaStream, RecvSlot, SendSlot, StreamOptions};
 
 use crate::cm::{ConnectOptions, Listener};
 use crate::cq::Completion;

@@ -44,6 +44,12 @@
 //! **Backpressure.** `poll_write` is pending while the peer has no free
 //! receive (no data credit) or every send slot is still in flight.
 //!
+//! **Zero copy.** [`RdmaStream::send_slot`] and [`RdmaStream::recv_slot`]
+//! lend the registered slots themselves, beside the traits and on the
+//! same ring, credits and close (module `slots`): the caller writes a
+//! message in place and reads it where it landed, where the traits copy
+//! in and out.
+//!
 //! **Close.** `poll_shutdown` sends a close message behind the data and
 //! waits until every Send completed; the peer's reads return the bytes
 //! before it, then end of stream. A stream dropped without shutdown
@@ -107,6 +113,10 @@ use std::task::{Context as TaskContext, Poll, Waker};
 
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
+
+mod slots;
+
+pub use slots::{RecvSlot, SendSlot};
 
 use super::cq::AsyncCompletionQueue;
 use super::AsyncListener;
@@ -306,6 +316,15 @@ struct StreamState {
     close: Close,
     read_waker: Option<Waker>,
     write_waker: Option<Waker>,
+    /// Tasks waiting in `send_slot` or `recv_slot` (which take `&self`,
+    /// so several may wait at once).
+    slot_wakers: Vec<Waker>,
+    /// Messages handed out as [`RecvSlot`]s, oldest first: (the receive
+    /// it came in, for a Send; the guard was dropped). Their credits go
+    /// back in this order (the peer refills the oldest ring slot first).
+    recv_held: VecDeque<(Option<usize>, bool)>,
+    /// The sequence number of `recv_held`'s front.
+    recv_held_first: u64,
     scratch: Vec<Completion>,
     /// The engine left the socket to this stream's sleep
     /// (`QueuePair::socket_wait(true)`, undone at the next poll).
@@ -315,6 +334,8 @@ struct StreamState {
 enum Side {
     Read,
     Write,
+    /// A `send_slot` or `recv_slot` future.
+    Slot,
 }
 
 /// This side's close. `shutdown` succeeds once the close's own completion
@@ -517,32 +538,49 @@ impl StreamShared {
         };
         let r = match polled {
             Poll::Pending => {
-                let w = Some(cx.waker().clone());
+                let w = cx.waker();
                 match side {
-                    Side::Read => st.read_waker = w,
-                    Side::Write => st.write_waker = w,
+                    Side::Read => st.read_waker = Some(w.clone()),
+                    Side::Write => st.write_waker = Some(w.clone()),
+                    Side::Slot => {
+                        if !st.slot_wakers.iter().any(|o| o.will_wake(w)) {
+                            st.slot_wakers.push(w.clone());
+                        }
+                    }
                 }
                 Poll::Pending
             }
-            Poll::Ready(Err(e)) => Poll::Ready(Err(io_err(e))),
+            Poll::Ready(Err(e)) => {
+                // Every other waiter meets the error when it looks.
+                Self::wake_others(st, &side);
+                Poll::Ready(Err(io_err(e)))
+            }
             Poll::Ready(Ok(_)) => {
                 for c in batch.drain(..) {
                     self.apply(st, c);
                 }
-                // The other side may be waiting for what arrived (or for
-                // the fd's watch this task took over).
-                let other = match side {
-                    Side::Read => st.write_waker.take(),
-                    Side::Write => st.read_waker.take(),
-                };
-                if let Some(w) = other {
-                    w.wake();
-                }
+                // The others may be waiting for what arrived (or for the
+                // fd's watch this task took over: the reactor wakes only
+                // the last task that registered on it).
+                Self::wake_others(st, &side);
                 Poll::Ready(self.return_credits(st, false).map_err(io_err))
             }
         };
         st.scratch = batch;
         r
+    }
+
+    /// Wake the tasks waiting on the stream other than `side`'s own (a
+    /// slot future wakes the other slot futures too).
+    fn wake_others(st: &mut StreamState, side: &Side) {
+        let read = (!matches!(side, Side::Read)).then(|| st.read_waker.take());
+        let write = (!matches!(side, Side::Write)).then(|| st.write_waker.take());
+        for w in read.into_iter().chain(write).flatten() {
+            w.wake();
+        }
+        for w in st.slot_wakers.drain(..) {
+            w.wake();
+        }
     }
 
     /// A stream asleep on its socket and its CQ, polled again before
@@ -867,18 +905,7 @@ impl StreamShared {
             .zip(&slots)
             .enumerate()
             .map(|(k, (slice, &i))| {
-                let ring = (st.ring_next + k) % self.opts.slots;
-                let op = if self.write_imm {
-                    SendOp::WriteImm {
-                        remote: Remote {
-                            addr: self.peer_ring.addr + self.opts.ring_offset(ring) as u64,
-                            rkey: self.peer_ring.rkey,
-                        },
-                        imm: ring as u64,
-                    }
-                } else {
-                    send_op()
-                };
+                let op = self.data_op((st.ring_next + k) % self.opts.slots);
                 WorkRequest::new(TAG_SEND | i as u64, op, std::slice::from_ref(slice))
             })
             .collect();
@@ -903,6 +930,22 @@ impl StreamShared {
             .map(|s| s.len() as usize - HEADER)
             .sum();
         Ok(Some((bytes, posted)))
+    }
+
+    /// How a data message for the peer's ring slot `ring` goes: a Write
+    /// with Immediate into it, or a Send.
+    fn data_op(&self, ring: usize) -> SendOp {
+        if self.write_imm {
+            SendOp::WriteImm {
+                remote: Remote {
+                    addr: self.peer_ring.addr + self.opts.ring_offset(ring) as u64,
+                    rkey: self.peer_ring.rkey,
+                },
+                imm: ring as u64,
+            }
+        } else {
+            send_op()
+        }
     }
 
     /// Copy the next `n` bytes of `bufs`, from `cursor` (buffer, offset
