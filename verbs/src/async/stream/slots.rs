@@ -28,21 +28,12 @@
 //! **Cancellation.** `send_slot()` and `recv_slot()` reserve nothing until
 //! they resolve: dropping the future loses no slot, credit or byte.
 //!
-//! **Measured** (session 13, `bench-async.sh` `PARTS=stream`, two
-//! processes, alternating rounds, medians; `async_bench ... stream-slots`
-//! stamps each message's first 8 bytes and copies no payload, as `stag bw
-//! write` copies none). Against `stag bw write -s 1048576` in the same
-//! runs, load 2.2-3.2: the slot path 0.90× (7 rounds of 512 MiB), 0.78×,
-//! 0.85× (9 rounds of 2 GiB) and 0.85× (11 rounds of 2 GiB); the traits
-//! 0.81×, 0.69×, 0.90×, 0.76×. The slot path was ahead of the traits in
-//! 6 of 7, 7 of 9, 6 of 9 and 7 of 11 rounds; against tokio's TcpStream
-//! it was 1.18×, 1.22×, 1.12×, 1.21×.
-//! `perf` of the slot path's writer: the kernel's socket copy 42 %, CRC
-//! 8 %, the stream's own copy gone (memmove 0.7 %); what is left is what
-//! `stag bw write` pays too. One post per message costs: `commit` each
-//! (`ASYNC_BENCH_SLOT_BATCH=1`) 2042 MB/s and 0.38 / 0.47 CPU s per GiB
-//! (reader / writer), `commit_all` of up to 4 3008 MB/s and 0.28 / 0.27
-//! (7 rounds, load 5); so batch with [`RdmaStream::try_send_slot`].
+//! **Batching.** One post per message costs the writer more than the
+//! copy it saves (session 13: `commit` per 64 KiB message ran at two
+//! thirds of the rate of `commit_all` in fours): fill several slots,
+//! awaiting the first and taking the rest with
+//! [`RdmaStream::try_send_slot`], and post them with
+//! [`RdmaStream::commit_all`].
 
 use std::future::poll_fn;
 use std::io;
