@@ -299,13 +299,18 @@ async fn source<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
     s.read_exact(&mut done).await?;
     let secs = t.elapsed().as_secs_f64();
     let _ = s.shutdown().await;
+    print_stream_result(kind, mib, secs);
+    Ok(())
+}
+
+/// One stream run's JSON line: `mib` MiB moved in `secs`.
+fn print_stream_result(kind: &str, mib: u64, secs: f64) {
     let mb_s = (mib * MIB as u64) as f64 / secs / 1e6;
     println!(
         "{{\"test\":\"{kind}\",\"bytes\":{MIB},\"mib\":{mib},\"bw_avg_mb_s\":{mb_s:.1},\"slow_yields\":{},\"spent_budget_waits\":{}}}",
         r#async::slow_yields(),
         r#async::spent_budget_waits()
     );
-    Ok(())
 }
 
 /// The sink of `stream-slots`: the length by `read_exact`, then slots
@@ -378,12 +383,7 @@ async fn slot_source(mut s: RdmaStream, mib: u64) -> Res<()> {
     s.read_exact(&mut done).await?;
     let secs = t.elapsed().as_secs_f64();
     let _ = s.shutdown().await;
-    let mb_s = (mib * MIB as u64) as f64 / secs / 1e6;
-    println!(
-        "{{\"test\":\"rdma-stream-slots\",\"bytes\":{MIB},\"mib\":{mib},\"bw_avg_mb_s\":{mb_s:.1},\"slow_yields\":{},\"spent_budget_waits\":{}}}",
-        r#async::slow_yields(),
-        r#async::spent_budget_waits()
-    );
+    print_stream_result("rdma-stream-slots", mib, secs);
     Ok(())
 }
 

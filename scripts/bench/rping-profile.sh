@@ -125,23 +125,31 @@ rping_under() {
     done
 }
 
+# start_pair STAG: an rping server and client of STAG on a fresh port, in
+# the background; sets s and c (their timeout pids) and sp and cp (the
+# rping processes under them: ours, not another user's rping), which the
+# caller declares local. Fails, with both waited for, if either rping
+# was not found.
+start_pair() {
+    next_port
+    timeout "$LIMIT" "$1" run -- rping -s -a 127.0.0.1 -p "$port" -C "$COUNT" >/dev/null 2>&1 &
+    s=$!
+    wait_port "$port"
+    timeout "$LIMIT" "$1" run -- rping -c -a 127.0.0.1 -p "$port" -C "$COUNT" >/dev/null 2>&1 &
+    c=$!
+    sp=$(rping_under "$s")
+    cp=$(rping_under "$c")
+    [[ -n $sp && -n $cp ]] || { echo "  (rping not found)"; wait "$c"; wait "$s"; return 1; }
+}
+
 # threads STAG: per-thread switches and system calls per iteration, one run.
 threads() {
     local ev=context-switches sc
     for sc in futex poll ppoll epoll_wait recvfrom sendmsg write read; do
         ev+=,syscalls:sys_enter_$sc
     done
-    next_port
-    timeout "$LIMIT" "$1" run -- rping -s -a 127.0.0.1 -p "$port" -C "$COUNT" >/dev/null 2>&1 &
-    local s=$!
-    wait_port "$port"
-    timeout "$LIMIT" "$1" run -- rping -c -a 127.0.0.1 -p "$port" -C "$COUNT" >/dev/null 2>&1 &
-    local c=$!
-    # timeout → stag run → rping: ours, not another user's rping.
-    local sp cp
-    sp=$(rping_under "$s")
-    cp=$(rping_under "$c")
-    [[ -n $sp && -n $cp ]] || { echo "  (rping not found)"; wait "$c"; wait "$s"; return; }
+    local s c sp cp
+    start_pair "$1" || return
     perf stat --per-thread -x, -e "$ev" -p "$sp" -o "$OUT/ts" &
     local ps=$!
     perf stat --per-thread -x, -e "$ev" -p "$cp" -o "$OUT/tc" &
@@ -180,16 +188,8 @@ PY
 # semaphores, or a lock) or epoll_wait, or preempted on the way out of a
 # system call (a thread it woke ran in its place) or elsewhere.
 why() {
-    next_port
-    timeout "$LIMIT" "$1" run -- rping -s -a 127.0.0.1 -p "$port" -C "$COUNT" >/dev/null 2>&1 &
-    local s=$!
-    wait_port "$port"
-    timeout "$LIMIT" "$1" run -- rping -c -a 127.0.0.1 -p "$port" -C "$COUNT" >/dev/null 2>&1 &
-    local c=$!
-    local sp cp
-    sp=$(rping_under "$s")
-    cp=$(rping_under "$c")
-    [[ -n $sp && -n $cp ]] || { echo "  (rping not found)"; wait "$c"; wait "$s"; return; }
+    local s c sp cp
+    start_pair "$1" || return
     perf record -q -g -e sched:sched_switch -e syscalls:sys_enter_sendmsg -p "$sp,$cp" \
         -o "$OUT/why.data" >/dev/null 2>&1 &
     local pr=$!
