@@ -17,7 +17,10 @@
 # Knobs (environment): ROUNDS (3), ITERS (20000 latency iterations; a
 # tenth for Commit and UCX's Get), BW_ITERS (2000 messages of 1 MiB),
 # QP_ITERS (4000 8-byte messages per QP of the 64-QP run; the 256- and
-# 1024-QP runs send as many messages in all), STREAM_ITERS (50000 8-byte
+# 1024-QP runs send as many messages in all, but each QP at least
+# QP_MIN_ITERS, 1000: eight windows of `stag bw`'s depth of 128, so that a
+# QP's first window, which grows its queues and faults in their pages,
+# is not most of what the row measures), STREAM_ITERS (50000 8-byte
 # messages per floor stream of 8; an eighth of that per stream of 64),
 # PROGRESS_MODES ("busy adaptive blocking": each stag run once per mode),
 # SCALE_QPS (1024 QPs for `stag scale` and cmtime) and SCALE_IDLE (3 s of
@@ -69,6 +72,7 @@ if [[ $QUICK == 1 ]]; then
     ITERS=${ITERS:-300}
     BW_ITERS=${BW_ITERS:-50}
     QP_ITERS=${QP_ITERS:-100}
+    QP_MIN_ITERS=${QP_MIN_ITERS:-10}
     STREAM_ITERS=${STREAM_ITERS:-2000}
     SCALE_QPS=${SCALE_QPS:-64}
     SCALE_IDLE=${SCALE_IDLE:-0.5}
@@ -77,6 +81,7 @@ ROUNDS=${ROUNDS:-3}
 ITERS=${ITERS:-20000}
 BW_ITERS=${BW_ITERS:-2000}
 QP_ITERS=${QP_ITERS:-4000}
+QP_MIN_ITERS=${QP_MIN_ITERS:-1000}
 STREAM_ITERS=${STREAM_ITERS:-50000}
 PROGRESS_MODES=${PROGRESS_MODES:-busy adaptive blocking}
 SCALE_QPS=${SCALE_QPS:-1024}
@@ -289,8 +294,9 @@ one_round() {
         done
         stag_pair "$mode-bw-write-qps64" "$r" "$mode" bw write -s 8 -n "$QP_ITERS" --qps 64
         for n in 256 1024; do
-            stag_pair "$mode-bw-write-qps$n" "$r" "$mode" bw write -s 8 \
-                -n "$((QP_ITERS * 64 / n))" --qps "$n"
+            per_qp=$((QP_ITERS * 64 / n))
+            ((per_qp < QP_MIN_ITERS)) && per_qp=$QP_MIN_ITERS
+            stag_pair "$mode-bw-write-qps$n" "$r" "$mode" bw write -s 8 -n "$per_qp" --qps "$n"
         done
     done
 
@@ -370,6 +376,6 @@ ELAPSED=$((SECONDS - START))
 BENCH_BASE=${BASE:+$BASE ($(git -C "$base_src" describe --always))} \
     BENCH_THIS=$(git describe --always --dirty 2>/dev/null || echo '?') \
     python3 scripts/bench/bench-report.py "$RAW" "$OUT" "$ROUNDS" "$PROGRESS_MODES" "$ELAPSED" \
-    "ITERS=$ITERS BW_ITERS=$BW_ITERS QP_ITERS=$QP_ITERS STREAM_ITERS=$STREAM_ITERS SLOW_ITERS=$SLOW_ITERS SCALE_QPS=$SCALE_QPS SCALE_IDLE=$SCALE_IDLE" \
+    "ITERS=$ITERS BW_ITERS=$BW_ITERS QP_ITERS=$QP_ITERS QP_MIN_ITERS=$QP_MIN_ITERS STREAM_ITERS=$STREAM_ITERS SLOW_ITERS=$SLOW_ITERS SCALE_QPS=$SCALE_QPS SCALE_IDLE=$SCALE_IDLE" \
     "$PROGRESS_FLAG"
 log "wrote $OUT/report.md and $OUT/report.json in ${ELAPSED}s"
