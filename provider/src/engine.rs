@@ -906,8 +906,7 @@ impl Run {
                     }
                 }
             };
-            let sole_candidate = self.spinner.progress == Progress::Busy
-                && self.registered.load(Ordering::Relaxed) == self.parked.len() + 1;
+            let sole_candidate = self.drives_one_qp_busy();
             let mut recheck = false;
             let mut traffic = false;
             for ev in &events[..n] {
@@ -983,6 +982,13 @@ impl Run {
 }
 
 impl Run {
+    /// Busy, with exactly one registered QP not parked: the case
+    /// [`poll_sole`](Self::poll_sole) serves.
+    fn drives_one_qp_busy(&self) -> bool {
+        self.spinner.progress == Progress::Busy
+            && self.registered.load(Ordering::Relaxed) == self.parked.len() + 1
+    }
+
     /// A busy engine that drives one QP reads its socket directly instead
     /// of asking `epoll_wait(0)` first: a request then costs the responder
     /// the read that brings it, as on a plain polling socket, and not an
@@ -1001,12 +1007,7 @@ impl Run {
             return false;
         }
         let qp = match weak.upgrade() {
-            Some(qp)
-                if self.registered.load(Ordering::Relaxed) == self.parked.len() + 1
-                    && self.spinner.progress == Progress::Busy =>
-            {
-                qp
-            }
+            Some(qp) if self.drives_one_qp_busy() => qp,
             _ => {
                 self.sole = None;
                 return false;

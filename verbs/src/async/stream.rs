@@ -759,6 +759,15 @@ impl StreamShared {
         }
     }
 
+    /// A message read to its end frees its place: the receive it came in
+    /// (a Send's) goes back to the QP, and the peer is owed a data credit.
+    fn release_read(&self, st: &mut StreamState, recv: Option<usize>) {
+        if let Some(slot) = recv {
+            self.repost(st, slot);
+        }
+        st.data_owed += 1;
+    }
+
     /// Give receive `slot` back to the QP (its credit, if any, is the
     /// caller's to count).
     fn repost(&self, st: &mut StreamState, slot: usize) {
@@ -1051,10 +1060,7 @@ impl AsyncRead for RdmaStream {
                 if at + n == end {
                     // Ring slots empty in the order they were written.
                     st.inbox.pop_front();
-                    if let Some(slot) = recv {
-                        sh.repost(&mut st, slot);
-                    }
-                    st.data_owed += 1;
+                    sh.release_read(&mut st, recv);
                     // Half the window free: return it now, not after the
                     // copy of what else arrived, so the writer refills
                     // those slots while this side copies on.

@@ -194,7 +194,7 @@ impl RdmaStream {
         if slots.iter().any(|(slot, len)| *len > slot.capacity()) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
-                "commit_all: more bytes than a slot holds",
+                "commit: more bytes than a slot holds",
             ));
         }
         if slots
@@ -203,7 +203,7 @@ impl RdmaStream {
         {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
-                "commit_all: a slot of another stream",
+                "commit: a slot of another stream",
             ));
         }
         if slots.is_empty() {
@@ -282,24 +282,10 @@ impl SendSlot<'_> {
     /// slot comes back to the stream when the message completed. `len` 0
     /// sends nothing (as a drop); more than [`capacity`](Self::capacity)
     /// fails with `InvalidInput` and gives the slot back.
-    pub fn commit(mut self, len: usize) -> io::Result<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        if len > self.capacity() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "commit: more bytes than the slot holds",
-            ));
-        }
-        let sh = &*self.stream.shared;
-        let mut st = sh.lock();
-        if st.broken.is_some() {
-            return Err(StreamShared::broken_error(&st));
-        }
-        self.post(sh, &mut st, len).map_err(io_err)?;
-        self.done = true;
-        Ok(())
+    pub fn commit(self, len: usize) -> io::Result<()> {
+        // A list of one: the same checks, header and post.
+        let stream = self.stream;
+        stream.commit_all([(self, len)])
     }
 
     fn payload(&self) -> (usize, usize) {
@@ -308,23 +294,6 @@ impl SendSlot<'_> {
             opts.send_offset(self.slot) + HEADER,
             opts.slot_size - HEADER,
         )
-    }
-
-    fn post(&self, sh: &StreamShared, st: &mut StreamState, len: usize) -> crate::Result<()> {
-        let at = sh.opts.send_offset(self.slot);
-        sh.mr.write_at(at, &sh.header(st, KIND_DATA, len))?;
-        let slice = sh.mr.slice(at, HEADER + len)?;
-        let op = sh.data_op(st.ring_next);
-        let wr = WorkRequest::new(
-            TAG_SEND | self.slot as u64,
-            op,
-            std::slice::from_ref(&slice),
-        );
-        sh.qp.post_send(wr)?;
-        st.ring_next = (st.ring_next + 1) % sh.opts.slots;
-        st.data_owed = 0;
-        st.control_owed = 0;
-        Ok(())
     }
 }
 
@@ -469,10 +438,7 @@ impl Drop for RecvSlot<'_> {
         while let Some(&(recv, true)) = st.recv_held.front() {
             st.recv_held.pop_front();
             st.recv_held_first += 1;
-            if let Some(slot) = recv {
-                sh.repost(&mut st, slot);
-            }
-            st.data_owed += 1;
+            sh.release_read(&mut st, recv);
         }
         if sh.return_credits(&mut st, false).is_err() {
             st.broken.get_or_insert(WcStatus::LocQpOpErr);
