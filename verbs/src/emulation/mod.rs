@@ -805,6 +805,7 @@ impl QpCore {
                 continue;
             }
             let mut ends: SmallVec<[SendEnd; CQ_RUN]> = SmallVec::new();
+            let mut helds: SmallVec<[Held; CQ_RUN]> = SmallVec::new();
             let mut other = None;
             let stretch = rest
                 .iter()
@@ -829,9 +830,10 @@ impl QpCore {
                     match self.send_end(rc, &p) {
                         Some(end) => {
                             ends.push(end);
-                            // `held` goes here, under the tracker's lock: the
-                            // WR's completion is taken.
-                            drop(held);
+                            // The WR's completion is taken: its slices go,
+                            // after the tracker's lock (dropping a region's
+                            // last slice deregisters it).
+                            helds.push(held);
                             ControlFlow::Continue(())
                         }
                         None => {
@@ -841,6 +843,7 @@ impl QpCore {
                     }
                 });
             rest = &rest[taken..];
+            drop(helds);
             self.release_ends(&ends);
             if let Some((rc, p, held)) = other {
                 self.complete_entry(rc, p, held, out);
