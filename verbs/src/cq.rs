@@ -87,7 +87,10 @@ impl Completion {
 /// emulation core) that gives them their meaning. Completions a raw one
 /// releases (several, when it unblocks a send queue's order) go to `out`.
 pub(crate) trait CompletionSink: Send + Sync {
-    fn complete(&self, rc: RawCompletion, out: &mut Vec<Completion>);
+    /// `run`: consecutive raw completions of this sink's QP, in the
+    /// device's order (handed over together so that what each one takes,
+    /// the tracker's and the order's locks, is taken once for the run).
+    fn complete(&self, run: &[RawCompletion], out: &mut Vec<Completion>);
 }
 
 /// A completion queue, shared by any number of QPs of one device.
@@ -235,23 +238,29 @@ impl CompletionQueue {
     fn process(&self, scratch: &mut Scratch) {
         let Scratch { raw, done } = scratch;
         let mut last: Option<(u32, Arc<dyn CompletionSink>)> = None;
-        for rc in raw.drain(..) {
-            let sink = match &last {
-                Some((qpn, s)) if *qpn == rc.qp_num => Some(s.clone()),
-                _ => {
-                    let sinks = self.inner.sinks.lock().unwrap_or_else(|p| p.into_inner());
-                    let s = sinks.get(&rc.qp_num).and_then(Weak::upgrade);
-                    if let Some(s) = &s {
-                        last = Some((rc.qp_num, s.clone()));
-                    }
-                    s
-                }
-            };
-            match sink {
-                Some(s) => s.complete(rc, done),
-                None => warn!(qp = rc.qp_num, "completion for an unknown QP dropped"),
+        let mut rest = &raw[..];
+        while let Some(first) = rest.first() {
+            let qp_num = first.qp_num;
+            let len = rest.iter().take_while(|rc| rc.qp_num == qp_num).count();
+            let (run, after) = rest.split_at(len);
+            rest = after;
+            if last.as_ref().is_none_or(|(qpn, _)| *qpn != qp_num) {
+                let sinks = self.inner.sinks.lock().unwrap_or_else(|p| p.into_inner());
+                last = sinks
+                    .get(&qp_num)
+                    .and_then(Weak::upgrade)
+                    .map(|s| (qp_num, s));
+            }
+            match &last {
+                Some((_, s)) => s.complete(run, done),
+                None => warn!(
+                    qp = qp_num,
+                    dropped = run.len(),
+                    "completions for an unknown QP dropped"
+                ),
             }
         }
+        raw.clear();
         if !done.is_empty() {
             self.lock_ready().extend(done.drain(..));
         }

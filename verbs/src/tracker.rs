@@ -12,6 +12,7 @@
 //! allocates nothing once the slab has grown to the queue's depth, and a
 //! stale or foreign token finds nothing.
 
+use std::ops::ControlFlow;
 use std::sync::Mutex;
 
 use smallvec::SmallVec;
@@ -249,12 +250,37 @@ impl<T> Tracker<T> {
     /// The entry of `token` (its completion arrived, or its post failed),
     /// if it is still here.
     pub fn remove(&self, token: u64) -> Option<(T, Held)> {
+        let mut slab = self.slab.lock().unwrap_or_else(|p| p.into_inner());
+        self.remove_in(&mut slab, token)
+    }
+
+    /// [`remove`](Self::remove) of each of `tokens` in order, under one
+    /// lock of the table (a run of completions), handing each entry (or
+    /// `None`, as `remove` would) to `each` until it says to stop; returns
+    /// how many tokens it took. `each` runs under the table's lock: it must
+    /// not reach this tracker.
+    pub fn remove_each(
+        &self,
+        tokens: impl IntoIterator<Item = u64>,
+        mut each: impl FnMut(Option<(T, Held)>) -> ControlFlow<()>,
+    ) -> usize {
+        let mut slab = self.slab.lock().unwrap_or_else(|p| p.into_inner());
+        let mut taken = 0;
+        for token in tokens {
+            taken += 1;
+            if each(self.remove_in(&mut slab, token)).is_break() {
+                break;
+            }
+        }
+        taken
+    }
+
+    fn remove_in(&self, slab: &mut Slab<T>, token: u64) -> Option<(T, Held)> {
         if Table::of(token) != self.table {
             return None;
         }
         let index = (token & INDEX_MASK) as usize;
         let generation = ((token >> INDEX_BITS) & GEN_MASK) as u32;
-        let mut slab = self.slab.lock().unwrap_or_else(|p| p.into_inner());
         let slot = slab.slots.get_mut(index)?;
         if slot.generation != generation || slot.entry.is_none() {
             return None;
@@ -312,6 +338,35 @@ mod tests {
         }
         assert_eq!(t.remove(lone).map(|e| e.0), Some(0));
         assert_eq!(t.len(), 0);
+    }
+
+    /// A run removed under one lock finds each live entry once, in order,
+    /// misses stale and foreign tokens as `remove` does, and stops where
+    /// told, leaving the tokens after that in the table.
+    #[test]
+    fn a_run_removed_at_once_finds_each_entry_until_told_to_stop() {
+        let t: Tracker<u32> = Tracker::new(Table::Qp);
+        let tokens: Vec<u64> = (0..5).map(|i| t.insert(i, Held::new()).token()).collect();
+        assert!(t.remove(tokens[1]).is_some());
+        let foreign = Table::Srq.bits() | (tokens[0] & INDEX_MASK);
+        let run = [
+            tokens[0], tokens[1], foreign, tokens[2], tokens[3], tokens[4],
+        ];
+        let mut seen = Vec::new();
+        let taken = t.remove_each(run, |entry| {
+            let entry = entry.map(|e| e.0);
+            seen.push(entry);
+            if entry == Some(3) {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        });
+        assert_eq!(taken, 5);
+        assert_eq!(seen, [Some(0), None, None, Some(2), Some(3)]);
+        assert_eq!(t.len(), 1);
+        assert!(t.remove(tokens[3]).is_none(), "removed once");
+        assert_eq!(t.remove(tokens[4]).map(|e| e.0), Some(4));
     }
 
     #[test]

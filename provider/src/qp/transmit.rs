@@ -8,12 +8,13 @@
 
 use tracing::warn;
 
+use super::inline::InlineSlots;
 use super::output::Piece;
 use super::{
     CommitProgress, Connection, Env, InFlight, Inbound, Phase, TxCursor, MAX_HEADER_LEN,
     QN_REQUEST, QN_RESPONSE, QN_SEND,
 };
-use crate::mem::{MrTable, PdId};
+use crate::mem::{MrTable, PdId, ReadScope};
 use crate::setup::Rtr;
 use crate::wire::atomic::AtomicOpcode;
 use crate::wire::ddp::{SegmentSpan, Segments};
@@ -197,26 +198,43 @@ impl Connection {
             .pieces
             .iter()
             .any(|p| matches!(p, Piece::Inline { .. }));
-        if self.framer.config().markers || payload_len <= SNAPSHOT_MAX || inline {
+        let markers = self.framer.config().markers;
+        if !markers && (payload_len <= SNAPSHOT_MAX || inline) {
+            // A small payload is copied: as cheap as an iovec, and the
+            // octets sent are those the CRC covers even if the memory
+            // changes before the socket takes them. It is copied once,
+            // straight into the output behind its header, and the CRC
+            // runs over the whole FPDU in one call.
+            let start = self.tx.bytes.len();
+            let (pieces, slots, tx, framer) =
+                (&self.pieces, &self.inline, &mut self.tx, &mut self.framer);
+            let framed = env.mem.read_scope(|scope| {
+                framer.frame_appending(&header[..hlen], &mut tx.bytes, |out| {
+                    append_pieces(pieces, slots, scope, pd, out)
+                })
+            });
+            self.pieces.clear();
+            return match framed {
+                Ok(Ok(())) => {
+                    self.tx.push_bytes(start);
+                    Ok(())
+                }
+                Ok(Err(gone)) => Err(gone),
+                Err(e) => {
+                    self.frame_failed(e);
+                    Ok(())
+                }
+            };
+        }
+        if markers {
             // Markers fall inside payloads every 512 octets: copy (rare;
-            // siw does not ask for them by default). A small payload is
-            // copied too: as cheap as an iovec, and the octets sent are
-            // those the CRC covers even if the memory changes before the
-            // socket takes them.
+            // siw does not ask for them by default).
             let mut payload = std::mem::take(&mut self.scratch);
             payload.clear();
             let (pieces, slots) = (&self.pieces, &self.inline);
-            let copied = env.mem.read_scope(|scope| {
-                pieces.iter().try_for_each(|piece| {
-                    match *piece {
-                        Piece::Inline { start, len } => {
-                            payload.extend_from_slice(slots.get(start, len))
-                        }
-                        _ => payload.extend_from_slice(piece.try_payload(scope, pd)?),
-                    }
-                    Ok(())
-                })
-            });
+            let copied = env
+                .mem
+                .read_scope(|scope| append_pieces(pieces, slots, scope, pd, &mut payload));
             self.pieces.clear();
             if copied.is_ok() {
                 self.frame(repr, &payload);
@@ -790,4 +808,23 @@ impl Connection {
             off = 0;
         }
     }
+}
+
+/// Append the payload octets of `pieces` to `out`: inline ones from
+/// `slots`, the others read from registered memory under `scope`. Fails if
+/// a piece's region is gone.
+fn append_pieces(
+    pieces: &[Piece],
+    slots: &InlineSlots,
+    scope: &ReadScope<'_>,
+    pd: PdId,
+    out: &mut Vec<u8>,
+) -> Result<(), crate::wire::Error> {
+    pieces.iter().try_for_each(|piece| {
+        match *piece {
+            Piece::Inline { start, len } => out.extend_from_slice(slots.get(start, len)),
+            _ => out.extend_from_slice(piece.try_payload(scope, pd)?),
+        }
+        Ok(())
+    })
 }

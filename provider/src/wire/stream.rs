@@ -2,7 +2,7 @@
 //! byte stream as FPDUs and [`Deframer`] gets them back out, with or without
 //! markers ([`super::marker`] says where those fall) and CRC.
 
-use super::fpdu::{crc_to_wire, fpdu_len, pad_len, Crc32c, CRC_LEN, LENGTH_LEN};
+use super::fpdu::{crc_to_wire, emit_fpdu, fpdu_len, pad_len, Crc32c, CRC_LEN, LENGTH_LEN};
 use super::marker::{
     is_marker_pos, marker_bytes, to_next_marker, wire_len, Marker, INTERVAL, MARKER_LEN,
 };
@@ -64,6 +64,14 @@ impl Framer {
             need: total,
             have,
         })?;
+        if !self.config.markers {
+            // No marker can fall inside: the parts go in as they are and
+            // the CRC runs once over the whole FPDU, not once per part
+            // (three or four calls for a small one).
+            emit_fpdu(ulpdu_parts, self.config.crc, out)?;
+            self.pos += total as u64;
+            return Ok(total);
+        }
         let mut w = MarkedWriter {
             out,
             at: 0,
@@ -98,6 +106,60 @@ impl Framer {
             out.truncate(start);
         }
         written.map(|_| ())
+    }
+}
+
+impl Framer {
+    /// Frames one ULPDU of a marker-free stream straight onto the end of
+    /// `out`: the length field and `header`, then the payload `payload`
+    /// appends to `out` itself (copied once, from wherever it is), then
+    /// pad and CRC, computed in one pass over the whole FPDU.
+    ///
+    /// The octets are the ones [`Framer::frame`] produces for `[header,
+    /// payload]`. If `payload` fails, `out` and the stream offset are left
+    /// as they were and its error is the inner one; the outer error is
+    /// [`Framer::frame`]'s (nothing written either), or
+    /// [`Error::MpaLocalCatastrophic`] with markers negotiated, a caller's
+    /// bug: use `frame` then.
+    pub fn frame_appending<E>(
+        &mut self,
+        header: &[u8],
+        out: &mut Vec<u8>,
+        payload: impl FnOnce(&mut Vec<u8>) -> core::result::Result<(), E>,
+    ) -> Result<core::result::Result<(), E>> {
+        if self.config.markers {
+            return Err(Error::MpaLocalCatastrophic);
+        }
+        let start = out.len();
+        // The length field is known once the payload is in.
+        out.extend_from_slice(&[0; LENGTH_LEN]);
+        out.extend_from_slice(header);
+        if let Err(e) = payload(out) {
+            out.truncate(start);
+            return Ok(Err(e));
+        }
+        let ulpdu_len = out.len() - start - LENGTH_LEN;
+        let total = match self.framed_len(ulpdu_len) {
+            Ok(total) => total,
+            Err(e) => {
+                out.truncate(start);
+                return Err(e);
+            }
+        };
+        // Cannot truncate: framed_len checked it against MAX_ULPDU_LEN.
+        out[start..start + LENGTH_LEN].copy_from_slice(&(ulpdu_len as u16).to_be_bytes());
+        out.extend_from_slice(&[0u8; 3][..pad_len(ulpdu_len)]);
+        let crc = if self.config.crc {
+            let mut crc = Crc32c::new();
+            crc.update(&out[start..]);
+            crc.value()
+        } else {
+            0
+        };
+        out.extend_from_slice(&crc_to_wire(crc));
+        debug_assert_eq!(out.len() - start, total);
+        self.pos += total as u64;
+        Ok(Ok(()))
     }
 }
 
@@ -735,26 +797,91 @@ mod tests {
         assert_eq!(got, vec![a, b, b"abc".to_vec()]);
     }
 
-    /// Without markers the framer emits exactly `emit_fpdu`'s octets.
-    #[test]
-    fn test_plain_framing_matches_fpdu() {
-        let ulpdu = [
-            0x41u8, 0x43, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, b'x',
-        ];
-        for crc in [false, true] {
-            let mut framer = Framer::new(FramerConfig {
-                crc,
-                markers: false,
-            });
-            let mut a = Vec::new();
-            framer.frame(&[&ulpdu], &mut a).unwrap();
-            let mut b = vec![0u8; fpdu_len(ulpdu.len())];
-            super::super::fpdu::emit_fpdu(&[&ulpdu], crc, &mut b).unwrap();
-            assert_eq!(a, b);
-            if !crc {
-                assert_eq!(&a[a.len() - 4..], &[0, 0, 0, 0]);
+    /// RFC 3385's CRC32c, bit by bit: a model independent of the
+    /// accelerated kernels the framer uses.
+    fn crc32c_bitwise(data: &[u8]) -> u32 {
+        let mut crc = !0u32;
+        for &b in data {
+            crc ^= u32::from(b);
+            for _ in 0..8 {
+                crc = if crc & 1 == 1 {
+                    (crc >> 1) ^ 0x82f6_3b78
+                } else {
+                    crc >> 1
+                };
             }
         }
+        !crc
+    }
+
+    /// Without markers, [`Framer::frame`] and [`Framer::frame_appending`]
+    /// both emit length field, ULPDU, zero pad and the CRC (bitwise
+    /// model, little-endian as siw sends it) over all of them, however the
+    /// ULPDU is split into parts, and FPDU after FPDU.
+    #[test]
+    fn test_plain_framing_matches_model() {
+        for crc in [false, true] {
+            let config = FramerConfig {
+                crc,
+                markers: false,
+            };
+            let (mut framer, mut appending) = (Framer::new(config), Framer::new(config));
+            let (mut a, mut b, mut expected) = (Vec::new(), Vec::new(), Vec::new());
+            for len in [0usize, 1, 2, 3, 18, 19, 26, 100, 4097] {
+                let ulpdu: Vec<u8> = (0..len).map(|i| (i * 31 + len) as u8).collect();
+                let split = len.min(14);
+                let start = expected.len();
+                expected.extend_from_slice(&(len as u16).to_be_bytes());
+                expected.extend_from_slice(&ulpdu);
+                expected.resize(start + fpdu_len(len) - CRC_LEN, 0);
+                let value = if crc {
+                    crc32c_bitwise(&expected[start..])
+                } else {
+                    0
+                };
+                expected.extend_from_slice(&value.to_le_bytes());
+                framer
+                    .frame(&[&ulpdu[..split], &[], &ulpdu[split..]], &mut a)
+                    .unwrap();
+                appending
+                    .frame_appending(&ulpdu[..split], &mut b, |out| {
+                        out.extend_from_slice(&ulpdu[split..]);
+                        Ok::<(), ()>(())
+                    })
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(a, expected, "frame, len {len}, crc {crc}");
+                assert_eq!(b, expected, "frame_appending, len {len}, crc {crc}");
+                assert_eq!(framer.stream_offset(), expected.len() as u64);
+                assert_eq!(appending.stream_offset(), expected.len() as u64);
+            }
+        }
+    }
+
+    /// A payload that cannot be appended, or a ULPDU over the limit,
+    /// leaves the output and the stream offset as they were; markers are
+    /// refused.
+    #[test]
+    fn test_frame_appending_failures_write_nothing() {
+        let mut framer = Framer::new(FramerConfig {
+            crc: true,
+            markers: false,
+        });
+        let mut out = vec![7u8; 3];
+        let failed = framer.frame_appending(b"head", &mut out, |out| {
+            out.extend_from_slice(b"partial");
+            Err("region gone")
+        });
+        assert_eq!(failed, Ok(Err("region gone")));
+        let too_long = framer.frame_appending(b"head", &mut out, |out| {
+            out.resize(out.len() + MAX_ULPDU_LEN, 1);
+            Ok::<(), ()>(())
+        });
+        assert!(matches!(too_long, Err(Error::FpduTooLong(_))));
+        assert_eq!((out, framer.stream_offset()), (vec![7u8; 3], 0));
+        let mut markers = Framer::new(crc_markers());
+        let refused = markers.frame_appending(b"head", &mut Vec::new(), |_| Ok::<(), ()>(()));
+        assert_eq!(refused, Err(Error::MpaLocalCatastrophic));
     }
 
     /// For every stream offset in 0..1024 (4-aligned, as FPDU starts always

@@ -24,6 +24,7 @@ mod remote;
 pub(crate) mod srq;
 
 use std::collections::{HashMap, HashSet};
+use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
@@ -261,6 +262,20 @@ impl Queued {
 /// `sendmsg` calls of 224 octets, most of the client's time at 64 QPs
 /// (`stag bw --qps 64`).
 const BATCH: usize = 8;
+
+/// Most raw completions of a run whose tracker entries are taken under one
+/// lock (and whose sends are released under one lock of the order).
+const CQ_RUN: usize = 8;
+
+/// A send WR's end, noted under the tracker's lock and released after it
+/// ([`QpCore::release_ends`]).
+struct SendEnd {
+    /// Its place in the order, to release (`None`: a silent step's
+    /// success, which releases nothing).
+    seq: Option<u64>,
+    completion: Option<Completion>,
+    bounce: Option<usize>,
+}
 
 type Batch = SmallVec<[Queued; BATCH]>;
 
@@ -756,43 +771,177 @@ impl QpCore {
         }
     }
 
-    /// The one place a send WR's result becomes its completion.
     fn finish_send(&self, w: &SendRef, outcome: Outcome, wake: bool) {
+        self.finish(w.seq, self.send_completion(w, &outcome), wake);
+    }
+
+    /// The one place a send WR's result becomes its completion (none for
+    /// an unsignaled success).
+    fn send_completion(&self, w: &SendRef, outcome: &Outcome) -> Option<Completion> {
         let ok = outcome.status == WcStatus::Success;
-        let c = (w.signaled || !ok).then(|| {
+        (w.signaled || !ok).then(|| {
             self.completion(
                 w.wr_id,
                 outcome.status,
                 send_kind(&w.op, outcome.original.unwrap_or(0), ok),
                 outcome.vendor_err,
             )
-        });
-        self.finish(w.seq, c, wake);
+        })
     }
 
-    fn complete_arc(self: &Arc<Self>, rc: RawCompletion, out: &mut Vec<Completion>) {
+    /// A run of raw completions of this QP, in order. The tracker's
+    /// entries of a stretch of them are taken under one lock of it; each
+    /// that is a send's end (most of them) only notes its place and
+    /// completion there, and the stretch's notes are released in one lock
+    /// of the order. Any other (a receive, an emulation step) ends the
+    /// stretch: the notes before it are released, then it is handled on
+    /// its own, as it always was.
+    fn complete_run(self: &Arc<Self>, run: &[RawCompletion], out: &mut Vec<Completion>) {
+        let mut rest = run;
+        while let Some(first) = rest.first() {
+            if Table::of(first.token) == Table::Srq {
+                self.complete_srq(first, out);
+                rest = &rest[1..];
+                continue;
+            }
+            let mut ends: SmallVec<[SendEnd; CQ_RUN]> = SmallVec::new();
+            let mut helds: SmallVec<[Held; CQ_RUN]> = SmallVec::new();
+            let mut other = None;
+            let stretch = rest
+                .iter()
+                .take_while(|rc| Table::of(rc.token) == Table::Qp)
+                .take(CQ_RUN);
+            let mut raws = stretch.clone();
+            let taken = self
+                .tracker
+                .remove_each(stretch.map(|rc| rc.token), |entry| {
+                    let rc = raws.next().expect("one raw completion per token");
+                    if rc.status != WcStatus::Success {
+                        self.errored.store(true, Ordering::Release);
+                    }
+                    let Some((p, held)) = entry else {
+                        warn!(
+                            qp = self.qp_num,
+                            token = rc.token,
+                            "completion for an unknown WR"
+                        );
+                        return ControlFlow::Continue(());
+                    };
+                    match self.send_end(rc, &p) {
+                        Some(end) => {
+                            ends.push(end);
+                            // The WR's completion is taken: its slices go,
+                            // after the tracker's lock (dropping a region's
+                            // last slice deregisters it).
+                            helds.push(held);
+                            ControlFlow::Continue(())
+                        }
+                        None => {
+                            other = Some((*rc, p, held));
+                            ControlFlow::Break(())
+                        }
+                    }
+                });
+            rest = &rest[taken..];
+            drop(helds);
+            self.release_ends(&ends);
+            if let Some((rc, p, held)) = other {
+                self.complete_entry(rc, p, held, out);
+            }
+        }
+    }
+
+    /// What a send WR's completion `rc` of entry `p` releases, if it is
+    /// the end of the WR with nothing more to do (no atomic's result to
+    /// read, no emulation step to take); `None` for anything else.
+    fn send_end(&self, rc: &RawCompletion, p: &Pending) -> Option<SendEnd> {
+        let What::Send {
+            op,
+            seq,
+            signaled,
+            step,
+            bounce,
+        } = p.what
+        else {
+            return None;
+        };
+        let ok = rc.status == WcStatus::Success;
+        let done = match step {
+            Step::Final => !(ok && OpKind::from(&op).is_atomic()),
+            Step::Silent => true,
+            _ => false,
+        };
+        if !done {
+            return None;
+        }
+        if matches!(step, Step::Silent) && ok {
+            // An inner step's success releases nothing.
+            return Some(SendEnd {
+                seq: None,
+                completion: None,
+                bounce,
+            });
+        }
+        let w = SendRef {
+            wr_id: p.wr_id,
+            op,
+            seq,
+            signaled,
+        };
+        let outcome = Outcome {
+            status: rc.status,
+            original: None,
+            vendor_err: rc.vendor_err,
+        };
+        Some(SendEnd {
+            seq: Some(seq),
+            completion: self.send_completion(&w, &outcome),
+            bounce,
+        })
+    }
+
+    /// Release the sends of `ends`: their bounce slots, and their places
+    /// in the order under one lock of it (see [`finish`](Self::finish)).
+    fn release_ends(&self, ends: &[SendEnd]) {
+        for b in ends.iter().filter_map(|e| e.bounce) {
+            self.free_bounce(b);
+        }
+        if ends.iter().all(|e| e.seq.is_none()) {
+            return;
+        }
+        let mut order = self.order.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: SmallVec<[Completion; CQ_RUN]> = SmallVec::new();
+        for e in ends {
+            if let Some(seq) = e.seq {
+                order.finish(seq, e.completion, &mut out);
+            }
+        }
+        self.send_cq.push_released(out.drain(..), false);
+    }
+
+    fn complete_srq(&self, rc: &RawCompletion, out: &mut Vec<Completion>) {
         if rc.status != WcStatus::Success {
             self.errored.store(true, Ordering::Release);
         }
-        if Table::of(rc.token) == Table::Srq {
-            match self.srq.as_ref().and_then(|s| s.take(rc.token)) {
-                Some((wr_id, _held)) => out.push(self.recv_completion(wr_id, &rc)),
-                None => warn!(
-                    qp = self.qp_num,
-                    token = rc.token,
-                    "completion for an unknown receive"
-                ),
-            }
-            return;
-        }
-        let Some((p, held)) = self.tracker.remove(rc.token) else {
-            warn!(
+        match self.srq.as_ref().and_then(|s| s.take(rc.token)) {
+            Some((wr_id, _held)) => out.push(self.recv_completion(wr_id, rc)),
+            None => warn!(
                 qp = self.qp_num,
                 token = rc.token,
-                "completion for an unknown WR"
-            );
-            return;
-        };
+                "completion for an unknown receive"
+            ),
+        }
+    }
+
+    /// A completion that is not a plain send's end (see
+    /// [`send_end`](Self::send_end)), its entry taken from the tracker.
+    fn complete_entry(
+        self: &Arc<Self>,
+        rc: RawCompletion,
+        p: Pending,
+        held: Held,
+        out: &mut Vec<Completion>,
+    ) {
         match p.what {
             What::Recv => out.push(self.recv_completion(p.wr_id, &rc)),
             What::Probe { slot } => {
@@ -900,11 +1049,11 @@ fn check_atomic_local(wr: &WorkRequest<'_>) -> Result<()> {
 }
 
 impl CompletionSink for QpCore {
-    fn complete(&self, rc: RawCompletion, out: &mut Vec<Completion>) {
+    fn complete(&self, run: &[RawCompletion], out: &mut Vec<Completion>) {
         // The strategies post follow-ups that need an Arc of the core; a
         // sink is only ever reached through one (the CQ upgrades its Weak).
         match self.me.upgrade() {
-            Some(me) => me.complete_arc(rc, out),
+            Some(me) => me.complete_run(run, out),
             None => warn!(qp = self.qp_num, "completion for a QP being dropped"),
         }
     }
