@@ -56,7 +56,18 @@ pub(crate) trait CqQp: Send + Sync {
     /// it, or its last wait held it) and the QP has no output waiting for
     /// room: that wait reads the socket first thing when it comes back.
     fn kept_by_waiter(&self) -> bool;
+    /// Whether the device's engine answers this QP's requests without a
+    /// wake-up now (it polls after traffic).
+    fn engine_polls(&self) -> bool;
 }
+
+/// How many socket wake-ups without a notification a channel wait
+/// ([`CompletionQueue::wait_notified`]) takes before it leaves the
+/// sockets that woke it to the device's engine: a thread woken that often
+/// for nothing of its own is answering the peer's requests, which the
+/// engine does without a wake-up while it polls. Several, so that a
+/// message arriving in a few reads is still read by its waiter.
+const CEDE_AFTER_DRY_WAKES: u32 = 8;
 
 /// Notification arming (`ibv_req_notify_cq`).
 const ARM_NONE: u8 = 0;
@@ -464,9 +475,20 @@ impl CompletionQueue {
         // on to sleep elsewhere (poll(2) on the channel fd), not on these
         // sockets, so they go back to the engine at once, not held.
         let look = timeout.is_some_and(|t| t.is_zero());
+        // Socket wake-ups of this wait that delivered nothing, and the
+        // QPs it left to the engine after too many of them.
+        let mut dry_wakes = 0u32;
+        let mut ceded: Vec<Arc<dyn CqQp>> = Vec::new();
         loop {
             if delivered() {
                 return Ok(true);
+            }
+            // An engine that stopped polling (the cores are taken) would
+            // pay the wake-up itself: the socket comes back to this wait.
+            let before = ceded.len();
+            ceded.retain(|qp| qp.engine_polls());
+            if ceded.len() != before {
+                dry_wakes = 0;
             }
             let qps: Vec<Arc<dyn CqQp>> = cqs
                 .iter()
@@ -480,6 +502,9 @@ impl CompletionQueue {
             fds.push(PollFd::new(fd, PollFlags::POLLIN));
             let mut sleeping = Vec::with_capacity(qps.len());
             for qp in &qps {
+                if ceded.iter().any(|c| Arc::ptr_eq(c, qp)) {
+                    continue;
+                }
                 if let Some((sock, write)) = qp.wait_fd(true) {
                     let mut ev = PollFlags::POLLIN;
                     if write {
@@ -511,8 +536,22 @@ impl CompletionQueue {
             // epoll_ctl each way per wait, and the engine racing the thread
             // for arrivals in between) measured qperf rc_lat 12 → 22 µs
             // one way (6 alternating rounds, load 12).
-            for qp in &sleeping {
-                if look {
+            //
+            // Unless the thread only does the peer's work there: a wait
+            // that its sockets woke CEDE_AFTER_DRY_WAKES times without a
+            // notification (a Read responder, fio's rdma server asleep
+            // for its whole run) pays a wake-up per request that a
+            // polling engine answers without one. The sockets that woke
+            // it go back to such an engine for the rest of this wait (its
+            // next wait takes them again).
+            let cede_due = !look && dry_wakes + 1 >= CEDE_AFTER_DRY_WAKES;
+            let cedes: Vec<bool> = sleeping
+                .iter()
+                .zip(&fds[1..])
+                .map(|(qp, f)| cede_due && f.any().unwrap_or(false) && qp.engine_polls())
+                .collect();
+            for (qp, &cede) in sleeping.iter().zip(&cedes) {
+                if look || cede {
                     qp.set_waiting(false);
                 } else {
                     qp.end_wait_holding();
@@ -522,10 +561,18 @@ impl CompletionQueue {
                 return Ok(true);
             }
             polled?;
-            for (qp, f) in sleeping.iter().zip(&fds[1..]) {
+            let mut woken = false;
+            for ((qp, f), &cede) in sleeping.iter().zip(&fds[1..]).zip(&cedes) {
                 if f.any().unwrap_or(false) {
                     qp.drive_woken();
+                    woken = true;
+                    if cede {
+                        ceded.push(Arc::clone(qp));
+                    }
                 }
+            }
+            if woken && !delivered() {
+                dry_wakes += 1;
             }
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok(false);
@@ -663,5 +710,83 @@ mod tests {
         let mut out = [WorkCompletion::BLANK];
         assert_eq!(cq.wait(&mut out, Duration::from_secs(60)), 1);
         assert_eq!(out[0].wr_id, 7);
+    }
+
+    /// A QP whose socket is always readable and whose drive never
+    /// completes anything: a responder's socket, seen from its waiter.
+    struct DryResponder {
+        sock: std::os::unix::net::UnixStream,
+        engine_polls: bool,
+        drives: AtomicU32,
+        handed_back: AtomicU32,
+    }
+
+    impl CqQp for DryResponder {
+        fn try_progress(&self, _claim: bool) {}
+        fn drive_woken(&self) {
+            self.drives.fetch_add(1, Ordering::SeqCst);
+        }
+        fn wait_fd(&self, _always: bool) -> Option<(BorrowedFd<'_>, bool)> {
+            Some((self.sock.as_fd(), false))
+        }
+        fn set_waiting(&self, on: bool) {
+            if !on {
+                self.handed_back.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        fn end_wait_holding(&self) {}
+        fn release_to_engine(&self) {}
+        fn kept_by_waiter(&self) -> bool {
+            false
+        }
+        fn engine_polls(&self) -> bool {
+            self.engine_polls
+        }
+    }
+
+    /// A channel wait woken by its QP's socket CEDE_AFTER_DRY_WAKES times
+    /// with nothing delivered hands that socket back to a polling engine
+    /// and sleeps on the channel alone; with an engine that does not poll
+    /// it keeps the socket.
+    #[test]
+    fn a_wait_woken_for_nothing_leaves_its_socket_to_a_polling_engine() {
+        use std::io::Write as _;
+        use std::os::unix::net::UnixStream;
+        for engine_polls in [true, false] {
+            let (sock, mut peer) = UnixStream::pair().unwrap();
+            peer.write_all(b"x").unwrap();
+            let qp = Arc::new(DryResponder {
+                sock,
+                engine_polls,
+                drives: AtomicU32::new(0),
+                handed_back: AtomicU32::new(0),
+            });
+            let cq = CompletionQueue::new(4).unwrap();
+            let weak: Weak<dyn CqQp> = Arc::downgrade(&qp) as Weak<dyn CqQp>;
+            cq.attach(weak);
+            cq.req_notify(false);
+            let (channel, _channel_peer) = UnixStream::pair().unwrap();
+            // The wait ends at the first look after a hand-back, or once
+            // the socket woke it well past the limit.
+            let enough = || {
+                qp.handed_back.load(Ordering::SeqCst) > 0
+                    || qp.drives.load(Ordering::SeqCst) >= CEDE_AFTER_DRY_WAKES + 4
+            };
+            let woke = CompletionQueue::wait_notified(
+                channel.as_fd(),
+                std::slice::from_ref(&cq),
+                None,
+                &enough,
+            )
+            .unwrap();
+            assert!(woke);
+            let drives = qp.drives.load(Ordering::SeqCst);
+            let handed_back = qp.handed_back.load(Ordering::SeqCst);
+            if engine_polls {
+                assert_eq!((drives, handed_back), (CEDE_AFTER_DRY_WAKES, 1));
+            } else {
+                assert_eq!((drives, handed_back), (CEDE_AFTER_DRY_WAKES + 4, 0));
+            }
+        }
     }
 }

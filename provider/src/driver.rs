@@ -714,6 +714,12 @@ impl CqQp for QpShared {
         // as before: a sender's empty poll still pushes the stream.
         self.own.kept_by_waiter() && !self.tx_blocked.load(Ordering::Acquire)
     }
+
+    fn engine_polls(&self) -> bool {
+        self.engine
+            .upgrade()
+            .is_some_and(|engine| engine.polls_after_traffic())
+    }
 }
 
 /// The verbs of a QP handle ([`crate::device::QueuePair`]), including what

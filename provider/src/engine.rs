@@ -39,7 +39,9 @@
 //! - **hold**: a thread woken in a completion channel wait keeps the
 //!   sockets out of the engine's set for its next wait; the engine takes
 //!   them back at its next recheck unless a thread sleeps on them again
-//!   (`Engine::hold`).
+//!   (`Engine::hold`). A wait woken often for nothing of its own (it only
+//!   answers the peer) hands its sockets back to a polling engine instead
+//!   (`Engine::polls_after_traffic`).
 //!
 //! Two policies of a thread that polls a CQ (`Device::poll_cq`, which
 //! the rdma-core plugin's `poll_cq` calls), in these words, over the device's one QP registry
@@ -427,6 +429,8 @@ pub(crate) struct Engine {
     registered: Arc<AtomicUsize>,
     /// QPs the engine left to an application thread (parks).
     parks: Arc<ParkCounts>,
+    /// Whether the engine polls after traffic now ([`Spinner::would_poll`]).
+    polls: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
@@ -457,6 +461,8 @@ impl Engine {
         let held: Arc<Held> = Arc::default();
         let registered = Arc::new(AtomicUsize::new(0));
         let parks = Arc::new(ParkCounts::default());
+        let spinner = Spinner::new(progress);
+        let polls = Arc::new(AtomicBool::new(spinner.would_poll()));
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let run = Run {
@@ -468,8 +474,9 @@ impl Engine {
                 holds: Vec::new(),
                 registered: registered.clone(),
                 parks: parks.clone(),
+                polls: polls.clone(),
                 stop: stop.clone(),
-                spinner: Spinner::new(progress),
+                spinner,
                 parked: Vec::new(),
                 last_check: Instant::now(),
                 last_scan: Instant::now(),
@@ -493,6 +500,7 @@ impl Engine {
             held,
             registered,
             parks,
+            polls,
             stop,
             thread: Mutex::new(Some(thread)),
         })
@@ -501,6 +509,13 @@ impl Engine {
     /// The engine's progress mode.
     pub(crate) fn progress(&self) -> Progress {
         self.progress
+    }
+
+    /// Whether a request reaching a QP the engine drives is answered
+    /// without a wake-up: the engine polls after traffic (busy, or an
+    /// adaptive window that contention has not closed).
+    pub(crate) fn polls_after_traffic(&self) -> bool {
+        self.polls.load(Ordering::Relaxed)
     }
 
     /// How many times an arrival found an application thread driving its
@@ -705,6 +720,20 @@ impl Spinner {
         }
     }
 
+    /// Whether traffic opens a poll window now that catches the next
+    /// request of a stream: busy, or adaptive with at least half its
+    /// window left (preemption shrinks it: the core is wanted) and the
+    /// cores not taken by most recent looks.
+    fn would_poll(&self) -> bool {
+        match self.progress {
+            Progress::Busy => true,
+            Progress::Blocking => false,
+            Progress::Adaptive { spin } => {
+                self.budget >= spin / 2 && self.looks.count_ones() < CONTENDED_LOOKS
+            }
+        }
+    }
+
     /// Whether to poll (rather than sleep) now, given whether the engine
     /// drives any QP.
     fn polling(&mut self, owns_qps: bool, now: Instant) -> bool {
@@ -844,6 +873,8 @@ struct Run {
     holds: Vec<(Instant, Weak<dyn EngineQp>)>,
     registered: Arc<AtomicUsize>,
     parks: Arc<ParkCounts>,
+    /// [`Engine::polls_after_traffic`], kept up to date by the loop.
+    polls: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
     spinner: Spinner,
     /// QPs whose socket is disarmed because an application thread drives
@@ -961,6 +992,10 @@ impl Run {
                 self.last_scan = now;
                 self.park_app_driven();
             }
+            // For channel waiters deciding whether to leave their sockets
+            // to the engine (`CompletionQueue::wait_notified`).
+            self.polls
+                .store(self.spinner.would_poll(), Ordering::Relaxed);
             if !self.parked.is_empty()
                 && (recheck || now.duration_since(self.last_check) >= PARK_RECHECK)
             {
@@ -1489,10 +1524,12 @@ mod tests {
         assert_eq!(&budgets[..7], &[50, 25, 12, 6, 3, 0, 6], "{budgets:?}");
 
         let mut busy = Spinner::new(Progress::Busy);
+        assert!(busy.would_poll());
         assert!(busy.polling(true, t0));
         assert!(!busy.polling(false, t0));
         let mut blocking = Spinner::new(Progress::Blocking);
         blocking.traffic(t0);
+        assert!(!blocking.would_poll());
         assert!(!blocking.polling(true, t0));
     }
 }
