@@ -145,6 +145,15 @@ struct Outcome {
 }
 
 impl Outcome {
+    /// As the device reported it (no atomic's result read yet).
+    fn of(rc: &RawCompletion) -> Outcome {
+        Outcome {
+            status: rc.status,
+            original: None,
+            vendor_err: rc.vendor_err,
+        }
+    }
+
     fn done(original: Option<u64>) -> Outcome {
         Outcome {
             status: WcStatus::Success,
@@ -888,14 +897,9 @@ impl QpCore {
             seq,
             signaled,
         };
-        let outcome = Outcome {
-            status: rc.status,
-            original: None,
-            vendor_err: rc.vendor_err,
-        };
         Some(SendEnd {
             seq: Some(seq),
-            completion: self.send_completion(&w, &outcome),
+            completion: self.send_completion(&w, &Outcome::of(rc)),
             bounce,
         })
     }
@@ -967,11 +971,7 @@ impl QpCore {
                     seq,
                     signaled,
                 };
-                let outcome = Outcome {
-                    status: rc.status,
-                    original: None,
-                    vendor_err: rc.vendor_err,
-                };
+                let outcome = Outcome::of(&rc);
                 match step {
                     Step::Final => {
                         // Only an atomic's local slice holds a result.
