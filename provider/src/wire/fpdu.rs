@@ -321,15 +321,19 @@ pub fn emit_fpdu(ulpdu_parts: &[&[u8]], crc_enabled: bool, out: &mut [u8]) -> Re
         at += part.len();
     }
     body[at..].fill(0);
-    let crc = if crc_enabled {
-        let mut crc = Crc32c::new();
-        crc.update(body);
-        crc.value()
-    } else {
-        0
-    };
-    crc_field.copy_from_slice(&crc_to_wire(crc));
+    crc_field.copy_from_slice(&crc_field_of(crc_enabled, body));
     Ok(total)
+}
+
+/// The CRC field of an FPDU whose length field, ULPDU and pad are
+/// `covered`: their CRC32c as carried, or zeros when CRC is off.
+pub(crate) fn crc_field_of(crc_enabled: bool, covered: &[u8]) -> [u8; CRC_LEN] {
+    if !crc_enabled {
+        return [0; CRC_LEN];
+    }
+    let mut crc = Crc32c::new();
+    crc.update(covered);
+    crc.to_wire()
 }
 
 fn truncated(need: usize, have: usize) -> Error {

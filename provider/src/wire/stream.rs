@@ -2,7 +2,9 @@
 //! byte stream as FPDUs and [`Deframer`] gets them back out, with or without
 //! markers ([`super::marker`] says where those fall) and CRC.
 
-use super::fpdu::{crc_to_wire, emit_fpdu, fpdu_len, pad_len, Crc32c, CRC_LEN, LENGTH_LEN};
+use super::fpdu::{
+    crc_field_of, crc_to_wire, emit_fpdu, fpdu_len, pad_len, Crc32c, CRC_LEN, LENGTH_LEN,
+};
 use super::marker::{
     is_marker_pos, marker_bytes, to_next_marker, wire_len, Marker, INTERVAL, MARKER_LEN,
 };
@@ -149,14 +151,8 @@ impl Framer {
         // Cannot truncate: framed_len checked it against MAX_ULPDU_LEN.
         out[start..start + LENGTH_LEN].copy_from_slice(&(ulpdu_len as u16).to_be_bytes());
         out.extend_from_slice(&[0u8; 3][..pad_len(ulpdu_len)]);
-        let crc = if self.config.crc {
-            let mut crc = Crc32c::new();
-            crc.update(&out[start..]);
-            crc.value()
-        } else {
-            0
-        };
-        out.extend_from_slice(&crc_to_wire(crc));
+        let crc_field = crc_field_of(self.config.crc, &out[start..]);
+        out.extend_from_slice(&crc_field);
         debug_assert_eq!(out.len() - start, total);
         self.pos += total as u64;
         Ok(Ok(()))
