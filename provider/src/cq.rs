@@ -545,12 +545,18 @@ impl CompletionQueue {
             // it go back to such an engine for the rest of this wait (its
             // next wait takes them again).
             let cede_due = !look && dry_wakes + 1 >= CEDE_AFTER_DRY_WAKES;
-            let cedes: Vec<bool> = sleeping
-                .iter()
-                .zip(&fds[1..])
-                .map(|(qp, f)| cede_due && f.any().unwrap_or(false) && qp.engine_polls())
-                .collect();
-            for (qp, &cede) in sleeping.iter().zip(&cedes) {
+            let cedes: Vec<bool> = if cede_due {
+                sleeping
+                    .iter()
+                    .zip(&fds[1..])
+                    .map(|(qp, f)| f.any().unwrap_or(false) && qp.engine_polls())
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let cede_of = |i: usize| cedes.get(i).copied().unwrap_or(false);
+            for (i, qp) in sleeping.iter().enumerate() {
+                let cede = cede_of(i);
                 if look || cede {
                     qp.set_waiting(false);
                 } else {
@@ -562,7 +568,8 @@ impl CompletionQueue {
             }
             polled?;
             let mut woken = false;
-            for ((qp, f), &cede) in sleeping.iter().zip(&fds[1..]).zip(&cedes) {
+            for (i, (qp, f)) in sleeping.iter().zip(&fds[1..]).enumerate() {
+                let cede = cede_of(i);
                 if f.any().unwrap_or(false) {
                     qp.drive_woken();
                     woken = true;
