@@ -12,6 +12,9 @@ failures=()
 # rdma-core release they run on, and (for a private build) its lib/.
 bin=${STAG_SUITE_BIN:-target/debug}
 rdma_core=${STAG_RDMA_CORE:-44}
+# The soak loops of the test binaries (verbs/tests/common soak()) go round a
+# fifth as often: a message on a kernel device under TCG costs milliseconds.
+export STAG_SOAK_DIVISOR=${STAG_SOAK_DIVISOR:-5}
 if [[ -n ${STAG_RDMA_LIB:-} ]]; then
     export LD_LIBRARY_PATH=$STAG_RDMA_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
@@ -19,11 +22,13 @@ fi
 # One test executable: count its tests from libtest's summary line; a
 # crash or timeout without one counts as one failure.
 run_tests() { # label exe args...
-    local label=$1 exe=$2 log rc p f
+    local label=$1 exe=$2 log rc p f t0 took
     shift 2
     log=$(mktemp)
+    t0=$(date +%s%N)
     timeout 300 "$exe" --test-threads=1 "$@" >"$log" 2>&1
     rc=$?
+    took=$(tenths_since "$t0")
     p=$(sed -n 's/^test result: .* \([0-9]*\) passed; \([0-9]*\) failed.*/\1/p' "$log" | tail -n1)
     f=$(sed -n 's/^test result: .* \([0-9]*\) passed; \([0-9]*\) failed.*/\2/p' "$log" | tail -n1)
     if [[ -z $p ]]; then
@@ -32,7 +37,7 @@ run_tests() { # label exe args...
         f=1
     fi
     passed=$((passed + p)) failed=$((failed + f))
-    printf '  %-28s %3d passed, %d failed%s\n' "$label" "$p" "$f" "$( ((rc == 124)) && echo ' (TIMEOUT)')"
+    printf '  %-28s %3d passed, %d failed (%s)%s\n' "$label" "$p" "$f" "$took" "$( ((rc == 124)) && echo ' (TIMEOUT)')"
     if ((f)); then
         failures+=("$label")
         grep -E '^test .*FAILED|panicked|^  (left|right):|^[a-z].*Error|^called' "$log" | head -n 40 | sed 's/^/      /'
@@ -40,16 +45,22 @@ run_tests() { # label exe args...
     rm -f "$log"
 }
 
-one() { # label: a single check that passed (0) or not
-    local label=$1 ok=$2
+one() { # label: a single check that passed (0) or not, [what it took]
+    local label=$1 ok=$2 took=${3:+ ($3)}
     if ((ok == 0)); then
         passed=$((passed + 1))
-        printf '  %-28s ok\n' "$label"
+        printf '  %-28s ok%s\n' "$label" "$took"
     else
         failed=$((failed + 1))
         failures+=("$label")
-        printf '  %-28s FAILED\n' "$label"
+        printf '  %-28s FAILED%s\n' "$label" "$took"
     fi
+}
+
+# tenths_since T0: tenths of a second since T0 (date +%s%N), as "S.T s".
+tenths_since() {
+    local t=$((($(date +%s%N) - $1) / 100000000))
+    echo "$((t / 10)).$((t % 10)) s"
 }
 
 # Expected rows of the capability matrix, per device and kernel.
@@ -140,11 +151,14 @@ for kind in rxe siw; do
             run_tests "$name" "$exe"
         fi
     done
+    # vm-suite.sh --ops-only leaves the examples out.
+    ((${STAG_SUITE_EXAMPLES:-1})) || continue
     for e in quickstart counter lock durable_log stream async_quickstart async_stream_slots async_kv; do
         log=$(mktemp)
+        t0=$(date +%s%N)
         timeout 300 "$bin/examples/$e" >"$log" 2>&1
         r=$?
-        one "example $e" $r
+        one "example $e" $r "$(tenths_since "$t0")"
         ((r == 0)) || tail -n 20 "$log" | sed 's/^/      /'
         rm -f "$log"
     done

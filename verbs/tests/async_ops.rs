@@ -10,7 +10,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
-use common::{device, listen_addr, ALL};
+use common::{device, listen_addr, soak, ALL};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use verbs::r#async::{
     AsyncCompletionQueue, AsyncListener, AsyncQueuePair, Op, OpError, RdmaStream, StreamOptions,
@@ -466,9 +466,10 @@ fn pattern(n: usize) -> Vec<u8> {
 }
 
 /// The smallest ring there is (two slots of 32 payload bytes): the
-/// writer's messages go round the peer's ring thousands of times, each
-/// write a post list of two, and the reader takes them with reads that
-/// straddle slots; every byte arrives in order.
+/// writer's messages go round the peer's ring thousands of times
+/// (hundreds under emulation, see `soak`), each write a post list of two,
+/// and the reader takes them with reads that straddle slots; every byte
+/// arrives in order.
 #[test]
 fn a_two_slot_ring_wraps_thousands_of_times_in_order() {
     multi_thread().block_on(async {
@@ -478,7 +479,7 @@ fn a_two_slot_ring_wraps_thousands_of_times_in_order() {
             ..StreamOptions::default()
         };
         let (mut c, mut s, _cc, _sc) = stream_pair(opts).await;
-        let data = pattern(200_000);
+        let data = pattern(soak(200_000));
         let send = data.clone();
         let writer = tokio::spawn(async move {
             for chunk in send.chunks(7_919) {
@@ -577,7 +578,7 @@ fn writes_larger_than_a_post_list_arrive_byte_exact() {
             ..StreamOptions::default()
         };
         let (mut c, mut s, _cc, _sc) = stream_pair(opts).await;
-        let data = pattern(400_000);
+        let data = pattern(soak(400_000));
         let send = data.clone();
         let writer = tokio::spawn(async move {
             let mut at = 0;
@@ -637,7 +638,7 @@ fn sleeping_streams_wake_for_every_message() {
                 }
                 w.shutdown().await.unwrap();
             });
-            for i in 0..2_000usize {
+            for i in 0..soak(2_000) {
                 let msg = pattern(1 + i % 200);
                 to_writer.send(msg.clone()).await.unwrap();
                 let mut back = vec![0u8; msg.len()];
@@ -687,7 +688,7 @@ fn a_stream_polled_while_asleep_loses_no_completion() {
                 w.shutdown().await.unwrap();
             });
             let mut polls = 0u64;
-            for i in 0..1_000usize {
+            for i in 0..soak(1_000) {
                 let msg = pattern(129 + i % 40);
                 c.write_all(&msg).await.unwrap();
                 let mut back = vec![0u8; msg.len()];
@@ -970,8 +971,9 @@ async fn read_slots(s: &RdmaStream, hold: usize) -> Vec<u8> {
 
 /// The slot path, Writes with Immediate and Sends: messages of every
 /// length up to a slot's capacity go round a three-slot ring thousands of
-/// times; the reader holds two slots at a time (freeing the newer first);
-/// every byte arrives once, in order, then end of stream.
+/// times (hundreds under emulation); the reader holds two slots at a time
+/// (freeing the newer first); every byte arrives once, in order, then end
+/// of stream.
 #[test]
 fn slot_messages_arrive_in_order_across_ring_wraps() {
     for write_imm in [true, false] {
@@ -983,7 +985,7 @@ fn slot_messages_arrive_in_order_across_ring_wraps() {
                 ..StreamOptions::default()
             };
             let (mut c, s, _cc, _sc) = stream_pair(opts).await;
-            let data = pattern(150_000);
+            let data = pattern(soak(150_000));
             let send = data.clone();
             let writer = tokio::spawn(async move {
                 let mut at = 0;

@@ -23,6 +23,23 @@ pub fn device() -> String {
     std::env::var("STAG_DEVICE").unwrap_or_else(|_| verbs::device::USERSPACE_DEVICE.to_owned())
 }
 
+/// How many times a soak loop goes round: `n`, or `n / $STAG_SOAK_DIVISOR`
+/// (at least 1) where the suite runs under emulation. scripts/vm/suite.sh
+/// sets 5: under QEMU's TCG a small message on rxe0 or siw0 costs 5-13 ms
+/// where stag0 on the host takes ~10 µs, and the soak loops were four
+/// fifths of the whole VM suite (1-4 minutes of a 5-minute limit per test
+/// binary). Fewer rounds still take every path a loop covers (rings wrap
+/// hundreds of times, streams sleep and wake hundreds of times); the host
+/// runs the full count on stag0.
+pub fn soak(n: usize) -> usize {
+    let divisor = std::env::var("STAG_SOAK_DIVISOR")
+        .ok()
+        .map(|d| d.parse::<usize>().expect("STAG_SOAK_DIVISOR is a count"))
+        .unwrap_or(1)
+        .max(1);
+    (n / divisor).max(1)
+}
+
 pub fn listen_addr() -> SocketAddr {
     match std::env::var("STAG_ADDR") {
         Ok(a) => format!("{a}:0")
