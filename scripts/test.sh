@@ -3,29 +3,33 @@
 # suites and a short run of every fuzz target.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# section TITLE: a heading, with the time since the gate began (the budget
+# is 30 minutes; each heading shows where it goes).
+SECONDS=0
+section() { printf '== %s [%d:%02d]\n' "$1" $((SECONDS / 60)) $((SECONDS % 60)); }
 bash scripts/setup.sh
 
-echo "== cargo fmt --check"
+section "cargo fmt --check"
 cargo fmt --all -- --check
-echo "== cargo clippy"
+section "cargo clippy"
 # `stag/grpc` adds the tonic transport, its example and test (off by
 # default: it pulls in tonic and hyper).
 cargo clippy --workspace --all-targets --features stag/grpc -- -D warnings
 # Module-level `use` cycles (scripts/dev/modcycles.py, checked first on its
 # own small crates): every crate's module graph stays acyclic.
-echo "== module cycles"
+section "module cycles"
 python3 scripts/dev/modcycles.py --self-test
 for crate in verbs/src provider/src provider/plugin/src rdma-sys-ext/src src; do
     python3 scripts/dev/modcycles.py "$crate"
 done
 # The API docs build with every intra-doc link resolved (about 20 s warm).
-echo "== cargo doc"
+section "cargo doc"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --features stag/grpc --quiet
-echo "== cargo test"
+section "cargo test"
 cargo test --workspace --all-targets --features stag/grpc 2>&1 | tee target/test.log
 # The doc tests run separately (all-targets leaves them out).
 cargo test --workspace --doc --features stag/grpc
-echo "== examples (each checks its own result and fails loudly)"
+section "examples (each checks its own result and fails loudly)"
 cargo build --workspace --examples --features stag/grpc --quiet
 ex_pass=0
 for e in quickstart counter lock durable_log stream async_quickstart async_stream_slots async_kv grpc_echo; do
@@ -43,19 +47,19 @@ echo "examples: $ex_pass passed, 0 failed"
 # perftest (-R), rdmacm-utils and libfabric binaries as two processes,
 # as root and as an ordinary user, the stagdv.h C example and stag install
 # (~30 s).
-echo "== unmodified rdma-core programs on stag0 (prints rdma-core-apps: N passed, M failed)"
+section "unmodified rdma-core programs on stag0 (prints rdma-core-apps: N passed, M failed)"
 bash scripts/gate/rdma-core-apps.sh
 # Real clients the way their users run them: qperf -cm1 (completion
 # channels and polling), fio's rdma engine, rping in event mode, and the C
 # programs over librdmacm (cm_stress.c: 2000 connect cycles, 64 at once, a
 # connect before rdma_listen, rejects, a listener re-created on one port);
 # nothing retried (~45 s).
-echo "== real clients on stag0 (prints real-clients: N passed, M failed)"
+section "real clients on stag0 (prints real-clients: N passed, M failed)"
 bash scripts/gate/real-clients.sh
 # stag0 across 2 and 8 network-namespace hosts: libfabric's addresses,
 # fi_pingpong (verbs;ofi_rxm, three rxm modes), NetPIPE and a
 # result-checking MPI test, each against a tcp;ofi_rxm control (~3.5 min).
-echo "== stag0 across hosts (prints cluster-apps: N passed, M failed)"
+section "stag0 across hosts (prints cluster-apps: N passed, M failed)"
 bash scripts/gate/cluster-apps.sh
 # The verbs suite and the examples again, on kernel soft-RoCE (rxe0) and
 # soft-iWARP (siw0) in a QEMU guest, on both pinned kernels (6.12: rxe with
@@ -72,7 +76,7 @@ bash scripts/gate/cluster-apps.sh
 # cannot run fails the gate like a failing test.
 for run in 6.12:55: 6.1:44: 6.12:44:--ops-only 6.1:55:--ops-only; do
     IFS=: read -r kernel rdma_core scope <<<"$run"
-    echo "== vm-suite (kernel $kernel, rdma-core $rdma_core${scope:+, $scope})"
+    section "vm-suite (kernel $kernel, rdma-core $rdma_core${scope:+, $scope})"
     bash scripts/vm/vm-suite.sh --kernel "$kernel" --rdma-core "$rdma_core" ${scope:+"$scope"}
 done
 # in_vm ARGS...: scripts/vm/vm.sh ARGS. A VM that cannot run fails the gate
@@ -81,7 +85,7 @@ done
 in_vm() {
     bash scripts/vm/vm.sh "$@"
 }
-echo "== wire interop with kernel siw (VM; prints interop: N passed, M failed)"
+section "wire interop with kernel siw (VM; prints interop: N passed, M failed)"
 # verbs/tests/siw_interop.rs: ignored tests (they need siw0), built by the
 # workspace test run above; interop.sh runs each case in the VM.
 cargo test --workspace --test siw_interop --no-run --quiet
@@ -90,17 +94,18 @@ in_vm -- scripts/vm/interop.sh
 # programs on kernel siw0, both directions, on both kernels.
 cargo build --quiet -p stag -p stag-rdma
 for k in 6.12 6.1; do
-    echo "== rdma-core programs, stag0 against kernel siw0 (VM, kernel $k; prints rdma-core-siw: N passed, M failed)"
+    section "rdma-core programs, stag0 against kernel siw0 (VM, kernel $k; prints rdma-core-siw: N passed, M failed)"
     in_vm --kernel "$k" -- scripts/vm/rdma-core-siw.sh
 done
 # Built against rdma-core 56's headers (ibv_wr_flush compiled in), run on
 # Debian 12's rdma-core 44 in the VM: the run-time gates must hold.
-echo "== newer headers, older library (VM)"
+section "newer headers, older library (VM)"
 bash scripts/gate/newer-headers.sh
 if command -v cargo-fuzz >/dev/null 2>&1; then
-    echo "== fuzz (short)"
+    section "fuzz (short)"
     bash scripts/gate/fuzz.sh "${STAG_FUZZ_SECONDS:-10}"
 else
     echo "== fuzz: cargo-fuzz not installed, fuzz targets NOT run" >&2
     exit 1
 fi
+section "test gate passed"
