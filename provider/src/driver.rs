@@ -339,17 +339,35 @@ impl QpShared {
                 }
                 continue;
             }
-            let want = conn.read_hint().unwrap_or(rbuf.len()).min(rbuf.len());
-            // `recv` through nix: the errno as a plain value, no
-            // `io::Error` to build, classify and drop per empty poll.
-            match socket::recv(sock.as_raw_fd(), &mut rbuf[..want], MsgFlags::empty()) {
+            // Input held for a Receive is read straight in behind it, a
+            // read buffer's worth at a time (no header-by-header reads:
+            // nothing is placed directly while it waits).
+            let (want, got, direct) = match conn.held_room(rbuf.len()) {
+                Some(room) => (
+                    room.len(),
+                    socket::recv(sock.as_raw_fd(), room, MsgFlags::empty()),
+                    true,
+                ),
+                None => {
+                    let want = conn.read_hint().unwrap_or(rbuf.len()).min(rbuf.len());
+                    // `recv` through nix: the errno as a plain value, no
+                    // `io::Error` to build, classify and drop per empty poll.
+                    let got = socket::recv(sock.as_raw_fd(), &mut rbuf[..want], MsgFlags::empty());
+                    (want, got, false)
+                }
+            };
+            match got {
                 Ok(0) => {
                     conn.handle_closed();
                     *closed = true;
                 }
                 Ok(n) => {
                     *rx_reads += 1;
-                    conn.handle_bytes(&rbuf[..n], &env);
+                    if direct {
+                        conn.held_filled(n);
+                    } else {
+                        conn.handle_bytes(&rbuf[..n], &env);
+                    }
                     // Let responses and new requests out between reads.
                     Self::flush(conn, &mut sock, &env);
                     if n < want {

@@ -21,6 +21,7 @@
 //! responses and framing; `receive` the dispatch of inbound ULPDUs, one
 //! function per RDMAP message; `teardown` Terminate, flush and close.
 
+mod held_input;
 mod inline;
 mod output;
 mod place;
@@ -330,6 +331,8 @@ pub struct Connection {
     /// Input held back while a message on QN 0 waits for a Receive
     /// ([`Connection::rx_held`]).
     held: Option<receive::Held>,
+    /// Chunks the last hold left for the next one's input.
+    held_spare: Vec<Box<[u8]>>,
     /// Large tagged segments are arriving (the last one was placed
     /// directly): the driver reads header by header ([`Connection::read_hint`]).
     streaming: bool,
@@ -422,6 +425,7 @@ impl Connection {
             receiving: None,
             placing: None,
             held: None,
+            held_spare: Vec::new(),
             streaming: false,
             inbound: VecDeque::new(),
             durability: VecDeque::new(),

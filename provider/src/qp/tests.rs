@@ -771,3 +771,86 @@ fn inline_is_refused_past_max_inline_and_for_other_ops() {
     assert!(transmit(&mut a, &mem).is_empty());
     assert!(completions(&mut a).is_empty());
 }
+
+/// A held burst longer than several chunks of held input, read the
+/// driver's way (straight into `held_room`, reads of odd sizes that cut
+/// FPDUs and chunks anywhere) and taken one Receive at a time: every Send
+/// arrives whole and in order, and the next hold reuses the chunks.
+#[test]
+fn a_held_burst_across_chunks_arrives_whole_one_receive_at_a_time() {
+    const LEN: usize = 64 << 10;
+    const N: u64 = 40;
+    let mem = MrTable::new();
+    let (src, src_va) = region(&mem, N as usize * LEN, Access::LOCAL_WRITE);
+    let (dst, dst_va) = region(&mem, LEN, Access::LOCAL_WRITE);
+    let (mut a, mut b) = pair(None);
+    let env = Env {
+        mem: &mem,
+        srq: None,
+    };
+    let src_buf = src_va as *mut u8;
+    for i in 0..N {
+        // SAFETY: the region is leaked and nothing else touches it.
+        unsafe { std::ptr::write_bytes(src_buf.add(i as usize * LEN), i as u8 + 1, LEN) };
+        a.post_send(
+            SendWr {
+                wr_id: i,
+                op: SendOp::Send {
+                    solicited: false,
+                    invalidate: None,
+                },
+                sg_list: vec![Sge {
+                    addr: src_va + i * LEN as u64,
+                    length: LEN as u32,
+                    lkey: src,
+                }],
+                signaled: true,
+                fence: false,
+            },
+            &env,
+        )
+        .expect("post send");
+    }
+    let bytes = transmit(&mut a, &mem);
+    assert!(bytes.len() > 2 * held_input::CHUNK_LEN, "spans chunks");
+    let recv = |wr_id| RecvWr {
+        wr_id,
+        sg_list: vec![Sge {
+            addr: dst_va,
+            length: LEN as u32,
+            lkey: dst,
+        }],
+    };
+    // The first message finds no Receive: held, with what followed it in
+    // the same read.
+    let (first, mut rest) = bytes.split_at(200_000);
+    b.handle_bytes(first, &env);
+    assert!(b.rx_held());
+    let mut read = 7919;
+    while !rest.is_empty() {
+        let room = b.held_room(read).expect("held");
+        let n = room.len().min(rest.len());
+        room[..n].copy_from_slice(&rest[..n]);
+        b.held_filled(n);
+        rest = &rest[n..];
+        read = read * 3 % 300_007 + 1;
+    }
+    for i in 0..N {
+        b.post_recv(recv(100 + i)).expect("post recv");
+        b.resume_held(&env);
+        let wcs = completions(&mut b);
+        assert_eq!(wcs.len(), 1, "message {i}");
+        assert_eq!(wcs[0].1.wr_id, 100 + i);
+        assert_eq!(wcs[0].1.status, WcStatus::Success);
+        assert_eq!(wcs[0].1.byte_len as usize, LEN);
+        // SAFETY: the region is leaked; the connection wrote it above.
+        let got = unsafe { std::slice::from_raw_parts(dst_va as *const u8, LEN) };
+        assert!(got.iter().all(|&x| x == i as u8 + 1), "message {i} intact");
+        assert_eq!(b.rx_held(), i + 1 < N, "held until the last");
+    }
+    assert!(
+        !b.held_spare.is_empty(),
+        "the chunks are kept for the next hold"
+    );
+    assert_eq!(b.state(), QpState::Rts);
+}
