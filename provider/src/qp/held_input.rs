@@ -13,10 +13,73 @@
 //! two reads always was).
 
 use std::collections::VecDeque;
+use std::sync::{Mutex, PoisonError};
 
 /// Octets per chunk: a few reads' worth, so that the FPDU a chunk's end
 /// cuts in two (copied once more, into the deframer) is a small share.
 pub(super) const CHUNK_LEN: usize = 1 << 20;
+
+/// The most octets of chunks the process keeps that no hold is using: as
+/// many as one hold may fill (`receive::HELD_INPUT_MAX`, 16 MiB) and the
+/// chunk being read into. A receiver that a sender outruns is held again
+/// and again (qperf `rc_bw`'s server, each time it has re-posted its
+/// Receives), and fresh chunks each time cost a page fault per page and
+/// the unmap (`perf`: 15 % of the receiver's samples with none kept, 5 %
+/// with 8). Kept per QP instead, they would stay with every QP that ever
+/// held, 17 MiB each, where an idle QP may cost 64 KiB.
+pub(super) const SPARE_MAX: usize = (16 << 20) + CHUNK_LEN;
+
+/// Chunks no hold is using, for the next hold of any QP of the process.
+static SPARE_CHUNKS: ChunkPool = ChunkPool::new(SPARE_MAX / CHUNK_LEN);
+
+/// A bounded stack of spare chunks. Its lock is taken once per chunk
+/// (a MiB of input), never per read.
+#[derive(Debug)]
+pub(super) struct ChunkPool {
+    spare: Mutex<Vec<Box<[u8]>>>,
+    max: usize,
+}
+
+impl ChunkPool {
+    pub(super) const fn new(max: usize) -> Self {
+        ChunkPool {
+            spare: Mutex::new(Vec::new()),
+            max,
+        }
+    }
+
+    /// A spare chunk, or a new one (zeroed pages the kernel maps in as
+    /// they are first written).
+    fn take(&self) -> Box<[u8]> {
+        // A poisoned lock only means another thread panicked while it
+        // held it: the stack itself is always whole.
+        let spare = self
+            .spare
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
+        spare.unwrap_or_else(|| vec![0; CHUNK_LEN].into_boxed_slice())
+    }
+
+    /// Keep `chunks` for later, up to the bound; the rest are freed.
+    fn give(&self, chunks: impl IntoIterator<Item = Box<[u8]>>) {
+        let mut spare = self.spare.lock().unwrap_or_else(PoisonError::into_inner);
+        for chunk in chunks {
+            if spare.len() == self.max {
+                break;
+            }
+            spare.push(chunk);
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.spare
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+}
 
 /// One chunk: `bytes[..filled]` came from the stream.
 #[derive(Debug)]
@@ -26,39 +89,41 @@ struct Chunk {
 }
 
 /// The held octets, in stream order: the front chunk's `bytes[start..filled]`,
-/// then the other chunks' filled parts.
-#[derive(Debug, Default)]
+/// then the other chunks' filled parts. Its chunks come from, and go back
+/// to, a [`ChunkPool`] (the process's, [`SPARE_CHUNKS`]).
+#[derive(Debug)]
 pub(super) struct HeldInput {
     chunks: VecDeque<Chunk>,
     /// Octets of the front chunk already taken.
     start: usize,
     /// Octets held.
     len: usize,
-    /// Chunks taken whole, for the next reads (no allocation, no zeroing
-    /// per chunk while the hold goes on); freed with the hold.
-    spare: Vec<Box<[u8]>>,
+    pool: &'static ChunkPool,
+}
+
+impl Default for HeldInput {
+    fn default() -> Self {
+        HeldInput::from_pool(&SPARE_CHUNKS)
+    }
+}
+
+impl Drop for HeldInput {
+    /// The hold is over (or moved on without these chunks): they go back to
+    /// the pool.
+    fn drop(&mut self) {
+        self.pool.give(self.chunks.drain(..).map(|c| c.bytes));
+    }
 }
 
 impl HeldInput {
-    /// An empty one that reads into `spare` chunks first (those a hold
-    /// before it left, [`into_spare`](Self::into_spare)).
-    pub(super) fn with_spare(spare: Vec<Box<[u8]>>) -> Self {
+    /// An empty one whose chunks come from `pool`.
+    pub(super) fn from_pool(pool: &'static ChunkPool) -> Self {
         HeldInput {
-            spare,
-            ..HeldInput::default()
+            chunks: VecDeque::new(),
+            start: 0,
+            len: 0,
+            pool,
         }
-    }
-
-    /// The hold is over: its chunks, at most `keep` of them, for the next
-    /// one. A receiver that a sender outruns is held again and again
-    /// (qperf `rc_bw`'s server, every time it has re-posted its Receives):
-    /// fresh chunks each time cost a page fault per page and the unmap
-    /// (`perf`: 15 % of the receiver's samples with none kept).
-    pub(super) fn into_spare(self, keep: usize) -> Vec<Box<[u8]>> {
-        let mut spare = self.spare;
-        spare.extend(self.chunks.into_iter().map(|c| c.bytes));
-        spare.truncate(keep);
-        spare
     }
 
     /// Octets held.
@@ -72,10 +137,7 @@ impl HeldInput {
     pub(super) fn room(&mut self, want: usize) -> &mut [u8] {
         let need_chunk = self.chunks.back().is_none_or(|c| c.filled == c.bytes.len());
         if need_chunk {
-            let bytes = self
-                .spare
-                .pop()
-                .unwrap_or_else(|| vec![0; CHUNK_LEN].into_boxed_slice());
+            let bytes = self.pool.take();
             self.chunks.push_back(Chunk { bytes, filled: 0 });
         }
         let Some(last) = self.chunks.back_mut() else {
@@ -113,7 +175,7 @@ impl HeldInput {
     }
 
     /// The first `n` octets of [`front`](Self::front) were taken; a chunk
-    /// taken whole is kept for reuse.
+    /// taken whole goes back to the pool for the next reads.
     pub(super) fn consume(&mut self, n: usize) {
         let Some(front) = self.chunks.front() else {
             return;
@@ -126,7 +188,7 @@ impl HeldInput {
             && (front.filled == front.bytes.len() || self.chunks.len() > 1)
         {
             if let Some(done) = self.chunks.pop_front() {
-                self.spare.push(done.bytes);
+                self.pool.give([done.bytes]);
             }
             self.start = 0;
         }
@@ -168,16 +230,22 @@ mod tests {
         assert_eq!(h.len(), 0);
     }
 
+    /// A pool of its own, so that other tests' holds do not move its count.
+    fn own_pool(max: usize) -> &'static ChunkPool {
+        Box::leak(Box::new(ChunkPool::new(max)))
+    }
+
     #[test]
     fn partly_taken_front_keeps_its_rest_and_chunks_are_reused() {
-        let mut h = HeldInput::default();
+        let pool = own_pool(4);
+        let mut h = HeldInput::from_pool(pool);
         h.push(&vec![7u8; CHUNK_LEN + 10]);
         h.consume(CHUNK_LEN - 5);
         assert_eq!(h.front(), &[7u8; 5][..]);
         assert_eq!(h.len(), 15);
         h.consume(5);
-        // The full first chunk went to the spares; the second is the front.
-        assert_eq!(h.spare.len(), 1);
+        // The full first chunk went back to the pool; the second is the front.
+        assert_eq!(pool.len(), 1);
         assert_eq!(h.front().len(), 10);
         h.consume(10);
         // The last chunk has room left: reads go on into it.
@@ -188,7 +256,23 @@ mod tests {
         assert_eq!(h.len(), 3);
         // Filling it up and past takes the spare rather than a new chunk.
         h.push(&vec![1u8; CHUNK_LEN]);
-        assert!(h.spare.is_empty());
+        assert_eq!(pool.len(), 0);
         assert_eq!(h.len(), CHUNK_LEN + 3);
+        // The hold ends: both chunks go back.
+        drop(h);
+        assert_eq!(pool.len(), 2);
+    }
+
+    #[test]
+    fn the_pool_keeps_no_more_than_its_bound() {
+        let pool = own_pool(2);
+        let mut h = HeldInput::from_pool(pool);
+        h.push(&vec![3u8; 3 * CHUNK_LEN + 1]);
+        assert_eq!(h.chunks.len(), 4);
+        drop(h);
+        assert_eq!(pool.len(), 2, "two kept, two freed");
+        let mut again = HeldInput::from_pool(pool);
+        again.push(&[1]);
+        assert_eq!(pool.len(), 1, "the next hold starts on a kept chunk");
     }
 }

@@ -331,8 +331,6 @@ pub struct Connection {
     /// Input held back while a message on QN 0 waits for a Receive
     /// ([`Connection::rx_held`]).
     held: Option<receive::Held>,
-    /// Chunks the last hold left for the next one's input.
-    held_spare: Vec<Box<[u8]>>,
     /// Large tagged segments are arriving (the last one was placed
     /// directly): the driver reads header by header ([`Connection::read_hint`]).
     streaming: bool,
@@ -425,7 +423,6 @@ impl Connection {
             receiving: None,
             placing: None,
             held: None,
-            held_spare: Vec::new(),
             streaming: false,
             inbound: VecDeque::new(),
             durability: VecDeque::new(),

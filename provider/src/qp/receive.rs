@@ -48,13 +48,8 @@ pub const HOLD_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 /// stops reading its socket (`Held`).
 pub const HELD_INPUT_MAX: usize = 16 << 20;
 
-/// Chunks of held input a QP keeps for its next hold once one is over: as
-/// many as a hold may fill (a receiver that re-posts its Receives in
-/// batches, as qperf's server, is held again at once and fills them all;
-/// with 8 kept, the rest page-faulted in anew: 5 % of its samples). The
-/// most a QP that held once keeps, until it is destroyed; the single
-/// buffer before them grew to twice [`HELD_INPUT_MAX`] during a hold.
-const HELD_SPARE_KEEP: usize = HELD_INPUT_MAX / super::held_input::CHUNK_LEN + 1;
+// The spare chunks the process keeps cover one hold's worth of input.
+const _: () = assert!(super::held_input::SPARE_MAX >= HELD_INPUT_MAX);
 
 /// Input held back because a message on QN 0 (a Send, or Immediate Data)
 /// found no Receive posted: that message, whole and checked, and the
@@ -193,10 +188,6 @@ impl Connection {
                         break;
                     }
                 }
-                if self.held.is_none() {
-                    let input = std::mem::take(&mut held.input);
-                    self.held_spare = input.into_spare(HELD_SPARE_KEEP);
-                }
             }
             Err(fail) => self.fail_ulpdu(fail, &held.ulpdu),
         }
@@ -298,7 +289,7 @@ impl Connection {
                         error: *error,
                         ulpdu: ulpdu.to_vec(),
                         // The rest of `input` goes here (the caller's).
-                        input: HeldInput::with_spare(std::mem::take(&mut self.held_spare)),
+                        input: HeldInput::default(),
                         eof: false,
                     });
                     break;
