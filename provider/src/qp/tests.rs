@@ -79,6 +79,36 @@ fn region(mem: &MrTable, len: usize, access: Access) -> (u32, u64) {
     (stag, va)
 }
 
+/// A signaled Send of `len` octets at `addr` in region `lkey`.
+fn send_wr(wr_id: u64, lkey: u32, addr: u64, len: u32) -> SendWr {
+    SendWr {
+        wr_id,
+        op: SendOp::Send {
+            solicited: false,
+            invalidate: None,
+        },
+        sg_list: vec![Sge {
+            addr,
+            length: len,
+            lkey,
+        }],
+        signaled: true,
+        fence: false,
+    }
+}
+
+/// A Receive of up to `len` octets into `addr` in region `lkey`.
+fn recv_wr(wr_id: u64, lkey: u32, addr: u64, len: u32) -> RecvWr {
+    RecvWr {
+        wr_id,
+        sg_list: vec![Sge {
+            addr,
+            length: len,
+            lkey,
+        }],
+    }
+}
+
 #[test]
 fn client_server_is_running_from_the_start() {
     let (a, b) = pair(None);
@@ -545,34 +575,11 @@ fn a_send_with_no_receive_waits_for_one() {
         mem: &mem,
         srq: None,
     };
-    let recv = |wr_id| RecvWr {
-        wr_id,
-        sg_list: vec![Sge {
-            addr: dst_va,
-            length: 3,
-            lkey: dst,
-        }],
-    };
+    let recv = |wr_id| recv_wr(wr_id, dst, dst_va, 3);
     b.post_recv(recv(10)).expect("post recv");
     for wr_id in 1..=3 {
-        a.post_send(
-            SendWr {
-                wr_id,
-                op: SendOp::Send {
-                    solicited: false,
-                    invalidate: None,
-                },
-                sg_list: vec![Sge {
-                    addr: src_va,
-                    length: 3,
-                    lkey: src,
-                }],
-                signaled: true,
-                fence: false,
-            },
-            &env,
-        )
-        .expect("post send");
+        a.post_send(send_wr(wr_id, src, src_va, 3), &env)
+            .expect("post send");
     }
     let bytes = transmit(&mut a, &mem);
     deliver(&bytes, &mut b, &mem);
@@ -622,24 +629,8 @@ fn a_held_send_that_expires_is_the_no_buffer_terminate() {
         srq: None,
     };
     for wr_id in 1..=2 {
-        a.post_send(
-            SendWr {
-                wr_id,
-                op: SendOp::Send {
-                    solicited: false,
-                    invalidate: None,
-                },
-                sg_list: vec![Sge {
-                    addr: src_va,
-                    length: 3,
-                    lkey: src,
-                }],
-                signaled: true,
-                fence: false,
-            },
-            &env,
-        )
-        .expect("post send");
+        a.post_send(send_wr(wr_id, src, src_va, 3), &env)
+            .expect("post send");
     }
     let bytes = transmit(&mut a, &mem);
     deliver(&bytes, &mut b, &mem);
@@ -792,35 +783,12 @@ fn a_held_burst_across_chunks_arrives_whole_one_receive_at_a_time() {
     for i in 0..N {
         // SAFETY: the region is leaked and nothing else touches it.
         unsafe { std::ptr::write_bytes(src_buf.add(i as usize * LEN), i as u8 + 1, LEN) };
-        a.post_send(
-            SendWr {
-                wr_id: i,
-                op: SendOp::Send {
-                    solicited: false,
-                    invalidate: None,
-                },
-                sg_list: vec![Sge {
-                    addr: src_va + i * LEN as u64,
-                    length: LEN as u32,
-                    lkey: src,
-                }],
-                signaled: true,
-                fence: false,
-            },
-            &env,
-        )
-        .expect("post send");
+        a.post_send(send_wr(i, src, src_va + i * LEN as u64, LEN as u32), &env)
+            .expect("post send");
     }
     let bytes = transmit(&mut a, &mem);
     assert!(bytes.len() > 2 * held_input::CHUNK_LEN, "spans chunks");
-    let recv = |wr_id| RecvWr {
-        wr_id,
-        sg_list: vec![Sge {
-            addr: dst_va,
-            length: LEN as u32,
-            lkey: dst,
-        }],
-    };
+    let recv = |wr_id| recv_wr(wr_id, dst, dst_va, LEN as u32);
     // The first message finds no Receive: held, with what followed it in
     // the same read.
     let (first, mut rest) = bytes.split_at(200_000);
