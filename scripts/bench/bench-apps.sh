@@ -23,6 +23,11 @@
 # with initiator depth 1 (one outstanding Read or atomic), so their Read
 # and atomic floors run `stag bw -t 1`; Writes and Sends at any depth.
 #   rping -c -C N, per iteration                      ≤ 6 × blocking TCP round trip
+#   beside it, without a target: rping's shape over plain TCP
+#   (scripts/bench/rping_shape.c: its six messages per iteration, its two
+#   threads and semaphore per process, a CQ thread asleep in poll(2) woken
+#   for each completion it acts on, and with -e for each signaled Send's
+#   too), the least rping's design costs on this machine, in the same unit
 #
 # Not in the test gate (timings). A run that fails or hangs (LIMIT seconds)
 # counts as missing and its cell says so; nothing is retried.
@@ -53,6 +58,9 @@ STAG=${STAG_BIN:-$PWD/target/release/stag}
 port=24000
 
 source scripts/lib/common.sh
+mkdir -p target
+SHAPE=target/rping_shape
+gcc -O2 -Wall -pthread -o "$SHAPE" scripts/bench/rping_shape.c || exit 1
 
 for prog in qperf fio rping ib_write_lat; do
     command -v "$prog" >/dev/null || {
@@ -165,6 +173,16 @@ fio_rdma() {
     stop
 }
 
+# rping_shape_iter [-e] PORT: µs per iteration of rping's shape over plain
+# TCP (rping_shape.c), RPING_COUNT iterations, the connection excluded.
+rping_shape_iter() {
+    local ev=()
+    [[ $1 == -e ]] && ev=(-e) && shift
+    serve "$1" "$SHAPE" server "$1" "$RPING_COUNT" "${ev[@]}"
+    timeout "$LIMIT" "$SHAPE" client 127.0.0.1 "$1" "$RPING_COUNT" "${ev[@]}"
+    wait "$server" 2>/dev/null
+}
+
 # rping_iter PORT: µs per iteration of rping -c -C RPING_COUNT (event mode:
 # rping waits on its completion channel), connection included.
 rping_iter() {
@@ -205,6 +223,8 @@ for ((r = 1; r <= ROUNDS; r++)); do
     measure qperf.rc_compare_swap_mr qperf_lat rc_compare_swap_mr
     measure qperf.rc_compare_swap_mr_poll qperf_poll rc_compare_swap_mr
     measure rping.iter rping_iter
+    measure rping.shape rping_shape_iter
+    measure rping.shape_events rping_shape_iter -e
     echo "round $r done" >&2
 done
 load_end=$(cut -d' ' -f1-4 /proc/loadavg)
@@ -251,6 +271,9 @@ rows = [
     ("qperf rc_compare_swap_mr (event)", "qperf.rc_compare_swap_mr", "floor.rtt_rate", "1 / TCP blocking round trip", "msg/s", "ge", 0.8),
     ("qperf rc_fetch_add_mr (event) against polling", "qperf.rc_fetch_add_mr", "stag.fetch-add", "stag bw fetch-add -s 8 -t 1", "msg/s", "ge", None),
     ("rping -C per iteration (event)", "rping.iter", "floor.rtt", "TCP blocking round trip", "µs", "le", 6.0),
+    ("rping's shape over TCP, per iteration", "rping.shape", "floor.rtt", "TCP blocking round trip", "µs", "le", None),
+    ("rping's shape over TCP, Send completions raised too", "rping.shape_events", "floor.rtt", "TCP blocking round trip", "µs", "le", None),
+    ("rping -C against its shape over TCP (Send completions raised)", "rping.iter", "rping.shape_events", "rping_shape.c -e", "µs", "le", None),
 ]
 
 def fmt(x):
