@@ -573,8 +573,13 @@ impl Engine {
             flags |= EpollFlags::EPOLLOUT;
         }
         let mut ev = EpollEvent::new(flags, token);
-        if let Err(e) = self.epoll.modify(sock, &mut ev) {
-            debug!(token, error = %e, "epoll modify failed");
+        let armed = match self.epoll.modify(sock, &mut ev) {
+            // Parked: out of the set altogether (`park_out`).
+            Err(nix::errno::Errno::ENOENT) => self.epoll.add(sock, ev),
+            other => other,
+        };
+        if let Err(e) = armed {
+            debug!(token, error = %e, "epoll arm failed");
         }
     }
 
@@ -966,7 +971,7 @@ impl Run {
                     // thread re-armed it) until the recheck.
                     own.armed.store(false, Ordering::Relaxed);
                     if let Some(fd) = qp.fd() {
-                        disarm(&self.epoll, token, fd);
+                        park_out(&self.epoll, token, fd);
                     }
                     if !own.parked.swap(true, Ordering::Relaxed) {
                         self.add_parked(&qp, true);
@@ -1096,7 +1101,7 @@ impl Run {
             }
             own.armed.store(false, Ordering::Relaxed);
             if let Some(fd) = qp.fd() {
-                disarm(epoll, token, fd);
+                park_out(epoll, token, fd);
             }
             own.parked.store(true, Ordering::Relaxed);
             Self::push_parked(parked, last_check, spinner.progress, &parks.idle, &qp);
@@ -1213,6 +1218,22 @@ pub(crate) enum Input {
     CloseOnly,
     /// Nothing: the stream ended, what was read waits for Receives.
     Nothing,
+}
+
+/// Take a parked QP's socket out of the epoll set altogether, until
+/// [`Engine::arm`] adds it back. A socket in the set, even disarmed, has
+/// the epoll entry on its wait queue, so every arrival takes that queue's
+/// lock (interrupts off) and runs epoll's callback, which finds nothing
+/// to do: per message, on both ends of a ping-pong whose application
+/// threads drive their QPs. A plain socket nobody sleeps on pays neither.
+/// Parks last (until the application stops driving the QP), so the
+/// add at the take-back is rare; a thread's wait, once per message in an
+/// event loop, keeps the cheaper [`disarm`].
+fn park_out(epoll: &Epoll, token: u64, sock: BorrowedFd<'_>) {
+    match epoll.delete(sock) {
+        Ok(()) | Err(nix::errno::Errno::ENOENT) => {}
+        Err(e) => debug!(token, error = %e, "epoll delete failed"),
+    }
 }
 
 /// Stop watching a QP's socket. One-shot with no events: an error or
