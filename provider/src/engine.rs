@@ -28,8 +28,8 @@
 //!   engine (the socket armed in its epoll set) or an application thread
 //!   (it polled a CQ with no notification armed).
 //! - **park**: the engine finds input on a QP an application thread owns
-//!   (or, polling, finds the thread driving it): it disarms the socket
-//!   and looks again every [`PARK_RECHECK`], taking the QP back once the
+//!   (or, polling, finds the thread driving it): it takes the socket
+//!   out of its epoll set and looks again every [`PARK_RECHECK`], taking the QP back once the
 //!   application stops driving it (`Device::engine_parks` counts the
 //!   parks on an arrival, `Device::engine_idle_parks` the others).
 //! - **release**: an application thread hands its QPs back to the engine
@@ -72,8 +72,8 @@
 //! spinning application thread then finds already handled costs a wake-up
 //! and a context switch per message. So when an event fires while an
 //! application thread is driving that QP (it polled a CQ with no
-//! notification armed since the engine last looked), the engine disarms
-//! the socket in its epoll set ("parks" it; a busy engine also parks,
+//! notification armed since the engine last looked), the engine takes
+//! the socket out of its epoll set ("parks" it; a busy engine also parks,
 //! every `SCAN_EVERY` (100 µs), the QPs it finds driven, without waiting for an
 //! arrival to catch) and looks again every
 //! [`PARK_RECHECK`]; once the application has stopped driving it, the
@@ -882,7 +882,7 @@ struct Run {
     polls: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
     spinner: Spinner,
-    /// QPs whose socket is disarmed because an application thread drives
+    /// QPs whose socket is out of the set because an application thread drives
     /// them.
     parked: Vec<Weak<dyn EngineQp>>,
     last_check: Instant,
