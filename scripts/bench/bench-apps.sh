@@ -37,6 +37,11 @@
 #                                               measures only the keys it matches, e.g.
 #                                               ONLY='stag\.(send|write|read1?)|qperf\.rc_.*bw|fio\..*')
 #
+# Each row gives two ratios, each judged against the target: the ratio of
+# the two medians, and the paired ratio (the median of each round's own
+# ratio, a figure against the floor measured in the same round), which
+# holds up where the machine's speed drifts or flips between rounds.
+#
 # Writes target/bench-apps.{md,json}; prints the table (or the JSON).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -235,21 +240,32 @@ mkdir -p target
 python3 - "$JSON" "$ROUNDS" "${STAG_PROGRESS:-adaptive}" "$load_start" "$load_end" "${args[@]}" <<'PY'
 import json, math, statistics, sys
 as_json, rounds, progress, load_start, load_end = sys.argv[1:6]
-v = {}
+# by_round[k][i]: key k's figure in round i (nan where that run failed),
+# so that a program and its floor pair up round by round.
+by_round = {}
 for a in sys.argv[6:]:
     k, _, xs = a.partition("=")
-    v[k] = [float(x) for x in xs.split() if x != "nan"]
-med = {k: statistics.median(x) if x else math.nan for k, x in v.items()}
+    by_round[k] = [float(x) for x in xs.split()]
 # stag bw's message rate is in millions per second; qperf's in messages.
 for op in ("fetch-add", "cmp-swap"):
-    if f"stag.{op}" in med:
-        med[f"stag.{op}"] *= 1e6
+    if f"stag.{op}" in by_round:
+        by_round[f"stag.{op}"] = [x * 1e6 for x in by_round[f"stag.{op}"]]
 # In event mode qperf sleeps on its channel once per atomic at depth 1:
 # its like-for-like floor is one blocking TCP round trip per operation,
 # not a busy poller's rate.
-if "floor.rtt" in v:
-    v["floor.rtt_rate"] = [1e6 / x for x in v["floor.rtt"] if x > 0]
-    med["floor.rtt_rate"] = 1e6 / med["floor.rtt"] if med["floor.rtt"] else math.nan
+if "floor.rtt" in by_round:
+    by_round["floor.rtt_rate"] = [1e6 / x if x > 0 else math.nan for x in by_round["floor.rtt"]]
+v = {k: [x for x in xs if not math.isnan(x)] for k, xs in by_round.items()}
+med = {k: statistics.median(x) if x else math.nan for k, x in v.items()}
+
+def paired(key, fkey):
+    """The median over the rounds of each round's own ratio: a figure and
+    its floor measured minutes apart in one round share that round's
+    machine (on a VM whose bandwidth flips between two levels from run to
+    run, a ratio of medians can set one level against the other)."""
+    rs = [m / f for m, f in zip(by_round.get(key, []), by_round.get(fkey, []))
+          if not math.isnan(m) and not math.isnan(f) and f]
+    return statistics.median(rs) if rs else math.nan
 
 # (name, measured key, floor key, floor name, unit, kind, target): kind
 # "le" is a cost (the ratio must stay at or below the target), "ge" a rate.
@@ -287,29 +303,39 @@ def cell(k):
     extra = f" ({miss} missing)" if miss else ""
     return fmt(med.get(k, math.nan)) + extra
 
-md = ["| program | median | floor | floor median | unit | ratio | target | met |",
-      "|---|---:|---|---:|---|---:|---:|---|"]
+md = ["| program | median | floor | floor median | unit | ratio | paired | target | met | met (paired) |",
+      "|---|---:|---|---:|---|---:|---:|---:|---|---|"]
 out = []
 for name, key, fkey, fname, unit, kind, target in rows:
     if key not in v and fkey not in v:
         continue  # not measured (ONLY)
     m, f = med.get(key, math.nan), med.get(fkey, math.nan)
     ratio = m / f if f and not math.isnan(f) else math.nan
-    if target is None or math.isnan(ratio):
-        met = "" if target is None else "no result"
-    else:
-        met = "yes" if (ratio <= target if kind == "le" else ratio >= target) else "NO"
+    pr = paired(key, fkey)
+
+    def verdict(r):
+        if target is None:
+            return ""
+        if math.isnan(r):
+            return "no result"
+        return "yes" if (r <= target if kind == "le" else r >= target) else "NO"
+
+    met, met_paired = verdict(ratio), verdict(pr)
     tgt = "" if target is None else ("≤ " if kind == "le" else "≥ ") + f"{target}"
+    two = lambda r: "" if math.isnan(r) else f"{r:.2f}"
     md.append(f"| {name} | {cell(key)} | {fname} | {cell(fkey)} | {unit} | "
-              f"{'' if math.isnan(ratio) else f'{ratio:.2f}'} | {tgt} | {met} |")
+              f"{two(ratio)} | {two(pr)} | {tgt} | {met} | {met_paired} |")
     out.append({"program": name, "key": key, "floor": fkey, "unit": unit,
-                "values": v.get(key, []), "floor_values": v.get(fkey, []),
-                "median": m, "floor_median": f, "ratio": ratio,
-                "target": target, "kind": kind, "met": met == "yes"})
+                "values": by_round.get(key, []), "floor_values": by_round.get(fkey, []),
+                "median": m, "floor_median": f, "ratio": ratio, "paired_ratio": pr,
+                "target": target, "kind": kind, "met": met == "yes",
+                "met_paired": met_paired == "yes"})
 md.append("")
 md.append(f"Medians of {rounds} alternating rounds, each program as two processes on "
           f"127.0.0.1 through `stag run` (progress mode {progress}); load average "
-          f"{load_start} before, {load_end} after.")
+          f"{load_start} before, {load_end} after. ratio: the two medians' ratio; "
+          f"paired: the median of each round's own ratio (values: per round, in "
+          f"the JSON, nan where a run failed).")
 text = "\n".join(md)
 doc = {"rounds": int(rounds), "progress": progress, "load_start": load_start,
        "load_end": load_end, "rows": out}
