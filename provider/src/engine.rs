@@ -28,9 +28,10 @@
 //!   engine (the socket armed in its epoll set) or an application thread
 //!   (it polled a CQ with no notification armed).
 //! - **park**: the engine finds input on a QP an application thread owns
-//!   (or, polling, finds the thread driving it): it takes the socket
-//!   out of its epoll set and looks again every [`PARK_RECHECK`], taking the QP back once the
-//!   application stops driving it (`Device::engine_parks` counts the
+//!   (or, polling, finds the thread driving it): it disarms the socket
+//!   (a busy engine that found the thread driving it takes the socket
+//!   out of its epoll set) and looks again every [`PARK_RECHECK`],
+//!   taking the QP back once the application stops driving it (`Device::engine_parks` counts the
 //!   parks on an arrival, `Device::engine_idle_parks` the others).
 //! - **release**: an application thread hands its QPs back to the engine
 //!   at once (arming a CQ's notification, `QueuePair::release_to_engine`).
@@ -72,10 +73,10 @@
 //! spinning application thread then finds already handled costs a wake-up
 //! and a context switch per message. So when an event fires while an
 //! application thread is driving that QP (it polled a CQ with no
-//! notification armed since the engine last looked), the engine takes
-//! the socket out of its epoll set ("parks" it; a busy engine also parks,
+//! notification armed since the engine last looked), the engine disarms
+//! the socket in its epoll set ("parks" it; a busy engine also parks,
 //! every `SCAN_EVERY` (100 µs), the QPs it finds driven, without waiting for an
-//! arrival to catch) and looks again every
+//! arrival to catch, and takes their sockets out of the set) and looks again every
 //! [`PARK_RECHECK`]; once the application has stopped driving it, the
 //! engine drives the QP and re-arms. That recheck is the one timer left:
 //! it matters only to a program that polls a CQ unarmed and then stops
@@ -574,7 +575,7 @@ impl Engine {
         }
         let mut ev = EpollEvent::new(flags, token);
         let armed = match self.epoll.modify(sock, &mut ev) {
-            // Parked: out of the set altogether (`park_out`).
+            // Parked by a busy engine: out of the set (`park_out`).
             Err(nix::errno::Errno::ENOENT) => self.epoll.add(sock, ev),
             other => other,
         };
@@ -882,8 +883,8 @@ struct Run {
     polls: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
     spinner: Spinner,
-    /// QPs whose socket is out of the set because an application thread drives
-    /// them.
+    /// QPs whose socket is disarmed, or out of the set, because an
+    /// application thread drives them.
     parked: Vec<Weak<dyn EngineQp>>,
     last_check: Instant,
     /// When a polling engine last looked for application-driven QPs.
@@ -971,7 +972,7 @@ impl Run {
                     // thread re-armed it) until the recheck.
                     own.armed.store(false, Ordering::Relaxed);
                     if let Some(fd) = qp.fd() {
-                        park_out(&self.epoll, token, fd);
+                        disarm(&self.epoll, token, fd);
                     }
                     if !own.parked.swap(true, Ordering::Relaxed) {
                         self.add_parked(&qp, true);
@@ -1220,15 +1221,21 @@ pub(crate) enum Input {
     Nothing,
 }
 
-/// Take a parked QP's socket out of the epoll set altogether, until
-/// [`Engine::arm`] adds it back. A socket in the set, even disarmed, has
-/// the epoll entry on its wait queue, so every arrival takes that queue's
-/// lock (interrupts off) and runs epoll's callback, which finds nothing
-/// to do: per message, on both ends of a ping-pong whose application
-/// threads drive their QPs. A plain socket nobody sleeps on pays neither.
-/// Parks last (until the application stops driving the QP), so the
-/// add at the take-back is rare; a thread's wait, once per message in an
-/// event loop, keeps the cheaper [`disarm`].
+/// Take the socket of a QP a busy engine found driven by an application
+/// thread out of the epoll set altogether, until [`Engine::arm`] adds it
+/// back. A socket in the set, even disarmed, has the epoll entry on its
+/// wait queue, so every arrival takes that queue's lock (interrupts off)
+/// and runs epoll's callback, which finds nothing to do: per message, on
+/// both ends of a ping-pong whose application threads spin on their QPs.
+/// A plain socket nobody sleeps on pays neither. Such a park lasts as
+/// long as the application spins, so the add at the take-back is rare.
+///
+/// Only there: a park on an arrival (an event-mode program polls its CQ
+/// unarmed between an event and its next arm, then hands the QP back)
+/// and a thread's wait come and go with every message, and there the
+/// delete and the add cost more than the one-shot [`disarm`]'s
+/// `EPOLL_CTL_MOD`: rping, deleting on those parks too, was 1.13x slower
+/// per iteration (4 alternating rounds, slower in every one).
 fn park_out(epoll: &Epoll, token: u64, sock: BorrowedFd<'_>) {
     match epoll.delete(sock) {
         Ok(()) | Err(nix::errno::Errno::ENOENT) => {}
