@@ -573,15 +573,7 @@ impl Engine {
         if write {
             flags |= EpollFlags::EPOLLOUT;
         }
-        let mut ev = EpollEvent::new(flags, token);
-        let armed = match self.epoll.modify(sock, &mut ev) {
-            // Parked by a busy engine: out of the set (`park_out`).
-            Err(nix::errno::Errno::ENOENT) => self.epoll.add(sock, ev),
-            other => other,
-        };
-        if let Err(e) = armed {
-            debug!(token, error = %e, "epoll arm failed");
-        }
+        rearm(&self.epoll, sock, EpollEvent::new(flags, token));
     }
 
     /// Take a QP's socket out of the epoll set (an application thread
@@ -1243,6 +1235,18 @@ fn park_out(epoll: &Epoll, token: u64, sock: BorrowedFd<'_>) {
     }
 }
 
+/// Watch a QP's socket for `ev` again: in the set, its events change;
+/// out of it (parked by a busy engine, [`park_out`]), it is added back.
+fn rearm(epoll: &Epoll, sock: BorrowedFd<'_>, mut ev: EpollEvent) {
+    let armed = match epoll.modify(sock, &mut ev) {
+        Err(nix::errno::Errno::ENOENT) => epoll.add(sock, ev),
+        other => other,
+    };
+    if let Err(e) = armed {
+        debug!(token = ev.data(), error = %e, "epoll arm failed");
+    }
+}
+
 /// Stop watching a QP's socket. One-shot with no events: an error or
 /// hang-up (always reported) wakes the engine once at most.
 fn disarm(epoll: &Epoll, token: u64, sock: BorrowedFd<'_>) {
@@ -1255,6 +1259,40 @@ fn disarm(epoll: &Epoll, token: u64, sock: BorrowedFd<'_>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A socket a busy engine parked (out of the epoll set) reports
+    /// nothing, and is watched again once re-armed, as a disarmed one is.
+    #[test]
+    fn a_parked_socket_is_added_back_when_rearmed() {
+        use std::io::Write as _;
+        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).unwrap();
+        let (ours, mut peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        let readable = || EpollEvent::new(EpollFlags::EPOLLIN, 7);
+        epoll.add(ours.as_fd(), readable()).unwrap();
+        let ready = |epoll: &Epoll| {
+            let mut events = [EpollEvent::empty(); 4];
+            let n = epoll.wait(&mut events, EpollTimeout::ZERO).unwrap();
+            events[..n].iter().map(|e| e.data()).collect::<Vec<_>>()
+        };
+        for park in [park_out, disarm] {
+            park(&epoll, 7, ours.as_fd());
+            peer.write_all(b"x").unwrap();
+            assert_eq!(
+                ready(&epoll),
+                Vec::<u64>::new(),
+                "a parked socket wakes nobody"
+            );
+            // Parking twice is harmless too (an arrival's park racing a scan's).
+            park(&epoll, 7, ours.as_fd());
+            rearm(&epoll, ours.as_fd(), readable());
+            assert_eq!(ready(&epoll), vec![7], "re-armed, the waiting byte is seen");
+            // Re-armed twice (a racing application thread): still one entry.
+            rearm(&epoll, ours.as_fd(), readable());
+            assert_eq!(ready(&epoll), vec![7]);
+            let mut byte = [0u8; 1];
+            std::io::Read::read_exact(&mut &ours, &mut byte).unwrap();
+        }
+    }
 
     /// A held QP stays held, with no lock taken, while a thread sleeps on
     /// its socket and for [`PARK_RECHECK`] after that thread's last wait
