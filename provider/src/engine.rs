@@ -31,8 +31,9 @@
 //!   (or, polling, finds the thread driving it): it disarms the socket
 //!   (a busy engine that found the thread driving it takes the socket
 //!   out of its epoll set) and looks again every [`PARK_RECHECK`],
-//!   taking the QP back once the application stops driving it (`Device::engine_parks` counts the
-//!   parks on an arrival, `Device::engine_idle_parks` the others).
+//!   taking the QP back once the application stops driving it
+//!   (`Device::engine_parks` counts the parks on an arrival,
+//!   `Device::engine_idle_parks` the others).
 //! - **release**: an application thread hands its QPs back to the engine
 //!   at once (arming a CQ's notification, `QueuePair::release_to_engine`).
 //! - **wait**: a thread asleep on a CQ polls the QPs' sockets itself; the

@@ -267,6 +267,17 @@ def paired(key, fkey):
           if not math.isnan(m) and not math.isnan(f) and f]
     return statistics.median(rs) if rs else math.nan
 
+def verdict(r, kind, target):
+    """Whether ratio r meets the row's target ("" for a row without one)."""
+    if target is None:
+        return ""
+    if math.isnan(r):
+        return "no result"
+    return "yes" if (r <= target if kind == "le" else r >= target) else "NO"
+
+def two(r):
+    return "" if math.isnan(r) else f"{r:.2f}"
+
 # (name, measured key, floor key, floor name, unit, kind, target): kind
 # "le" is a cost (the ratio must stay at or below the target), "ge" a rate.
 rows = [
@@ -312,17 +323,8 @@ for name, key, fkey, fname, unit, kind, target in rows:
     m, f = med.get(key, math.nan), med.get(fkey, math.nan)
     ratio = m / f if f and not math.isnan(f) else math.nan
     pr = paired(key, fkey)
-
-    def verdict(r):
-        if target is None:
-            return ""
-        if math.isnan(r):
-            return "no result"
-        return "yes" if (r <= target if kind == "le" else r >= target) else "NO"
-
-    met, met_paired = verdict(ratio), verdict(pr)
+    met, met_paired = verdict(ratio, kind, target), verdict(pr, kind, target)
     tgt = "" if target is None else ("≤ " if kind == "le" else "≥ ") + f"{target}"
-    two = lambda r: "" if math.isnan(r) else f"{r:.2f}"
     md.append(f"| {name} | {cell(key)} | {fname} | {cell(fkey)} | {unit} | "
               f"{two(ratio)} | {two(pr)} | {tgt} | {met} | {met_paired} |")
     out.append({"program": name, "key": key, "floor": fkey, "unit": unit,
