@@ -16,7 +16,7 @@ use nix::errno::Errno;
 use nix::sys::socket::{self, MsgFlags};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tracing::debug;
 
@@ -737,6 +737,25 @@ impl CqQp for QpShared {
         self.engine
             .upgrade()
             .is_some_and(|engine| engine.polls_after_traffic())
+    }
+
+    fn pipeline_spin(&self) -> Option<Duration> {
+        let spin = match self.progress {
+            Progress::Blocking => return None,
+            Progress::Adaptive { spin } => spin,
+            Progress::Busy => crate::engine::DEFAULT_ADAPTIVE_SPIN,
+        };
+        let piped = match self.io.try_lock() {
+            Ok(io) => io.conn.as_ref().is_some_and(Connection::pipelined),
+            // Another thread drives it: nothing to poll for here.
+            Err(std::sync::TryLockError::WouldBlock) => false,
+            Err(std::sync::TryLockError::Poisoned(p)) => p
+                .into_inner()
+                .conn
+                .as_ref()
+                .is_some_and(Connection::pipelined),
+        };
+        piped.then_some(spin)
     }
 }
 

@@ -818,3 +818,60 @@ fn a_held_burst_across_chunks_arrives_whole_one_receive_at_a_time() {
     }
     assert_eq!(b.state(), QpState::Rts);
 }
+
+#[test]
+fn a_read_stream_at_the_ord_limit_is_pipelined_until_its_last_request_leaves() {
+    let mem = MrTable::new();
+    let env = Env {
+        mem: &mem,
+        srq: None,
+    };
+    let caps = QpCaps::default();
+    let one = |initiator| Negotiated {
+        ord: 1,
+        ird: 1,
+        ..negotiated(initiator, None)
+    };
+    let mut a = Connection::new(1, PD, caps, one(true), false);
+    let mut b = Connection::new(2, PD, caps, one(false), false);
+    let (source, sva) = region(&mem, 64, Access::REMOTE_READ);
+    let (sink, dva) = region(&mem, 64, Access::LOCAL_WRITE);
+    let read = |wr_id| SendWr {
+        wr_id,
+        op: SendOp::Read {
+            remote: Remote {
+                addr: sva,
+                rkey: source,
+            },
+        },
+        sg_list: vec![Sge {
+            addr: dva,
+            length: 64,
+            lkey: sink,
+        }],
+        signaled: true,
+        fence: false,
+    };
+    assert!(!a.pipelined(), "nothing posted");
+    a.post_send(read(1), &env).expect("post");
+    a.post_send(read(2), &env).expect("post");
+    assert!(!a.pipelined(), "nothing on the wire yet");
+
+    // One Read leaves (ORD 1); the second waits for its response.
+    let first = transmit(&mut a, &mem);
+    assert_eq!(frames(&first).len(), 1);
+    assert!(a.pipelined());
+    deliver(&first, &mut b, &mem);
+    deliver(&transmit(&mut b, &mem), &mut a, &mem);
+    assert_eq!(completions(&mut a).len(), 1);
+
+    // The response freed the credit: the second Read leaves, and nothing
+    // waits behind it.
+    let second = transmit(&mut a, &mem);
+    assert_eq!(frames(&second).len(), 1);
+    assert!(!a.pipelined(), "the last request is on the wire");
+    deliver(&second, &mut b, &mem);
+    deliver(&transmit(&mut b, &mem), &mut a, &mem);
+    assert_eq!(completions(&mut a).len(), 1);
+    assert!(!a.pipelined());
+}

@@ -131,6 +131,15 @@ impl Connection {
         rts && (self.inbound_ready() || self.sq_can_progress())
     }
 
+    /// Whether the send queue runs on without the application: a request
+    /// is on the wire awaiting its response (a Read, an atomic) and posted
+    /// requests wait behind it, so that response's arrival sends the next
+    /// one (a Read stream at the ORD limit: qperf rc_rdma_read_bw, fio's
+    /// rdma reads). Whoever reads the socket first keeps the stream going.
+    pub fn pipelined(&self) -> bool {
+        self.ord_used > 0 && !self.sq.is_empty()
+    }
+
     /// The head of the responses can be worked on (it is not a Commit
     /// waiting for the driver).
     fn inbound_ready(&self) -> bool {
