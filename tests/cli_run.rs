@@ -1,6 +1,7 @@
 //! `stag run -- CMD`: the signals a process sends to `stag run` reach CMD,
 //! and `stag run` exits with CMD's status.
 
+use std::os::unix::process::CommandExt as _;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -15,12 +16,26 @@ fn has_child(pid: u32) -> bool {
 /// neither handles nor unblocks signals: it ends by the signal only if
 /// the signal is forwarded and not blocked in it.
 fn status_after(sig: i32) -> Option<i32> {
-    let mut run = Command::new(env!("CARGO_BIN_EXE_stag"))
-        .args(["run", "--", "sleep", "60"])
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_stag"));
+    cmd.args(["run", "--", "sleep", "60"])
         // No plugin is needed to run sleep: an empty LD_PRELOAD.
-        .env("STAG_PLUGIN", "")
-        .spawn()
-        .expect("spawn stag run");
+        .env("STAG_PLUGIN", "");
+    // A shell without job control starts a background command with
+    // SIGINT and SIGQUIT ignored, and an ignored disposition survives
+    // exec: sleep would then ignore the forwarded SIGINT (`bash .ci/run &`
+    // failed here). The test is of the forwarding, so the signals start
+    // at their defaults whatever this process inherited.
+    // SAFETY: between fork and exec the closure calls only signal(2),
+    // which is async-signal-safe, and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+                libc::signal(sig, libc::SIG_DFL);
+            }
+            Ok(())
+        });
+    }
+    let mut run = cmd.spawn().expect("spawn stag run");
     // Not a timing check: bounds for a hang, which is the failure.
     let start = Instant::now();
     while !has_child(run.id()) {
