@@ -739,23 +739,22 @@ impl CqQp for QpShared {
             .is_some_and(|engine| engine.polls_after_traffic())
     }
 
-    fn pipeline_spin(&self) -> Option<Duration> {
+    fn poll_window(&self) -> Option<Duration> {
         let spin = match self.progress {
             Progress::Blocking => return None,
             Progress::Adaptive { spin } => spin,
             Progress::Busy => crate::engine::DEFAULT_ADAPTIVE_SPIN,
         };
-        let piped = match self.io.try_lock() {
-            Ok(io) => io.conn.as_ref().is_some_and(Connection::pipelined),
+        let coming = |c: &Connection| c.pipelined() || c.input_under_way();
+        let due = match self.io.try_lock() {
+            Ok(io) => io.conn.as_ref().is_some_and(coming),
             // Another thread drives it: nothing to poll for here.
             Err(std::sync::TryLockError::WouldBlock) => false,
-            Err(std::sync::TryLockError::Poisoned(p)) => p
-                .into_inner()
-                .conn
-                .as_ref()
-                .is_some_and(Connection::pipelined),
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                p.into_inner().conn.as_ref().is_some_and(coming)
+            }
         };
-        piped.then_some(spin)
+        due.then_some(spin)
     }
 }
 

@@ -145,6 +145,17 @@ impl Connection {
             .is_some_and(|h| h.input.len() >= HELD_INPUT_MAX)
     }
 
+    /// Whether the rest of a message is on its way: an FPDU, or a Send of
+    /// several segments, is part-way in, and nothing holds it back (no
+    /// input waits for a Receive, no error). The peer's stream brings the
+    /// rest whatever the application does.
+    pub fn input_under_way(&self) -> bool {
+        !self.phase.is_error()
+            && self.held.is_none()
+            && self.deframer.error().is_none()
+            && (!self.deframer.is_idle() || self.rx_send.in_progress())
+    }
+
     /// Room to read up to `want` stream octets into directly while input
     /// is held (`None` when it is not): the octets go behind the held
     /// input without a copy; [`held_filled`](Self::held_filled) says how

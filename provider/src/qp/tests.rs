@@ -875,3 +875,43 @@ fn a_read_stream_at_the_ord_limit_is_pipelined_until_its_last_request_leaves() {
     assert_eq!(completions(&mut a).len(), 1);
     assert!(!a.pipelined());
 }
+
+#[test]
+fn input_is_under_way_from_a_message_s_first_octet_to_its_last() {
+    let mem = MrTable::new();
+    let env = Env {
+        mem: &mem,
+        srq: None,
+    };
+    // Segments of 40 octets: a 100-octet Send is three FPDUs.
+    let caps = QpCaps {
+        max_segment: 40,
+        ..QpCaps::default()
+    };
+    let mut a = Connection::new(1, PD, caps, negotiated(true, None), false);
+    let mut b = Connection::new(2, PD, caps, negotiated(false, None), false);
+    let (src, sva) = region(&mem, 100, Access::LOCAL_WRITE);
+    let (dst, dva) = region(&mem, 100, Access::LOCAL_WRITE);
+    a.post_send(send_wr(1, src, sva, 100), &env).expect("post");
+    let wire = transmit(&mut a, &mem);
+    assert_eq!(frames(&wire).len(), 3);
+
+    assert!(!b.input_under_way(), "nothing came");
+    // Length field, header and 40 octets, padded to 4, then the CRC.
+    let first_fpdu = (crate::wire::fpdu::LENGTH_LEN + crate::wire::ddp::UNTAGGED_HEADER_LEN + 40)
+        .next_multiple_of(4)
+        + crate::wire::fpdu::CRC_LEN;
+    // Part of an FPDU: the rest is coming.
+    deliver(&wire[..10], &mut b, &mem);
+    assert!(b.input_under_way(), "part of an FPDU");
+    // The Send's first segment without a Receive: the message is held,
+    // and nothing moves until one is posted, so nothing is under way.
+    deliver(&wire[10..first_fpdu], &mut b, &mem);
+    assert!(!b.input_under_way(), "held for a Receive");
+    b.post_recv(recv_wr(9, dst, dva, 100)).expect("post_recv");
+    b.resume_held(&env);
+    assert!(b.input_under_way(), "between the Send's segments");
+    deliver(&wire[first_fpdu..], &mut b, &mem);
+    assert!(!b.input_under_way(), "the Send is in");
+    assert_eq!(completions(&mut b).len(), 1);
+}
