@@ -486,8 +486,8 @@ impl CompletionQueue {
         // QPs it left to the engine after too many of them.
         let mut dry_wakes = 0u32;
         let mut ceded: Vec<Arc<dyn CqQp>> = Vec::new();
-        // Whether this wait polled the QPs whose input is due already (once, before
-        // its first sleep).
+        // Whether this wait polled the QPs whose input is due already
+        // (once, before its first sleep).
         let mut spun = false;
         loop {
             if delivered() {
@@ -786,17 +786,44 @@ mod tests {
         assert_eq!(out[0].wr_id, 7);
     }
 
-    /// A QP whose socket is always readable and whose drive never
-    /// completes anything: a responder's socket, seen from its waiter.
-    struct DryResponder {
+    /// A QP as a channel wait sees it: its socket, what its engine and
+    /// its input window say, and a count of each call the wait makes.
+    struct FakeQp {
         sock: std::os::unix::net::UnixStream,
         engine_polls: bool,
+        poll_window: Option<Duration>,
+        /// `try_progress` calls (polls before a sleep).
+        progressed: AtomicU32,
+        /// `drive_woken` calls (drives after its socket woke the wait).
         drives: AtomicU32,
+        /// `set_waiting(true)` calls (sleeps on its socket).
+        slept: AtomicU32,
+        /// `set_waiting(false)` calls (the socket handed back).
         handed_back: AtomicU32,
     }
 
-    impl CqQp for DryResponder {
-        fn try_progress(&self, _claim: bool) {}
+    impl FakeQp {
+        fn new(
+            sock: std::os::unix::net::UnixStream,
+            engine_polls: bool,
+            poll_window: Option<Duration>,
+        ) -> Arc<FakeQp> {
+            Arc::new(FakeQp {
+                sock,
+                engine_polls,
+                poll_window,
+                progressed: AtomicU32::new(0),
+                drives: AtomicU32::new(0),
+                slept: AtomicU32::new(0),
+                handed_back: AtomicU32::new(0),
+            })
+        }
+    }
+
+    impl CqQp for FakeQp {
+        fn try_progress(&self, _claim: bool) {
+            self.progressed.fetch_add(1, Ordering::SeqCst);
+        }
         fn drive_woken(&self) {
             self.drives.fetch_add(1, Ordering::SeqCst);
         }
@@ -804,9 +831,8 @@ mod tests {
             Some((self.sock.as_fd(), false))
         }
         fn set_waiting(&self, on: bool) {
-            if !on {
-                self.handed_back.fetch_add(1, Ordering::SeqCst);
-            }
+            let count = if on { &self.slept } else { &self.handed_back };
+            count.fetch_add(1, Ordering::SeqCst);
         }
         fn end_wait_holding(&self) {}
         fn release_to_engine(&self) {}
@@ -817,7 +843,7 @@ mod tests {
             self.engine_polls
         }
         fn poll_window(&self) -> Option<Duration> {
-            None
+            self.poll_window
         }
     }
 
@@ -832,12 +858,9 @@ mod tests {
         for engine_polls in [true, false] {
             let (sock, mut peer) = UnixStream::pair().unwrap();
             peer.write_all(b"x").unwrap();
-            let qp = Arc::new(DryResponder {
-                sock,
-                engine_polls,
-                drives: AtomicU32::new(0),
-                handed_back: AtomicU32::new(0),
-            });
+            // A responder's socket: always readable, and its drives
+            // complete nothing.
+            let qp = FakeQp::new(sock, engine_polls, None);
             let cq = CompletionQueue::new(4).unwrap();
             let weak: Weak<dyn CqQp> = Arc::downgrade(&qp) as Weak<dyn CqQp>;
             cq.attach(weak);
@@ -867,42 +890,6 @@ mod tests {
         }
     }
 
-    /// A QP with a Read on the wire and more posted behind it: its socket
-    /// stays quiet, and its `respond_after`th drive delivers the response.
-    struct ReadStream {
-        sock: std::os::unix::net::UnixStream,
-        spin: Option<Duration>,
-        respond_after: u32,
-        drives: AtomicU32,
-        slept: AtomicU32,
-    }
-
-    impl CqQp for ReadStream {
-        fn try_progress(&self, _claim: bool) {
-            self.drives.fetch_add(1, Ordering::SeqCst);
-        }
-        fn drive_woken(&self) {}
-        fn wait_fd(&self, _always: bool) -> Option<(BorrowedFd<'_>, bool)> {
-            Some((self.sock.as_fd(), false))
-        }
-        fn set_waiting(&self, on: bool) {
-            if on {
-                self.slept.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-        fn end_wait_holding(&self) {}
-        fn release_to_engine(&self) {}
-        fn kept_by_waiter(&self) -> bool {
-            false
-        }
-        fn engine_polls(&self) -> bool {
-            false
-        }
-        fn poll_window(&self) -> Option<Duration> {
-            self.spin
-        }
-    }
-
     /// A channel wait on a QP whose input is due polls it before sleeping
     /// and returns as soon as a drive delivers, without sleeping; past its
     /// window it sleeps, and a QP with no input due is never polled.
@@ -910,25 +897,21 @@ mod tests {
     fn a_wait_polls_a_qp_whose_input_is_due_for_its_window_before_it_sleeps() {
         use std::os::unix::net::UnixStream;
         let cases = [
-            // (window, the drive that delivers, expect delivered, slept)
+            // (window, the poll that delivers, expect delivered, slept)
             (Some(Duration::from_secs(30)), 5, true, false),
             (Some(Duration::from_millis(2)), u32::MAX, false, true),
             (None, 1, false, true),
         ];
         for (spin, respond_after, want_delivered, want_slept) in cases {
+            // A Read on the wire and more posted behind it: its socket
+            // stays quiet, and its `respond_after`th poll delivers.
             let (sock, _peer) = UnixStream::pair().unwrap();
-            let qp = Arc::new(ReadStream {
-                sock,
-                spin,
-                respond_after,
-                drives: AtomicU32::new(0),
-                slept: AtomicU32::new(0),
-            });
+            let qp = FakeQp::new(sock, false, spin);
             let cq = CompletionQueue::new(4).unwrap();
             cq.attach(Arc::downgrade(&qp) as Weak<dyn CqQp>);
             cq.req_notify(false);
             let (channel, _channel_peer) = UnixStream::pair().unwrap();
-            let delivered = || qp.drives.load(Ordering::SeqCst) >= qp.respond_after;
+            let delivered = || qp.progressed.load(Ordering::SeqCst) >= respond_after;
             let woke = CompletionQueue::wait_notified(
                 channel.as_fd(),
                 std::slice::from_ref(&cq),
@@ -936,13 +919,13 @@ mod tests {
                 &delivered,
             )
             .unwrap();
-            let drives = qp.drives.load(Ordering::SeqCst);
+            let polls = qp.progressed.load(Ordering::SeqCst);
             let slept = qp.slept.load(Ordering::SeqCst) > 0;
             assert_eq!((woke, slept), (want_delivered, want_slept), "{spin:?}");
             match spin {
-                Some(_) if want_delivered => assert_eq!(drives, respond_after),
-                Some(_) => assert!(drives > 1, "polled for its window: {drives}"),
-                None => assert_eq!(drives, 0),
+                Some(_) if want_delivered => assert_eq!(polls, respond_after),
+                Some(_) => assert!(polls > 1, "polled for its window: {polls}"),
+                None => assert_eq!(polls, 0),
             }
         }
     }

@@ -185,6 +185,15 @@ impl QpShared {
         self.io.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// [`lock`](Self::lock) unless another thread holds the lock now.
+    fn try_lock(&self) -> Option<MutexGuard<'_, QpIo>> {
+        match self.io.try_lock() {
+            Ok(io) => Some(io),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        }
+    }
+
     /// What the connection may touch: the registrations and the SRQ.
     pub(crate) fn env(&self) -> Env<'_> {
         Env {
@@ -570,11 +579,9 @@ impl EngineQp for QpShared {
     }
 
     fn engine_poll(&self) -> bool {
-        let mut io = match self.io.try_lock() {
-            Ok(io) => io,
-            // Another thread drives it right now: nothing to read here.
-            Err(std::sync::TryLockError::WouldBlock) => return true,
-            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        // Another thread drives it right now: nothing to read here.
+        let Some(mut io) = self.try_lock() else {
+            return true;
         };
         if io.closed || io.conn.is_none() || io.input != Input::Read || io.writable_wanted {
             // Not a plain read: its socket's events say when to drive.
@@ -745,16 +752,10 @@ impl CqQp for QpShared {
             Progress::Adaptive { spin } => spin,
             Progress::Busy => crate::engine::DEFAULT_ADAPTIVE_SPIN,
         };
-        let coming = |c: &Connection| c.pipelined() || c.input_under_way();
-        let due = match self.io.try_lock() {
-            Ok(io) => io.conn.as_ref().is_some_and(coming),
-            // Another thread drives it: nothing to poll for here.
-            Err(std::sync::TryLockError::WouldBlock) => false,
-            Err(std::sync::TryLockError::Poisoned(p)) => {
-                p.into_inner().conn.as_ref().is_some_and(coming)
-            }
-        };
-        due.then_some(spin)
+        // Another thread drives it: nothing to poll for here.
+        let io = self.try_lock()?;
+        let conn = io.conn.as_ref()?;
+        (conn.pipelined() || conn.input_under_way()).then_some(spin)
     }
 }
 
