@@ -343,7 +343,8 @@ impl CompletionQueue {
     /// The calling thread drives the CQ's QPs itself, sleeping in `poll(2)`
     /// on their sockets in between, so a completion caused by the peer
     /// costs one wake-up of this thread (the device's engine leaves those
-    /// sockets alone meanwhile).
+    /// sockets alone meanwhile). Before its first sleep it polls the QPs
+    /// whose input is due, as a channel wait does (`poll_due_input`).
     pub fn wait(&self, out: &mut [WorkCompletion], timeout: Duration) -> usize {
         if out.is_empty() {
             return 0;
@@ -376,6 +377,9 @@ impl CompletionQueue {
     /// whose sockets woke it before it looks again.
     fn sleep_until(&self, timeout: Duration, mut check: impl FnMut() -> usize) -> usize {
         let deadline = Instant::now() + timeout;
+        // Whether this wait polled the QPs whose input is due already
+        // (once, before its first sleep), as a channel wait does.
+        let mut spun = false;
         // Drive only after a socket woke us: input already waiting makes
         // `poll(2)` return at once, so a read beforehand would be a wasted
         // syscall in the common case (the peer has not answered yet).
@@ -395,6 +399,21 @@ impl CompletionQueue {
                 let qps = self.qps.read().unwrap_or_else(|p| p.into_inner());
                 qps.iter().filter_map(Weak::upgrade).collect()
             };
+            if !spun {
+                spun = true;
+                let mut found = 0;
+                let done = || {
+                    found = check();
+                    found > 0 || self.interrupted.load(Ordering::SeqCst)
+                };
+                if Self::poll_due_input(&qps, Some(deadline), done) {
+                    if found > 0 {
+                        return found;
+                    }
+                    // Interrupted: the look above says so.
+                    continue;
+                }
+            }
             let mut fds = Vec::with_capacity(qps.len() + 1);
             fds.push(PollFd::new(self.wake.as_fd(), PollFlags::POLLIN));
             let mut sleeping = Vec::with_capacity(qps.len());
@@ -510,7 +529,13 @@ impl CompletionQueue {
                 .collect();
             if !look && !spun {
                 spun = true;
-                if Self::poll_due_input(fd, &qps, delivered) {
+                // Another thread's completion on these CQs writes `fd`.
+                let notified = || {
+                    let mut look = [PollFd::new(fd, PollFlags::POLLIN)];
+                    delivered()
+                        || nix::poll::poll(&mut look, PollTimeout::ZERO).is_ok_and(|n| n > 0)
+                };
+                if Self::poll_due_input(&qps, deadline, notified) {
                     return Ok(true);
                 }
             }
@@ -604,8 +629,9 @@ impl CompletionQueue {
     }
 
     /// Poll the QPs among `qps` whose input is due ([`CqQp::poll_window`])
-    /// for their window before a channel wait sleeps: whether a
-    /// notification came (delivered to this thread, or in `fd`).
+    /// for their window (cut at `deadline`) before a wait sleeps, a
+    /// channel wait or [`wait`](Self::wait): whether `done()` said what
+    /// the wait waits for came.
     ///
     /// A Read stream at the ORD limit (qperf rc_rdma_read_bw, fio's rdma
     /// reads: one Read on the wire, the rest posted behind it) sends its
@@ -624,9 +650,9 @@ impl CompletionQueue {
     /// window, as the adaptive engine does after traffic; a blocking
     /// device never polls.
     fn poll_due_input(
-        fd: BorrowedFd<'_>,
         qps: &[Arc<dyn CqQp>],
-        delivered: &dyn Fn() -> bool,
+        deadline: Option<Instant>,
+        mut done: impl FnMut() -> bool,
     ) -> bool {
         let spins: Vec<(&Arc<dyn CqQp>, Duration)> = qps
             .iter()
@@ -635,17 +661,15 @@ impl CompletionQueue {
         let Some(window) = spins.iter().map(|(_, d)| *d).max() else {
             return false;
         };
-        let until = Instant::now() + window;
+        let mut until = Instant::now() + window;
+        if let Some(deadline) = deadline {
+            until = until.min(deadline);
+        }
         loop {
             for (qp, _) in &spins {
                 qp.try_progress(false);
             }
-            if delivered() {
-                return true;
-            }
-            // Another thread's completion on these CQs writes `fd`.
-            let mut look = [PollFd::new(fd, PollFlags::POLLIN)];
-            if nix::poll::poll(&mut look, PollTimeout::ZERO).is_ok_and(|n| n > 0) {
+            if done() {
                 return true;
             }
             if Instant::now() >= until || !spins.iter().any(|(qp, _)| qp.poll_window().is_some()) {
@@ -800,6 +824,8 @@ mod tests {
         slept: AtomicU32,
         /// `set_waiting(false)` calls (the socket handed back).
         handed_back: AtomicU32,
+        /// A CQ to which its `n`th `try_progress` delivers a completion.
+        completes: std::sync::OnceLock<(Arc<CompletionQueue>, u32)>,
     }
 
     impl FakeQp {
@@ -816,13 +842,22 @@ mod tests {
                 drives: AtomicU32::new(0),
                 slept: AtomicU32::new(0),
                 handed_back: AtomicU32::new(0),
+                completes: std::sync::OnceLock::new(),
             })
         }
     }
 
     impl CqQp for FakeQp {
         fn try_progress(&self, _claim: bool) {
-            self.progressed.fetch_add(1, Ordering::SeqCst);
+            let n = self.progressed.fetch_add(1, Ordering::SeqCst) + 1;
+            if let Some((cq, at)) = self.completes.get() {
+                if n == *at {
+                    cq.push(WorkCompletion {
+                        wr_id: u64::from(n),
+                        ..WorkCompletion::BLANK
+                    });
+                }
+            }
         }
         fn drive_woken(&self) {
             self.drives.fetch_add(1, Ordering::SeqCst);
@@ -924,6 +959,41 @@ mod tests {
             assert_eq!((woke, slept), (want_delivered, want_slept), "{spin:?}");
             match spin {
                 Some(_) if want_delivered => assert_eq!(polls, respond_after),
+                Some(_) => assert!(polls > 1, "polled for its window: {polls}"),
+                None => assert_eq!(polls, 0),
+            }
+        }
+    }
+
+    /// [`wait`](CompletionQueue::wait) (verbs' `CompletionQueue::wait`)
+    /// follows the same rule: it polls a QP whose input is due and returns
+    /// the completion its 5th poll delivers without sleeping; past the
+    /// window it sleeps until its timeout, and a QP with no input due is
+    /// never polled.
+    #[test]
+    fn a_cq_wait_polls_a_qp_whose_input_is_due_for_its_window_before_it_sleeps() {
+        use std::os::unix::net::UnixStream;
+        let cases = [
+            // (window, the poll that completes, expect completions, slept)
+            (Some(Duration::from_secs(30)), 5, 1, false),
+            (Some(Duration::from_millis(2)), u32::MAX, 0, true),
+            (None, 1, 0, true),
+        ];
+        for (spin, complete_at, want_n, want_slept) in cases {
+            let (sock, _peer) = UnixStream::pair().unwrap();
+            let qp = FakeQp::new(sock, false, spin);
+            let cq = CompletionQueue::new(4).unwrap();
+            cq.attach(Arc::downgrade(&qp) as Weak<dyn CqQp>);
+            qp.completes.set((cq.clone(), complete_at)).unwrap();
+            let mut out = [WorkCompletion::BLANK];
+            let n = cq.wait(&mut out, Duration::from_millis(20));
+            let polls = qp.progressed.load(Ordering::SeqCst);
+            let slept = qp.slept.load(Ordering::SeqCst) > 0;
+            assert_eq!((n, slept), (want_n, want_slept), "{spin:?}");
+            match spin {
+                Some(_) if want_n > 0 => {
+                    assert_eq!((polls, out[0].wr_id), (complete_at, u64::from(complete_at)))
+                }
                 Some(_) => assert!(polls > 1, "polled for its window: {polls}"),
                 None => assert_eq!(polls, 0),
             }

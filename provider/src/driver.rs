@@ -630,7 +630,7 @@ impl QpShared {
     /// at it; whether this drive read input.
     pub(crate) fn try_progress_reading(&self) -> bool {
         self.own.note_app();
-        let Ok(mut io) = self.io.try_lock() else {
+        let Some(mut io) = self.try_lock() else {
             return false;
         };
         let before = io.rx_reads;
@@ -644,7 +644,7 @@ impl CqQp for QpShared {
         if claim {
             self.own.note_app();
         }
-        if let Ok(mut io) = self.io.try_lock() {
+        if let Some(mut io) = self.try_lock() {
             self.drive(&mut io);
         }
     }
