@@ -66,6 +66,8 @@ source scripts/lib/common.sh
 mkdir -p target
 SHAPE=target/rping_shape
 gcc -O2 -Wall -pthread -o "$SHAPE" scripts/bench/rping_shape.c || exit 1
+COPY_PROBE=target/core_copy
+gcc -O2 -Wall -pthread -o "$COPY_PROBE" scripts/bench/core_copy.c || exit 1
 
 for prog in qperf fio rping ib_write_lat; do
     command -v "$prog" >/dev/null || {
@@ -113,10 +115,15 @@ floor_lat() {
 
 # stag_bw OP SIZE DEPTH FIELD PORT: bw_avg_mb_s or msg_rate_mpps of
 # `stag bw` (busy-polling, as its floor role asks) with DEPTH operations
-# outstanding.
+# outstanding. A 64 KiB floor moves 4 GiB (BW_ITERS_64K), 1-3 s like the
+# programs it judges: this VM's cross-core copy rate flips between two
+# levels in phases of 0.5-4 s (core_copy below), and a 0.4 s run caught
+# one phase where the program's seconds averaged both.
 stag_bw() {
+    local iters=${BW_ITERS:-20000}
+    (($2 >= 65536)) && iters=${BW_ITERS_64K:-65536}
     serve "$5" "$STAG" bw "$1" -s "$2" -p "$5" --bind 127.0.0.1 -t "$3"
-    timeout "$LIMIT" "$STAG" bw "$1" -s "$2" -p "$5" -t "$3" -n "${BW_ITERS:-20000}" 127.0.0.1 --json |
+    timeout "$LIMIT" "$STAG" bw "$1" -s "$2" -p "$5" -t "$3" -n "$iters" 127.0.0.1 --json |
         python3 -c "import json,sys; print(json.load(sys.stdin)['results'][0]['$4'])"
     stop
 }
@@ -167,15 +174,23 @@ perftest_lat() {
 # the job's timed window: a 256 MiB job at 1.6 GB/s is 0.17 s of transfer
 # and 0.5 s of that sleep on any device. `--ramp_time=1` leaves the
 # connection and the sleep out of the figure; both sides move FIO_SIZE
-# (the server counts it for --verb=send).
+# (the server counts it for --verb=send): 8 GiB, 2-6 s after the ramp (a
+# 2 GiB job's 0.3-1.3 s caught one phase of the copy rate, core_copy).
 fio_rdma() {
     serve "$2" "$STAG" run -- fio --name=srv --ioengine=rdma --port="$2" --rw=read \
-        --bs=64k --size="${FIO_SIZE:-2g}"
+        --bs=64k --size="${FIO_SIZE:-8g}"
     timeout "$LIMIT" "$STAG" run -- fio --name=cli --ioengine=rdma --hostname=127.0.0.1 \
-        --port="$2" --verb="$1" --rw=write --bs=64k --iodepth=16 --size="${FIO_SIZE:-2g}" \
+        --port="$2" --verb="$1" --rw=write --bs=64k --iodepth=16 --size="${FIO_SIZE:-8g}" \
         --ramp_time=1 --output-format=json |
         python3 -c "import json,sys; j=json.load(sys.stdin)['jobs'][0]['write']; print(j['bw'] * 1024 / 1e6 if j['bw'] else 'nan')"
     stop
+}
+
+# core_copy PORT: the machine's cross-core copy rate (MB/s) for a second
+# (scripts/bench/core_copy.c), beside the bandwidth rows: no target, it
+# says which of its two levels a round's figures were taken in.
+core_copy() {
+    timeout "$LIMIT" "$COPY_PROBE" 1
 }
 
 # rping_shape_iter [-e] PORT: µs per iteration of rping's shape over plain
@@ -214,10 +229,12 @@ for ((r = 1; r <= ROUNDS; r++)); do
     measure stag.send stag_bw send 65536 128 bw_avg_mb_s
     measure qperf.rc_bw qperf_bw rc_bw
     measure qperf.rc_bi_bw qperf_bw rc_bi_bw
+    measure probe.copy_stag_write core_copy
     measure stag.write stag_bw write 65536 128 bw_avg_mb_s
     measure qperf.rc_rdma_write_bw qperf_bw rc_rdma_write_bw
     measure stag.read1 stag_bw read 65536 1 bw_avg_mb_s
     measure qperf.rc_rdma_read_bw qperf_bw rc_rdma_read_bw
+    measure probe.copy_fio_write core_copy
     measure fio.write fio_rdma write
     measure fio.read fio_rdma read
     measure fio.send fio_rdma send
@@ -338,9 +355,19 @@ md.append(f"Medians of {rounds} alternating rounds, each program as two processe
           f"{load_start} before, {load_end} after. ratio: the two medians' ratio; "
           f"paired: the median of each round's own ratio (values: per round, in "
           f"the JSON, nan where a run failed).")
+probes = [("stag bw write", "probe.copy_stag_write"), ("fio rdma write", "probe.copy_fio_write")]
+if any(k in by_round for _, k in probes):
+    md.append("")
+    md.append("Cross-core copy rate (scripts/bench/core_copy.c, MB/s) per round, just before "
+              + "; ".join(f"{n}: " + " ".join(fmt(x) for x in by_round[k])
+                          for n, k in probes if k in by_round)
+              + ". The VM's rate flips between ~5000 and ~1500 MB/s with nothing of "
+              "ours running; a bandwidth figure taken in the slow phase is ~2.5x lower "
+              "for that alone.")
 text = "\n".join(md)
 doc = {"rounds": int(rounds), "progress": progress, "load_start": load_start,
-       "load_end": load_end, "rows": out}
+       "load_end": load_end, "rows": out,
+       "core_copy_mb_s": {k: by_round[k] for _, k in probes if k in by_round}}
 open("target/bench-apps.md", "w").write(text + "\n")
 open("target/bench-apps.json", "w").write(json.dumps(doc, indent=2, default=str) + "\n")
 print(json.dumps(doc, indent=2, default=str) if as_json == "1" else text)
