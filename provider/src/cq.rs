@@ -59,7 +59,7 @@ pub(crate) trait CqQp: Send + Sync {
     /// Whether the device's engine answers this QP's requests without a
     /// wake-up now (it polls after traffic).
     fn engine_polls(&self) -> bool;
-    /// How long a channel wait polls this QP before it sleeps: `Some`
+    /// How long a wait polls this QP before it sleeps: `Some`
     /// while input is known to be coming without the application (a
     /// request on the wire awaits its response with posted requests
     /// behind it, `Connection::pipelined`; or a message is part-way in,
@@ -531,9 +531,9 @@ impl CompletionQueue {
                 spun = true;
                 // Another thread's completion on these CQs writes `fd`.
                 let notified = || {
-                    let mut look = [PollFd::new(fd, PollFlags::POLLIN)];
+                    let mut channel = [PollFd::new(fd, PollFlags::POLLIN)];
                     delivered()
-                        || nix::poll::poll(&mut look, PollTimeout::ZERO).is_ok_and(|n| n > 0)
+                        || nix::poll::poll(&mut channel, PollTimeout::ZERO).is_ok_and(|n| n > 0)
                 };
                 if Self::poll_due_input(&qps, deadline, notified) {
                     return Ok(true);

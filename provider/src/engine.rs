@@ -68,10 +68,10 @@
 //! as on a plain socket). While it sleeps there the socket is out of the
 //! engine's epoll set, and it goes back in when the thread wakes: the
 //! arrival wakes one thread, and no timer is involved. A wait (a channel
-//! wait, or `CompletionQueue::wait`) on a QP whose input is due (a Read at the ORD limit with more posted
-//! behind it, or a message part-way in) polls that QP for the adaptive
-//! window first: the input is coming, and a sleep would put a wake-up on
-//! its path.
+//! wait, or `CompletionQueue::wait`) on a QP whose input is due (a Read
+//! at the ORD limit with more posted behind it, or a message part-way in)
+//! polls that QP for the adaptive window first: the input is coming, and
+//! a sleep would put a wake-up on its path.
 //!
 //! The engine and a spinning application thread must not fight over a
 //! socket either: on two cores an engine woken for every message that a

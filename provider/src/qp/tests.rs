@@ -26,7 +26,11 @@ fn negotiated(initiator: bool, rtr: Option<Rtr>) -> Negotiated {
 }
 
 fn pair(rtr: Option<Rtr>) -> (Connection, Connection) {
-    let caps = QpCaps::default();
+    pair_with(QpCaps::default(), rtr)
+}
+
+/// [`pair`] with `caps` on both ends.
+fn pair_with(caps: QpCaps, rtr: Option<Rtr>) -> (Connection, Connection) {
     (
         Connection::new(1, PD, caps, negotiated(true, rtr), false),
         Connection::new(2, PD, caps, negotiated(false, rtr), false),
@@ -665,8 +669,7 @@ fn inline_payloads_are_copied_at_post_and_their_slots_wrap() {
         max_send_wr: 4,
         ..QpCaps::default()
     };
-    let mut a = Connection::new(1, PD, caps, negotiated(true, None), false);
-    let mut b = Connection::new(2, PD, caps, negotiated(false, None), false);
+    let (mut a, mut b) = pair_with(caps, None);
     let (dst, dst_va) = region(&mem, 4 * 64, Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     let mut buf = [0u8; 40];
     for round in 0..5u8 {
@@ -888,8 +891,7 @@ fn input_is_under_way_from_a_message_s_first_octet_to_its_last() {
         max_segment: 40,
         ..QpCaps::default()
     };
-    let mut a = Connection::new(1, PD, caps, negotiated(true, None), false);
-    let mut b = Connection::new(2, PD, caps, negotiated(false, None), false);
+    let (mut a, mut b) = pair_with(caps, None);
     let (src, sva) = region(&mem, 100, Access::LOCAL_WRITE);
     let (dst, dva) = region(&mem, 100, Access::LOCAL_WRITE);
     a.post_send(send_wr(1, src, sva, 100), &env).expect("post");
