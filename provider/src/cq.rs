@@ -52,6 +52,11 @@ pub(crate) trait CqQp: Send + Sync {
     /// Hand the QP to the device's engine: the application is going to
     /// sleep without driving it.
     fn release_to_engine(&self);
+    /// Write the tail a post held back ([`crate::tail`]), if one is: a
+    /// thread is about to sleep, and the held octets (and the completion
+    /// of the WR they belong to) would otherwise wait for the engine's
+    /// deadline.
+    fn write_held_tail(&self);
     /// Whether a channel wait keeps the QP's socket (a thread sleeps on
     /// it, or its last wait held it) and the QP has no output waiting for
     /// room: that wait reads the socket first thing when it comes back.
@@ -414,6 +419,15 @@ impl CompletionQueue {
                     continue;
                 }
             }
+            // A tail a post held back goes out before the sleep, with the
+            // completion it may bring.
+            for qp in &qps {
+                qp.write_held_tail();
+            }
+            let n = check();
+            if n > 0 {
+                return n;
+            }
             let mut fds = Vec::with_capacity(qps.len() + 1);
             fds.push(PollFd::new(self.wake.as_fd(), PollFlags::POLLIN));
             let mut sleeping = Vec::with_capacity(qps.len());
@@ -538,6 +552,14 @@ impl CompletionQueue {
                 if Self::poll_due_input(&qps, deadline, notified) {
                     return Ok(true);
                 }
+            }
+            // A tail a post held back goes out before the sleep; the
+            // completion it brings may be this thread's own notification.
+            for qp in &qps {
+                qp.write_held_tail();
+            }
+            if delivered() {
+                return Ok(true);
             }
             let mut fds = Vec::with_capacity(qps.len() + 1);
             fds.push(PollFd::new(fd, PollFlags::POLLIN));
@@ -871,6 +893,7 @@ mod tests {
         }
         fn end_wait_holding(&self) {}
         fn release_to_engine(&self) {}
+        fn write_held_tail(&self) {}
         fn kept_by_waiter(&self) -> bool {
             false
         }

@@ -87,6 +87,12 @@ impl Device {
         self.inner.engine.idle_parks()
     }
 
+    /// How many times a doorbell held back the short last segment of a
+    /// post's output, to go out in front of the next post's.
+    pub fn tails_held(&self) -> u64 {
+        self.inner.engine.tails_held()
+    }
+
     /// The device name.
     pub fn name(&self) -> &str {
         &self.inner.name

@@ -8,12 +8,12 @@
 //! (write only), or a thread polling or waiting on one of its CQs.
 
 use std::collections::VecDeque;
-use std::io::ErrorKind;
+use std::io::{ErrorKind, IoSlice};
 use std::net::{Shutdown, TcpStream};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
 use nix::errno::Errno;
-use nix::sys::socket::{self, MsgFlags};
+use nix::sys::socket::{self, getsockopt, sockopt, MsgFlags};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -64,6 +64,13 @@ const IMMEDIATE_FPDU_LEN: usize = crate::wire::fpdu::LENGTH_LEN
 /// Bytes a QP frames per drive before letting the socket catch up.
 const TX_BUDGET: usize = 512 * 1024;
 
+/// Whether doorbells hold a short last segment back ([`crate::tail`]):
+/// on unless `STAG_TX_TAIL_HOLD=0` (to measure what it saves).
+fn tail_hold_enabled() -> bool {
+    static ENABLED: OnceLock<bool> = OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var_os("STAG_TX_TAIL_HOLD").is_none_or(|v| v != "0"))
+}
+
 /// The socket side of a QP, under its lock.
 #[derive(Debug, Default)]
 pub(crate) struct QpIo {
@@ -87,6 +94,17 @@ pub(crate) struct QpIo {
     close_watch: CloseWatch,
     /// The engine's deadline for that stall, while one is pending.
     close_timer: Option<Instant>,
+    /// The engine's deadline for a held tail ([`crate::tail`]), while one
+    /// is pending.
+    tail_timer: Option<Instant>,
+    /// The stream's segment size as last read, and when: TCP bounds it by
+    /// half the peer's largest window, so it grows as the window opens
+    /// (32,768 on loopback at first, 65,483 once the stream runs).
+    tail_mss: Option<(usize, Instant)>,
+    /// Whether the last tail held went out in front of the next post (the
+    /// program streams posts), and posts left before another is held when
+    /// it did not ([`crate::tail::Streak`]).
+    tail_streak: crate::tail::Streak,
     /// Our end of the stream is shut (in Error, everything written); the
     /// peer's input is read and discarded until it closes too.
     fin_sent: bool,
@@ -118,6 +136,8 @@ pub(crate) struct QpShared {
     own: Ownership,
     /// Framed output waits for the socket to become writable.
     tx_blocked: AtomicBool,
+    /// A post's doorbell held its output's tail back.
+    tail_held: AtomicBool,
     /// Input waits for a Receive and the socket is not read: a thread
     /// that sleeps on readability would spin ([`CqQp::wait_fd`]).
     rx_paused: AtomicBool,
@@ -167,6 +187,7 @@ impl QpShared {
             sock: OnceLock::new(),
             own: Ownership::default(),
             tx_blocked: AtomicBool::new(false),
+            tail_held: AtomicBool::new(false),
             rx_paused: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             event_hook: OnceLock::new(),
@@ -285,6 +306,9 @@ impl QpShared {
             hold_timer,
             close_watch,
             close_timer,
+            tail_timer,
+            tail_mss,
+            tail_streak,
             fin_sent,
             closed,
             events,
@@ -438,7 +462,49 @@ impl QpShared {
                 }
             }
         }
-        let pending = Self::flush(conn, &mut sock, &env);
+        // A tail held until now goes out: in front of this post's octets
+        // (the program streams), or alone (it waits: a ping-pong, the end
+        // of a stream).
+        let was_held = self.tail_held.load(Ordering::Acquire);
+        let (pending, held) = if read {
+            if was_held {
+                tail_streak.ended();
+            }
+            (Self::flush(conn, &mut sock, &env), false)
+        } else {
+            if was_held {
+                tail_streak.merged();
+            }
+            // Only with an engine, which writes the tail if nobody does.
+            let mss = if tail_hold_enabled()
+                && self.engine.strong_count() > 0
+                && tail_streak.may_hold()
+            {
+                Self::segment_size(tail_mss, sock)
+            } else {
+                0
+            };
+            Self::flush_posted(conn, &mut sock, &env, mss)
+        };
+        self.tail_held.store(held, Ordering::Release);
+        if tail_timer.is_some_and(|at| at <= Instant::now()) {
+            // Fired (or about to): the engine forgets it.
+            *tail_timer = None;
+        }
+        if held {
+            if let Some(engine) = self.engine.upgrade() {
+                engine.note_tail_held();
+                if tail_timer.is_none() {
+                    // Nobody may post or poll again: the engine writes the
+                    // tail then. One deadline per QP at a time; a stream of
+                    // posts merges its tails meanwhile, and the deadline
+                    // writes whichever is held when it comes.
+                    let at = Instant::now() + crate::tail::TAIL_LIMIT;
+                    *tail_timer = Some(at);
+                    engine.drive_at(at, self.me.clone() as Weak<dyn EngineQp>);
+                }
+            }
+        }
         if conn.state() == QpState::Error {
             // Moved to Error (`rdma_disconnect`, `ibv_modify_qp`) with
             // octets still for a peer that reads no more: the stream and
@@ -524,6 +590,60 @@ impl QpShared {
             // (RFC 1122 §4.2.2.13) instead of letting it meet the FIN.
             let _ = sock.shutdown(Shutdown::Write);
             *fin_sent = true;
+        }
+    }
+
+    /// The stream's segment size (`TCP_MAXSEG`), read again when the last
+    /// read is older than [`crate::tail::MSS_REFRESH`]; 0 if unknown.
+    fn segment_size(cached: &mut Option<(usize, Instant)>, sock: &TcpStream) -> usize {
+        let now = Instant::now();
+        match *cached {
+            Some((mss, at)) if now.duration_since(at) < crate::tail::MSS_REFRESH => mss,
+            _ => {
+                let mss = getsockopt(sock, sockopt::TcpMaxSeg).map_or(0, |m| m as usize);
+                *cached = Some((mss, now));
+                mss
+            }
+        }
+    }
+
+    /// A post's doorbell: write what the connection has to send, but hold
+    /// back a short last segment ([`crate::tail`]) when the rest is whole
+    /// segments of `mss` and nothing else is to be framed. Returns whether
+    /// bytes are still waiting for the socket, and whether a tail is held.
+    fn flush_posted(
+        conn: &mut Connection,
+        sock: &mut &TcpStream,
+        env: &Env,
+        mss: usize,
+    ) -> (bool, bool) {
+        if mss == 0 || conn.state() != QpState::Rts {
+            return (Self::flush(conn, sock, env), false);
+        }
+        conn.prepare_transmit(env, TX_BUDGET);
+        let hold = crate::tail::tail_to_hold(conn.queued_tx(), mss);
+        if hold == 0 {
+            return (Self::flush(conn, sock, env), false);
+        }
+        let keep = conn.queued_tx() - hold;
+        let wrote = conn.write_transmit(env, |iov| {
+            let mut out = [IoSlice::new(&[]); crate::tail::IOV_CAP];
+            let n = crate::tail::cut(iov, keep, &mut out);
+            send_vectored(sock, &out[..n])
+        });
+        match wrote {
+            // Held: unless the socket took less, or more is to be framed
+            // (a list longer than the budget), which the usual flush
+            // writes.
+            Ok(n) if n == keep && !conn.prepare_transmit(env, TX_BUDGET) => (false, true),
+            Ok(_) => (Self::flush(conn, sock, env), false),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => (true, false),
+            Err(e) if e.kind() == ErrorKind::Interrupted => (Self::flush(conn, sock, env), false),
+            Err(e) => {
+                debug!(error = %e, "socket write failed");
+                conn.handle_stream_failed();
+                (false, false)
+            }
         }
     }
 
@@ -732,6 +852,14 @@ impl CqQp for QpShared {
 
     fn release_to_engine(&self) {
         self.own.release(self.engine.upgrade().as_deref());
+    }
+
+    fn write_held_tail(&self) {
+        if self.tail_held.load(Ordering::Acquire) {
+            // A drive that reads writes all there is.
+            let mut io = self.lock();
+            self.drive(&mut io);
+        }
     }
 
     fn kept_by_waiter(&self) -> bool {

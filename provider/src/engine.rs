@@ -437,6 +437,8 @@ pub(crate) struct Engine {
     parks: Arc<ParkCounts>,
     /// Whether the engine polls after traffic now ([`Spinner::would_poll`]).
     polls: Arc<AtomicBool>,
+    /// Tails the QPs' doorbells held back ([`crate::tail`]).
+    tails_held: AtomicU64,
     stop: Arc<AtomicBool>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
@@ -507,6 +509,7 @@ impl Engine {
             registered,
             parks,
             polls,
+            tails_held: AtomicU64::new(0),
             stop,
             thread: Mutex::new(Some(thread)),
         })
@@ -522,6 +525,16 @@ impl Engine {
     /// adaptive window that contention has not closed).
     pub(crate) fn polls_after_traffic(&self) -> bool {
         self.polls.load(Ordering::Relaxed)
+    }
+
+    /// A QP's doorbell held its output's tail back ([`crate::tail`]).
+    pub(crate) fn note_tail_held(&self) {
+        self.tails_held.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many tails the QPs' doorbells held back.
+    pub(crate) fn tails_held(&self) -> u64 {
+        self.tails_held.load(Ordering::Relaxed)
     }
 
     /// How many times an arrival found an application thread driving its

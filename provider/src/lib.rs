@@ -28,6 +28,7 @@ pub mod region;
 mod registry;
 pub mod setup;
 pub mod srq;
+mod tail;
 #[doc(hidden)]
 pub mod testing;
 pub mod thread;

@@ -130,6 +130,81 @@ fn a_waiting_thread_gets_its_completions_in_every_mode() {
     }
 }
 
+/// A Write longer than a TCP segment, posted alone by a program that then
+/// neither posts nor polls (it waits for the peer in memory, or
+/// elsewhere): the doorbell holds its short last segment back for a next
+/// post that never comes, and the engine's deadline writes it, in every
+/// mode. Without that deadline the peer never sees the Write's last
+/// octets.
+#[test]
+fn a_held_tail_reaches_the_peer_when_nobody_posts_or_polls_again() {
+    const LEN: usize = 65536;
+    for mode in MODES {
+        let (a, b) = pair_in(mode, mode);
+        let before = a.dev.tails_held();
+        for round in 1..=20u64 {
+            a.mr.region().store_u64(LEN - 8, round).unwrap();
+            a.post(
+                round,
+                SendOp::Write {
+                    remote: b.mr.remote(0),
+                },
+                vec![a.mr.sge(0, LEN as u32)],
+            );
+            let start = Instant::now();
+            while b.mr.region().load_u64(LEN - 8).unwrap() != round {
+                assert!(
+                    start.elapsed() < Duration::from_secs(10),
+                    "{mode}: round {round}: the Write's last octets never came"
+                );
+                std::hint::spin_loop();
+            }
+            let c = a.wait(1);
+            assert_eq!((c[0].wr_id, c[0].status), (round, WcStatus::Success));
+        }
+        assert!(
+            a.dev.tails_held() > before,
+            "{mode}: no doorbell held a tail (nothing was tested)"
+        );
+    }
+}
+
+/// A stream of Writes posted one at a time: each doorbell's held tail goes
+/// out in front of the next post's octets, and every Write lands whole.
+#[test]
+fn a_stream_of_single_posts_lands_whole_with_tails_held() {
+    const LEN: usize = 65536;
+    let (a, b) = pair_in(Progress::Blocking, Progress::Blocking);
+    let before = a.dev.tails_held();
+    let n = 200u64;
+    for i in 1..=n {
+        // Each Write to its own slot: the last 8 octets say which.
+        let slot = (i % 8) as usize * LEN;
+        a.mr.region().store_u64(slot + LEN - 8, i).unwrap();
+        a.post(
+            i,
+            SendOp::Write {
+                remote: b.mr.remote(slot),
+            },
+            vec![a.mr.sge(slot, LEN as u32)],
+        );
+        if i % 8 == 0 {
+            let c = a.wait(8);
+            assert!(c.iter().all(|c| c.status == WcStatus::Success), "{c:?}");
+            for k in 0..8u64 {
+                let slot = k as usize * LEN;
+                let want = i - 8 + if k == 0 { 8 } else { k };
+                let start = Instant::now();
+                while b.mr.region().load_u64(slot + LEN - 8).unwrap() != want {
+                    assert!(start.elapsed() < Duration::from_secs(10), "write {want}");
+                    std::hint::spin_loop();
+                }
+            }
+        }
+    }
+    assert!(a.dev.tails_held() > before, "no doorbell held a tail");
+}
+
 /// `n` completions through `CompletionQueue::wait` only.
 fn wait_blocking(cq: &Arc<CompletionQueue>, n: usize) -> Vec<WorkCompletion> {
     let mut out = Vec::new();

@@ -448,6 +448,11 @@ impl Connection {
         &self.neg
     }
 
+    /// Octets framed and not yet written.
+    pub fn queued_tx(&self) -> usize {
+        self.tx.len()
+    }
+
     /// Octets of the stream written to the socket so far.
     pub fn tx_written(&self) -> u64 {
         self.tx.written_total()
