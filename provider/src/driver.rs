@@ -476,15 +476,17 @@ impl QpShared {
                 tail_streak.merged();
             }
             // Only with an engine, which writes the tail if nobody does.
-            let mss = if tail_hold_enabled()
-                && self.engine.strong_count() > 0
-                && tail_streak.may_hold()
-            {
-                Self::segment_size(tail_mss, sock)
-            } else {
-                0
-            };
-            Self::flush_posted(conn, &mut sock, &env, mss)
+            let may_hold = tail_hold_enabled() && self.engine.strong_count() > 0;
+            let stream: &TcpStream = sock;
+            Self::flush_posted(conn, &mut sock, &env, |queued| {
+                // No segment is shorter than TCP's minimum MSS: a small
+                // post needs no look at the clock or the socket.
+                if may_hold && queued > crate::tail::MIN_MSS && tail_streak.may_hold() {
+                    Self::segment_size(tail_mss, stream)
+                } else {
+                    0
+                }
+            })
         };
         self.tail_held.store(held, Ordering::Release);
         if tail_timer.is_some_and(|at| at <= Instant::now()) {
@@ -609,19 +611,20 @@ impl QpShared {
 
     /// A post's doorbell: write what the connection has to send, but hold
     /// back a short last segment ([`crate::tail`]) when the rest is whole
-    /// segments of `mss` and nothing else is to be framed. Returns whether
-    /// bytes are still waiting for the socket, and whether a tail is held.
+    /// segments of `mss(queued)` octets (0: hold nothing) and nothing else
+    /// is to be framed. Returns whether bytes are still waiting for the
+    /// socket, and whether a tail is held.
     fn flush_posted(
         conn: &mut Connection,
         sock: &mut &TcpStream,
         env: &Env,
-        mss: usize,
+        mss: impl FnOnce(usize) -> usize,
     ) -> (bool, bool) {
-        if mss == 0 || conn.state() != QpState::Rts {
+        if conn.state() != QpState::Rts {
             return (Self::flush(conn, sock, env), false);
         }
         conn.prepare_transmit(env, TX_BUDGET);
-        let hold = crate::tail::tail_to_hold(conn.queued_tx(), mss);
+        let hold = crate::tail::tail_to_hold(conn.queued_tx(), mss(conn.queued_tx()));
         if hold == 0 {
             return (Self::flush(conn, sock, env), false);
         }

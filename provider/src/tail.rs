@@ -38,6 +38,10 @@ pub(crate) const TAIL_LIMIT: Duration = Duration::from_millis(1);
 /// `getsockopt`; TCP changes it as the peer's window grows).
 pub(crate) const MSS_REFRESH: Duration = Duration::from_millis(10);
 
+/// TCP's minimum MSS (RFC 9293 §3.7.1): output no longer than this is
+/// never held.
+pub(crate) const MIN_MSS: usize = 536;
+
 /// At most this many iovecs are cut (the output queue's own bound).
 pub(crate) const IOV_CAP: usize = 64;
 
