@@ -169,6 +169,14 @@ mod tests {
         assert_eq!(tail_to_hold(1_000_000, 0), 0);
     }
 
+    /// `n` posts go out whole, and the next may hold.
+    fn sits_out(streak: &mut Streak, n: u32) {
+        for _ in 0..n {
+            assert!(!streak.may_hold());
+        }
+        assert!(streak.may_hold());
+    }
+
     #[test]
     fn a_tail_that_went_out_alone_stops_holding_for_the_probation() {
         let mut streak = Streak::default();
@@ -176,33 +184,21 @@ mod tests {
         assert!(streak.may_hold());
         streak.merged();
         assert!(streak.may_hold());
-        // A wait wrote the tail: the next PROBATION posts go out whole.
+        // A wait wrote the tail: the probation, then twice as long, and
+        // so on up to the cap.
         streak.ended();
-        for _ in 0..PROBATION {
-            assert!(!streak.may_hold());
-        }
-        assert!(streak.may_hold());
-        // Alone again: twice as long, and so on up to the cap.
+        sits_out(&mut streak, PROBATION);
         streak.ended();
-        for _ in 0..2 * PROBATION {
-            assert!(!streak.may_hold());
-        }
-        assert!(streak.may_hold());
+        sits_out(&mut streak, 2 * PROBATION);
         for _ in 0..40 {
             streak.ended();
         }
-        for _ in 0..PROBATION_MAX {
-            assert!(!streak.may_hold());
-        }
-        assert!(streak.may_hold());
+        sits_out(&mut streak, PROBATION_MAX);
         // A merge ends the probation and its doubling.
         streak.merged();
         assert!(streak.may_hold());
         streak.ended();
-        for _ in 0..PROBATION {
-            assert!(!streak.may_hold());
-        }
-        assert!(streak.may_hold());
+        sits_out(&mut streak, PROBATION);
     }
 
     #[test]
