@@ -488,7 +488,11 @@ impl QpShared {
                 }
             })
         };
-        self.tail_held.store(held, Ordering::Release);
+        if held != was_held {
+            // Stored only when it changes: a store per drive would dirty
+            // a line that every wait reads.
+            self.tail_held.store(held, Ordering::Release);
+        }
         if tail_timer.is_some_and(|at| at <= Instant::now()) {
             // Fired (or about to): the engine forgets it.
             *tail_timer = None;
@@ -636,17 +640,11 @@ impl QpShared {
         });
         match wrote {
             // Held: unless the socket took less, or more is to be framed
-            // (a list longer than the budget), which the usual flush
-            // writes.
+            // (a list longer than the budget).
             Ok(n) if n == keep && !conn.prepare_transmit(env, TX_BUDGET) => (false, true),
-            Ok(_) => (Self::flush(conn, sock, env), false),
-            Err(e) if e.kind() == ErrorKind::WouldBlock => (true, false),
-            Err(e) if e.kind() == ErrorKind::Interrupted => (Self::flush(conn, sock, env), false),
-            Err(e) => {
-                debug!(error = %e, "socket write failed");
-                conn.handle_stream_failed();
-                (false, false)
-            }
+            // The usual flush writes the rest, and meets a full or failed
+            // socket again and handles it as it always does.
+            _ => (Self::flush(conn, sock, env), false),
         }
     }
 
