@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 use nix::sys::eventfd::{EfdFlags, EventFd};
+use smallvec::SmallVec;
 use tracing::error;
 
 use crate::wr::{WcStatus, WorkCompletion};
@@ -80,6 +81,9 @@ pub(crate) trait CqQp: Send + Sync {
 /// engine does without a wake-up while it polls. Several, so that a
 /// message arriving in a few reads is still read by its waiter.
 const CEDE_AFTER_DRY_WAKES: u32 = 8;
+
+/// How many QPs a channel wait keeps on the stack; more spill to the heap.
+const WAIT_INLINE: usize = 4;
 
 /// Notification arming (`ibv_req_notify_cq`).
 const ARM_NONE: u8 = 0;
@@ -533,14 +537,13 @@ impl CompletionQueue {
             if ceded.len() != before {
                 dry_wakes = 0;
             }
-            let qps: Vec<Arc<dyn CqQp>> = cqs
-                .iter()
-                .filter(|cq| cq.is_armed())
-                .flat_map(|cq| {
-                    let qps = cq.qps.read().unwrap_or_else(|p| p.into_inner());
-                    qps.iter().filter_map(Weak::upgrade).collect::<Vec<_>>()
-                })
-                .collect();
+            // On the stack for the usual few QPs: a wait per message
+            // allocates nothing.
+            let mut qps: SmallVec<[Arc<dyn CqQp>; WAIT_INLINE]> = SmallVec::new();
+            for cq in cqs.iter().filter(|cq| cq.is_armed()) {
+                let feeding = cq.qps.read().unwrap_or_else(|p| p.into_inner());
+                qps.extend(feeding.iter().filter_map(Weak::upgrade));
+            }
             if !look && !spun {
                 spun = true;
                 // Another thread's completion on these CQs writes `fd`.
@@ -561,9 +564,9 @@ impl CompletionQueue {
             if delivered() {
                 return Ok(true);
             }
-            let mut fds = Vec::with_capacity(qps.len() + 1);
+            let mut fds: SmallVec<[PollFd; WAIT_INLINE + 1]> = SmallVec::new();
             fds.push(PollFd::new(fd, PollFlags::POLLIN));
-            let mut sleeping = Vec::with_capacity(qps.len());
+            let mut sleeping: SmallVec<[&Arc<dyn CqQp>; WAIT_INLINE]> = SmallVec::new();
             for qp in &qps {
                 if ceded.iter().any(|c| Arc::ptr_eq(c, qp)) {
                     continue;
@@ -608,14 +611,14 @@ impl CompletionQueue {
             // it go back to such an engine for the rest of this wait (its
             // next wait takes them again).
             let cede_due = !look && dry_wakes + 1 >= CEDE_AFTER_DRY_WAKES;
-            let cedes: Vec<bool> = if cede_due {
+            let cedes: SmallVec<[bool; WAIT_INLINE]> = if cede_due {
                 sleeping
                     .iter()
                     .zip(&fds[1..])
                     .map(|(qp, f)| f.any().unwrap_or(false) && qp.engine_polls())
                     .collect()
             } else {
-                Vec::new()
+                SmallVec::new()
             };
             let cede_of = |i: usize| cedes.get(i).copied().unwrap_or(false);
             for (i, qp) in sleeping.iter().enumerate() {

@@ -3,20 +3,25 @@
 use std::ffi::c_int;
 
 use provider::wr::Sge;
+use smallvec::SmallVec;
 
 use crate::ffi::{ibv_recv_wr, ibv_send_wr, ibv_sge};
 use provider::identity::LIMITS;
+
+/// A WR's SGEs, on the stack for the usual few: a post of one WR
+/// allocates nothing for them.
+pub(crate) type SgeList = SmallVec<[Sge; 4]>;
 
 /// Copy a C SGE array (`n` entries, at most the device's `max_sge`).
 ///
 /// # Safety
 /// `list` must point to `n` readable `ibv_sge`s when `n > 0`.
-pub(crate) unsafe fn sge_list(list: *const ibv_sge, n: c_int) -> Result<Vec<Sge>, c_int> {
+pub(crate) unsafe fn sge_list(list: *const ibv_sge, n: c_int) -> Result<SgeList, c_int> {
     if !(0..=(LIMITS.max_sge as i32)).contains(&n) || (n > 0 && list.is_null()) {
         return Err(libc::EINVAL);
     }
     if n == 0 {
-        return Ok(Vec::new());
+        return Ok(SgeList::new());
     }
     // Read each entry unaligned: C callers may keep the array inside a
     // packed struct (libiscsi's iSER initiator does), which x86 C reads

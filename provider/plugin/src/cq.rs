@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 
 use provider::cq::{CompletionQueue, NotifySink};
 use provider::wr::{WcOpcode, WorkCompletion};
+use smallvec::SmallVec;
 
 use crate::comp_channel::Channel;
 use crate::errno::{self, guard};
@@ -180,7 +181,7 @@ pub(crate) unsafe fn get_cq_event(
 /// no longer counts as a sleeper), or else one read from the pipe; an
 /// errno on failure.
 fn wait_for_record(ch: *mut ibv_comp_channel, chan: &Channel) -> Result<(u64, Vec<u64>), i32> {
-    let cqs: Vec<Arc<CompletionQueue>> = channel_cqs()
+    let cqs: SmallVec<[Arc<CompletionQueue>; 2]> = channel_cqs()
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .get(&(ch as usize))
@@ -210,12 +211,20 @@ fn wait_for_record(ch: *mut ibv_comp_channel, chan: &Channel) -> Result<(u64, Ve
             other => break other,
         }
     });
-    let mut mine = WAITING.with(|w| {
+    // The first record this thread fired is the answer; any others (several
+    // CQs on the channel) are the caller's to deliver. The buffer stays
+    // the thread's, so a wait per message allocates nothing.
+    let (first, others) = WAITING.with(|w| {
         let mut w = w.borrow_mut();
         w.0 = 0;
-        std::mem::take(&mut w.1)
+        let others = if w.1.len() > 1 {
+            w.1.split_off(1)
+        } else {
+            Vec::new()
+        };
+        (w.1.pop(), others)
     });
-    if mine.is_empty() {
+    let Some(first) = first else {
         if let Err(e) = waited {
             return Err(e as i32);
         }
@@ -232,11 +241,8 @@ fn wait_for_record(ch: *mut ibv_comp_channel, chan: &Channel) -> Result<(u64, Ve
             });
         }
         return Ok((u64::from_ne_bytes(desc), Vec::new()));
-    }
-    // One is the answer; any others (several CQs on the channel) go where
-    // every other thread, and poll(2) once it looks, can see them.
-    let first = mine.remove(0);
-    Ok((first, mine))
+    };
+    Ok((first, others))
 }
 
 /// Whether a read(2) interrupted by a signal's handler would be restarted:

@@ -3,8 +3,9 @@
 
 use std::ffi::{c_int, c_uint};
 
-use provider::wr::{Remote, SendOp, Sge, WorkCompletion};
+use provider::wr::{Remote, SendOp, WorkCompletion};
 
+use crate::c_list::SgeList;
 use crate::cq::StagCq;
 use crate::errno::guard;
 use crate::ffi::*;
@@ -20,7 +21,7 @@ pub struct StagdvWcExt {
 }
 
 /// Run a post on one of our QPs.
-fn post(qp: *mut ibv_qp, wr_id: u64, flags: c_uint, op: SendOp, sges: Vec<Sge>) -> c_int {
+fn post(qp: *mut ibv_qp, wr_id: u64, flags: c_uint, op: SendOp, sges: SgeList) -> c_int {
     guard("stagdv_post", libc::EIO, || {
         // SAFETY: the caller's QP, NULL-checked and checked to be ours.
         match unsafe { from_raw::<StagQp>(qp).map(StagQp::shared) } {
@@ -138,7 +139,7 @@ pub extern "C" fn stagdv_post_imm(qp: *mut ibv_qp, wr_id: u64, flags: c_uint, im
         imm,
         solicited: flags & IBV_SEND_SOLICITED != 0,
     };
-    post(qp, wr_id, flags, op, Vec::new())
+    post(qp, wr_id, flags, op, SgeList::new())
 }
 
 /// # Safety
@@ -186,7 +187,7 @@ pub extern "C" fn stagdv_post_commit(
         },
         len: length,
     };
-    post(qp, wr_id, flags, op, Vec::new())
+    post(qp, wr_id, flags, op, SgeList::new())
 }
 
 #[no_mangle]
@@ -205,7 +206,7 @@ pub extern "C" fn stagdv_post_atomic_write(
         },
         value,
     };
-    post(qp, wr_id, flags, op, Vec::new())
+    post(qp, wr_id, flags, op, SgeList::new())
 }
 
 /// # Safety

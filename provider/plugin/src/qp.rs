@@ -14,10 +14,10 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use provider::device::{PostGuard, QueuePair};
 use provider::qp::{QpCaps, QpState};
-use provider::wr::{InlineWr, RecvWr, Remote, SendOp, SendWr, Sge};
+use provider::wr::{InlineWr, RecvWr, Remote, SendOp, SendWrRef};
 
 use crate::async_events::AsyncSource;
-use crate::c_list::{post_chain, sge_list};
+use crate::c_list::{post_chain, sge_list, SgeList};
 use crate::cq::StagCq;
 use crate::errno::{self, guard};
 use crate::ffi::*;
@@ -207,7 +207,7 @@ struct PendingWr {
     wr_id: u64,
     flags: c_uint,
     op: SendOp,
-    sges: Vec<Sge>,
+    sges: SgeList,
     inline: Option<Vec<u8>>,
 }
 
@@ -646,10 +646,10 @@ fn post_one(sh: &QpShared, post: &mut PostGuard<'_>, p: PendingWr) -> Result<(),
             fence,
         })
     } else {
-        post.push(SendWr {
+        post.push(SendWrRef {
             wr_id: p.wr_id,
             op: p.op,
-            sg_list: p.sges,
+            sg_list: &p.sges,
             signaled,
             fence,
         })
@@ -705,7 +705,7 @@ unsafe fn translate(wr: &ibv_send_wr) -> Result<PendingWr, c_int> {
                 wr_id: wr.wr_id,
                 flags: wr.send_flags,
                 op: SendOp::Imm { imm, solicited },
-                sges: Vec::new(),
+                sges: SgeList::new(),
                 inline: None,
             });
         }
@@ -808,7 +808,7 @@ pub(crate) unsafe extern "C" fn post_recv(
                 if sh.has_srq || sh.state() == IBV_QPS_RESET {
                     return Err(libc::EINVAL);
                 }
-                let sg_list = sge_list(w.sg_list, w.num_sge)?;
+                let sg_list = sge_list(w.sg_list, w.num_sge)?.into_vec();
                 sh.prov
                     .post_recv(RecvWr {
                         wr_id: w.wr_id,
@@ -846,13 +846,13 @@ impl WrBatch for QpShared {
             wr_id,
             flags,
             op,
-            sges: Vec::new(),
+            sges: SgeList::new(),
             inline: None,
         });
     }
 
     /// `wr_set_sge*` / `wr_set_inline_data*` on the last request.
-    fn batch_set_data(&self, sges: Vec<Sge>, inline: Option<Vec<u8>>) {
+    fn batch_set_data(&self, sges: SgeList, inline: Option<Vec<u8>>) {
         let mut b = self.batch.lock().unwrap_or_else(|p| p.into_inner());
         match b.wrs.last_mut() {
             Some(w) => {
@@ -901,7 +901,7 @@ impl WrBatch for QpShared {
 
 impl QpShared {
     /// Post a stagdv operation (RFC 7306 / Commit) through the legacy path.
-    pub(crate) fn post_dv(&self, wr_id: u64, flags: c_uint, op: SendOp, sges: Vec<Sge>) -> c_int {
+    pub(crate) fn post_dv(&self, wr_id: u64, flags: c_uint, op: SendOp, sges: SgeList) -> c_int {
         if let Err(e) = posting_allowed(self) {
             return e;
         }

@@ -201,7 +201,7 @@ pub(crate) unsafe extern "C" fn post_srq_recv(
         // SAFETY: the caller's chain, its SGE arrays and out pointer.
         unsafe {
             post_chain(wr, bad, |w| {
-                let sg_list = sge_list(w.sg_list, w.num_sge)?;
+                let sg_list = sge_list(w.sg_list, w.num_sge)?.into_vec();
                 inner
                     .post_recv(RecvWr {
                         wr_id: w.wr_id,

@@ -9,6 +9,7 @@ use std::ffi::{c_int, c_uint, c_void};
 
 use provider::wr::{Remote, SendOp, Sge};
 
+use crate::c_list::SgeList;
 use crate::ffi::*;
 use crate::handle::{from_raw, Object};
 
@@ -51,7 +52,7 @@ pub(crate) trait WrBatch {
     /// wr_id/flags; `op_flag` is its `IBV_QP_EX_WITH_*` bit.
     fn batch_push(&self, wr_id: u64, flags: c_uint, op: SendOp, op_flag: u64);
     /// `wr_set_sge*` / `wr_set_inline_data*` on the last request.
-    fn batch_set_data(&self, sges: Vec<Sge>, inline: Option<Vec<u8>>);
+    fn batch_set_data(&self, sges: crate::c_list::SgeList, inline: Option<Vec<u8>>);
     /// Record an error for `wr_complete` to return.
     fn batch_fail(&self, e: c_int);
     /// `wr_complete`: post the batch, or nothing if a call failed.
@@ -244,7 +245,7 @@ unsafe extern "C" fn wr_set_sge<Q: HasBatch>(
     length: u32,
 ) {
     with::<Q>(qp, "wr_set_sge", |sh, _, _| {
-        sh.batch_set_data(vec![Sge { addr, length, lkey }], None)
+        sh.batch_set_data(smallvec::smallvec![Sge { addr, length, lkey }], None)
     });
 }
 
@@ -279,7 +280,7 @@ unsafe extern "C" fn wr_set_inline_data<Q: HasBatch>(
             // SAFETY: the caller's buffer, valid during the call; copied now.
             unsafe { std::slice::from_raw_parts(addr.cast::<u8>(), length) }.to_vec()
         };
-        sh.batch_set_data(Vec::new(), Some(data))
+        sh.batch_set_data(SgeList::new(), Some(data))
     });
 }
 
@@ -309,6 +310,6 @@ unsafe extern "C" fn wr_set_inline_data_list<Q: HasBatch>(
                 }
             }
         }
-        sh.batch_set_data(Vec::new(), Some(data))
+        sh.batch_set_data(SgeList::new(), Some(data))
     });
 }
