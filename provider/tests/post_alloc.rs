@@ -1,13 +1,18 @@
 //! The post path allocates nothing in steady state when SGEs are posted by
-//! reference (`QueuePair::post_send` of a `SendWrRef`): counted with a global allocator
-//! that counts the posting thread's allocations during the post calls.
+//! reference (`QueuePair::post_send` of a `SendWrRef`), and neither does a
+//! completion channel wait: counted with a global allocator that counts
+//! the calling thread's allocations during the calls.
 
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
+use std::os::fd::AsFd;
+use std::sync::mpsc;
+use std::time::Duration;
 
-use provider::wr::{InlineWr, SendOp, SendWrRef};
+use provider::cq::CompletionQueue;
+use provider::wr::{InlineWr, SendOp, SendWrRef, WcStatus};
 
 struct Counting;
 
@@ -141,4 +146,59 @@ fn posting_inline_allocates_nothing_in_steady_state() {
         a.wait(64);
     }
     assert_eq!(counted, 0, "allocations on the inline post path");
+}
+
+/// A completion channel wait (`CompletionQueue::wait_notified`, under the
+/// plugin's `ibv_get_cq_event`) that the peer's Send wakes allocates
+/// nothing in steady state: its QPs, poll set and sleepers stay on the
+/// stack. qperf's rc_lat makes one such wait per message.
+#[test]
+fn a_channel_wait_woken_by_a_send_allocates_nothing_in_steady_state() {
+    const ROUNDS: u64 = 200;
+    let (a, b) = common::pair();
+    for i in 0..2 * ROUNDS {
+        b.recv(100 + i, 4096, 64);
+    }
+    let (go, sends) = mpsc::channel::<u64>();
+    std::thread::scope(|s| {
+        let a = &a;
+        // The peer: one Send per round, once the waiter is (most likely)
+        // asleep on the socket.
+        s.spawn(move || {
+            for i in sends {
+                std::thread::sleep(Duration::from_micros(200));
+                let op = SendOp::Send {
+                    solicited: false,
+                    invalidate: None,
+                };
+                a.post(i, op, vec![a.mr.sge(0, 8)]);
+                a.wait(1);
+            }
+        });
+        let round = |i: u64| {
+            b.cq.req_notify(false);
+            go.send(i).unwrap();
+            let n = allocations(|| {
+                let woke = CompletionQueue::wait_notified(
+                    b.cq.as_fd(),
+                    std::slice::from_ref(&b.cq),
+                    Some(Duration::from_secs(10)),
+                    &|| false,
+                )
+                .expect("wait");
+                assert!(woke, "round {i}: no notification in 10 s");
+            });
+            b.cq.ack_events();
+            let c = common::wait_cq(&b.cq, 1);
+            assert_eq!((c[0].wr_id, c[0].status), (100 + i, WcStatus::Success));
+            n
+        };
+        // Warm up: queues and buffers reach their working size.
+        for i in 0..ROUNDS {
+            round(i);
+        }
+        let counted: usize = (ROUNDS..2 * ROUNDS).map(round).sum();
+        drop(go);
+        assert_eq!(counted, 0, "allocations in {ROUNDS} channel waits");
+    });
 }
