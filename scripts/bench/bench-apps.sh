@@ -15,7 +15,9 @@
 #     context switch there) and 25-30 µs on two (an idle vCPU is woken).
 #     Left to the scheduler, the floor lands on one core in some runs and
 #     on two in others, so the unpinned row can set one placement against
-#     the other; the pinned rows compare like with like.
+#     the other; the pinned rows compare like with like. rping too: its
+#     shape over plain TCP (rping_shape.c, below) is itself ~7x a blocking
+#     round trip on one core, where every wake-up is a context switch.
 #   qperf -cm1 rc_rdma_write_poll_lat                 ≤ 1.2 × ib_write_lat -R
 #   qperf rc_bw / rc_rdma_write_bw / rc_rdma_read_bw  ≥ 0.8 × stag bw send/write-imm/read (64 KiB)
 #     (qperf's rc_rdma_write_bw posts Writes with Immediate: each consumes a
@@ -230,18 +232,18 @@ core_copy() {
 rping_shape_iter() {
     local ev=()
     [[ $1 == -e ]] && ev=(-e) && shift
-    serve "$1" "$SHAPE" server "$1" "$RPING_COUNT" "${ev[@]}"
-    timeout "$LIMIT" "$SHAPE" client 127.0.0.1 "$1" "$RPING_COUNT" "${ev[@]}"
+    serve "$1" "${PIN_S[@]}" "$SHAPE" server "$1" "$RPING_COUNT" "${ev[@]}"
+    timeout "$LIMIT" "${PIN_C[@]}" "$SHAPE" client 127.0.0.1 "$1" "$RPING_COUNT" "${ev[@]}"
     wait "$server" 2>/dev/null
 }
 
 # rping_iter PORT: µs per iteration of rping -c -C RPING_COUNT (event mode:
 # rping waits on its completion channel), connection included.
 rping_iter() {
-    serve "$1" "$STAG" run -- rping -s -a 127.0.0.1 -p "$1" -C "$RPING_COUNT"
+    serve "$1" "${PIN_S[@]}" "$STAG" run -- rping -s -a 127.0.0.1 -p "$1" -C "$RPING_COUNT"
     local t0 t1
     t0=$(date +%s%N)
-    timeout "$LIMIT" "$STAG" run -- rping -c -a 127.0.0.1 -p "$1" -C "$RPING_COUNT" >/dev/null &&
+    timeout "$LIMIT" "${PIN_C[@]}" "$STAG" run -- rping -c -a 127.0.0.1 -p "$1" -C "$RPING_COUNT" >/dev/null &&
         t1=$(date +%s%N) &&
         python3 -c "print(($t1 - $t0) / 1e3 / $RPING_COUNT)"
     stop
@@ -288,6 +290,14 @@ for ((r = 1; r <= ROUNDS; r++)); do
     measure rping.iter rping_iter
     measure rping.shape rping_shape_iter
     measure rping.shape_events rping_shape_iter -e
+    measure floor.rtt_1core pinned 0 0 floor_lat rtt_avg_us
+    measure rping.iter_1core pinned 0 0 rping_iter
+    measure rping.shape_events_1core pinned 0 0 rping_shape_iter -e
+    if ((NCPU >= 2)); then
+        measure floor.rtt_2cores pinned 0 1 floor_lat rtt_avg_us
+        measure rping.iter_2cores pinned 0 1 rping_iter
+        measure rping.shape_events_2cores pinned 0 1 rping_shape_iter -e
+    fi
     echo "round $r done" >&2
 done
 load_end=$(cut -d' ' -f1-4 /proc/loadavg)
@@ -362,6 +372,12 @@ rows = [
     ("rping's shape over TCP, per iteration", "rping.shape", "floor.rtt", "TCP blocking round trip", "µs", "le", None),
     ("rping's shape over TCP, Send completions raised too", "rping.shape_events", "floor.rtt", "TCP blocking round trip", "µs", "le", None),
     ("rping -C against its shape over TCP (Send completions raised)", "rping.iter", "rping.shape_events", "rping_shape.c -e", "µs", "le", None),
+    ("rping -C per iteration (event), both processes on one core", "rping.iter_1core", "floor.rtt_1core", "TCP blocking round trip, one core", "µs", "le", 6.0),
+    ("rping's shape over TCP (Send completions raised), one core", "rping.shape_events_1core", "floor.rtt_1core", "TCP blocking round trip, one core", "µs", "le", None),
+    ("rping -C against its shape over TCP, one core", "rping.iter_1core", "rping.shape_events_1core", "rping_shape.c -e, one core", "µs", "le", None),
+    ("rping -C per iteration (event), server and client on two cores", "rping.iter_2cores", "floor.rtt_2cores", "TCP blocking round trip, two cores", "µs", "le", 6.0),
+    ("rping's shape over TCP (Send completions raised), two cores", "rping.shape_events_2cores", "floor.rtt_2cores", "TCP blocking round trip, two cores", "µs", "le", None),
+    ("rping -C against its shape over TCP, two cores", "rping.iter_2cores", "rping.shape_events_2cores", "rping_shape.c -e, two cores", "µs", "le", None),
 ]
 
 def fmt(x):
