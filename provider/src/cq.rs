@@ -82,7 +82,8 @@ pub(crate) trait CqQp: Send + Sync {
 /// message arriving in a few reads is still read by its waiter.
 const CEDE_AFTER_DRY_WAKES: u32 = 8;
 
-/// How many QPs a channel wait keeps on the stack; more spill to the heap.
+/// How many QPs a wait (a channel wait, or [`CompletionQueue::wait`]) keeps
+/// on the stack; more spill to the heap.
 const WAIT_INLINE: usize = 4;
 
 /// Notification arming (`ibv_req_notify_cq`).
@@ -404,7 +405,8 @@ impl CompletionQueue {
             if now >= deadline {
                 return 0;
             }
-            let qps: Vec<Arc<dyn CqQp>> = {
+            // On the stack for the usual few QPs, as in a channel wait.
+            let qps: SmallVec<[Arc<dyn CqQp>; WAIT_INLINE]> = {
                 let qps = self.qps.read().unwrap_or_else(|p| p.into_inner());
                 qps.iter().filter_map(Weak::upgrade).collect()
             };
@@ -432,9 +434,9 @@ impl CompletionQueue {
             if n > 0 {
                 return n;
             }
-            let mut fds = Vec::with_capacity(qps.len() + 1);
+            let mut fds: SmallVec<[PollFd; WAIT_INLINE + 1]> = SmallVec::new();
             fds.push(PollFd::new(self.wake.as_fd(), PollFlags::POLLIN));
-            let mut sleeping = Vec::with_capacity(qps.len());
+            let mut sleeping: SmallVec<[(&Arc<dyn CqQp>, bool); WAIT_INLINE]> = SmallVec::new();
             for qp in &qps {
                 if let Some((fd, write)) = qp.wait_fd(false) {
                     let mut ev = PollFlags::POLLIN;

@@ -11,8 +11,12 @@ use std::os::fd::AsFd;
 use std::sync::mpsc;
 use std::time::Duration;
 
+use common::Side;
 use provider::cq::CompletionQueue;
-use provider::wr::{InlineWr, SendOp, SendWrRef, WcStatus};
+use provider::device::Device;
+use provider::engine::Progress;
+use provider::setup::MpaParams;
+use provider::wr::{InlineWr, SendOp, SendWrRef, WcStatus, WorkCompletion};
 
 struct Counting;
 
@@ -148,22 +152,22 @@ fn posting_inline_allocates_nothing_in_steady_state() {
     assert_eq!(counted, 0, "allocations on the inline post path");
 }
 
-/// A completion channel wait (`CompletionQueue::wait_notified`, under the
-/// plugin's `ibv_get_cq_event`) that the peer's Send wakes allocates
-/// nothing in steady state: its QPs, poll set and sleepers stay on the
-/// stack. qperf's rc_lat makes one such wait per message.
-#[test]
-fn a_channel_wait_woken_by_a_send_allocates_nothing_in_steady_state() {
+/// Allocations a waiting thread makes in each of its steady-state waits:
+/// `wait(i)` sleeps until the Send `100 + i`, which the peer posts once
+/// the waiter is (most likely) asleep on the socket, has completed. 200
+/// waits warm up, the next 200 are counted. `a` and `b` are connected,
+/// in `mode`.
+fn allocations_per_wait(mode: Progress, wait: impl Fn(&Side, u64)) -> usize {
     const ROUNDS: u64 = 200;
-    let (a, b) = common::pair();
+    let a = Side::on(&Device::open_with("client", mode).unwrap(), None);
+    let b = Side::on(&Device::open_with("server", mode).unwrap(), None);
+    common::connect_with(&a, &b, MpaParams::default(), MpaParams::default());
     for i in 0..2 * ROUNDS {
         b.recv(100 + i, 4096, 64);
     }
     let (go, sends) = mpsc::channel::<u64>();
     std::thread::scope(|s| {
         let a = &a;
-        // The peer: one Send per round, once the waiter is (most likely)
-        // asleep on the socket.
         s.spawn(move || {
             for i in sends {
                 std::thread::sleep(Duration::from_micros(200));
@@ -176,29 +180,59 @@ fn a_channel_wait_woken_by_a_send_allocates_nothing_in_steady_state() {
             }
         });
         let round = |i: u64| {
-            b.cq.req_notify(false);
             go.send(i).unwrap();
-            let n = allocations(|| {
-                let woke = CompletionQueue::wait_notified(
-                    b.cq.as_fd(),
-                    std::slice::from_ref(&b.cq),
-                    Some(Duration::from_secs(10)),
-                    &|| false,
-                )
-                .expect("wait");
-                assert!(woke, "round {i}: no notification in 10 s");
-            });
-            b.cq.ack_events();
-            let c = common::wait_cq(&b.cq, 1);
-            assert_eq!((c[0].wr_id, c[0].status), (100 + i, WcStatus::Success));
-            n
+            allocations(|| wait(&b, i))
         };
-        // Warm up: queues and buffers reach their working size.
         for i in 0..ROUNDS {
             round(i);
         }
-        let counted: usize = (ROUNDS..2 * ROUNDS).map(round).sum();
+        let counted = (ROUNDS..2 * ROUNDS).map(round).sum();
         drop(go);
-        assert_eq!(counted, 0, "allocations in {ROUNDS} channel waits");
+        counted
+    })
+}
+
+/// A completion channel wait (`CompletionQueue::wait_notified`, under the
+/// plugin's `ibv_get_cq_event`) that the peer's Send wakes allocates
+/// nothing in steady state: its QPs, poll set and sleepers stay on the
+/// stack. qperf's rc_lat makes one such wait per message.
+#[test]
+fn a_channel_wait_woken_by_a_send_allocates_nothing_in_steady_state() {
+    let n = allocations_per_wait(Progress::default(), |b, i| {
+        b.cq.req_notify(false);
+        let woke = CompletionQueue::wait_notified(
+            b.cq.as_fd(),
+            std::slice::from_ref(&b.cq),
+            Some(Duration::from_secs(10)),
+            &|| false,
+        )
+        .expect("wait");
+        assert!(woke, "Send {i}: no notification in 10 s");
+        b.cq.ack_events();
+        let mut wc = [WorkCompletion::BLANK];
+        let got = b.cq.wait(&mut wc, Duration::from_secs(10));
+        assert_eq!(
+            (got, wc[0].wr_id, wc[0].status),
+            (1, 100 + i, WcStatus::Success)
+        );
     });
+    assert_eq!(n, 0, "allocations in 200 channel waits");
+}
+
+/// The same for `CompletionQueue::wait` (verbs' `cq.wait`), whose thread
+/// sleeps on the sockets itself on a blocking device and on the CQ's
+/// wake-up fd otherwise.
+#[test]
+fn a_cq_wait_woken_by_a_send_allocates_nothing_in_steady_state() {
+    for mode in [Progress::Blocking, Progress::default()] {
+        let n = allocations_per_wait(mode, |b, i| {
+            let mut wc = [WorkCompletion::BLANK];
+            let got = b.cq.wait(&mut wc, Duration::from_secs(10));
+            assert_eq!(
+                (got, wc[0].wr_id, wc[0].status),
+                (1, 100 + i, WcStatus::Success)
+            );
+        });
+        assert_eq!(n, 0, "{mode:?}: allocations in 200 CQ waits");
+    }
 }
