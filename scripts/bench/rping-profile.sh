@@ -14,8 +14,9 @@
 # poll/futex/epoll_wait, or preempted on the way out of a system call by a
 # thread it woke: perf record of sched_switch with kernel stacks). perf stat
 # --per-thread watches both processes; the iterations counted are the
-# server's sendmsg calls / 4 (it sends a Read Request, a Send, a Write and a
-# Send per iteration). On this 2-core machine
+# server's socket writes / 4 (it sends a Read Request, a Send, a Write and a
+# Send per iteration, each one `sendto`, or one `sendmsg` when gathered
+# from several buffers). On this 2-core machine
 # wall time swings with everyone else's load; CPU time and switches per
 # iteration are the steadier figures, and the per-thread table says which
 # thread pays them (rping's main thread, its CQ thread, stag's engine).
@@ -145,7 +146,7 @@ start_pair() {
 # threads STAG: per-thread switches and system calls per iteration, one run.
 threads() {
     local ev=context-switches sc
-    for sc in futex poll ppoll epoll_wait recvfrom sendmsg write read; do
+    for sc in futex poll ppoll epoll_wait recvfrom sendto sendmsg write read; do
         ev+=,syscalls:sys_enter_$sc
     done
     local s c sp cp
@@ -172,7 +173,7 @@ def load(f):
             pass
     return d
 srv, cli = load(sys.argv[1]), load(sys.argv[2])
-n = sum(e.get('sendmsg', 0) for e in srv.values()) / 4
+n = sum(e.get('sendto', 0) + e.get('sendmsg', 0) for e in srv.values()) / 4
 if n < 1:
     sys.exit("  (no iteration seen)")
 print(f"  {n:.0f} iterations seen")
@@ -190,7 +191,8 @@ PY
 why() {
     local s c sp cp
     start_pair "$1" || return
-    perf record -q -g -e sched:sched_switch -e syscalls:sys_enter_sendmsg -p "$sp,$cp" \
+    perf record -q -g -e sched:sched_switch -e syscalls:sys_enter_sendto \
+        -e syscalls:sys_enter_sendmsg -p "$sp,$cp" \
         -o "$OUT/why.data" >/dev/null 2>&1 &
     local pr=$!
     wait "$c"
@@ -211,8 +213,8 @@ for ev in open(sys.argv[2]).read().split('\n\n'):
     comm, pid_tid = head[0], head[1]
     pid, _, tid = pid_tid.partition('/')
     names[tid], side[tid] = comm, 'server' if pid == srv else 'client'
-    if 'sys_enter_sendmsg' in lines[0]:
-        count[(tid, 'sendmsg calls')] += 1
+    if 'sys_enter_sendmsg' in lines[0] or 'sys_enter_sendto' in lines[0]:
+        count[(tid, 'socket writes')] += 1
         continue
     frames = [l.split(None, 1)[-1] for l in lines[1:]]
     body = ' '.join(frames)
@@ -231,12 +233,12 @@ for ev in open(sys.argv[2]).read().split('\n\n'):
     else:
         why = 'other'
     count[(tid, why)] += 1
-n = sum(v for (t, k), v in count.items() if k == 'sendmsg calls' and side[t] == 'server') / 4
+n = sum(v for (t, k), v in count.items() if k == 'socket writes' and side[t] == 'server') / 4
 if n < 1:
     sys.exit('  (no iteration seen)')
 print(f'  {n:.0f} iterations seen')
 for (t, k), v in sorted(count.items(), key=lambda kv: (side[kv[0][0]], kv[0])):
-    if k != 'sendmsg calls' and v / n >= 0.02:
+    if k != 'socket writes' and v / n >= 0.02:
         print(f'  {side[t]} {names[t]}-{t:<8} {k:<36} {v / n:.2f}')
 PY
     rm -f "$OUT/why.txt"
