@@ -192,6 +192,17 @@ fn allocations_per_wait(mode: Progress, wait: impl Fn(&Side, u64)) -> usize {
     })
 }
 
+/// Take the completion of the peer's Send `100 + i` from `b`'s CQ through
+/// `CompletionQueue::wait`, and check it.
+fn take_send(b: &Side, i: u64) {
+    let mut wc = [WorkCompletion::BLANK];
+    let got = b.cq.wait(&mut wc, Duration::from_secs(10));
+    assert_eq!(
+        (got, wc[0].wr_id, wc[0].status),
+        (1, 100 + i, WcStatus::Success)
+    );
+}
+
 /// A completion channel wait (`CompletionQueue::wait_notified`, under the
 /// plugin's `ibv_get_cq_event`) that the peer's Send wakes allocates
 /// nothing in steady state: its QPs, poll set and sleepers stay on the
@@ -209,12 +220,7 @@ fn a_channel_wait_woken_by_a_send_allocates_nothing_in_steady_state() {
         .expect("wait");
         assert!(woke, "Send {i}: no notification in 10 s");
         b.cq.ack_events();
-        let mut wc = [WorkCompletion::BLANK];
-        let got = b.cq.wait(&mut wc, Duration::from_secs(10));
-        assert_eq!(
-            (got, wc[0].wr_id, wc[0].status),
-            (1, 100 + i, WcStatus::Success)
-        );
+        take_send(b, i);
     });
     assert_eq!(n, 0, "allocations in 200 channel waits");
 }
@@ -225,14 +231,7 @@ fn a_channel_wait_woken_by_a_send_allocates_nothing_in_steady_state() {
 #[test]
 fn a_cq_wait_woken_by_a_send_allocates_nothing_in_steady_state() {
     for mode in [Progress::Blocking, Progress::default()] {
-        let n = allocations_per_wait(mode, |b, i| {
-            let mut wc = [WorkCompletion::BLANK];
-            let got = b.cq.wait(&mut wc, Duration::from_secs(10));
-            assert_eq!(
-                (got, wc[0].wr_id, wc[0].status),
-                (1, 100 + i, WcStatus::Success)
-            );
-        });
+        let n = allocations_per_wait(mode, take_send);
         assert_eq!(n, 0, "{mode:?}: allocations in 200 CQ waits");
     }
 }
