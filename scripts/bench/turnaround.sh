@@ -48,6 +48,7 @@ command -v perf >/dev/null || {
     echo "turnaround: perf is missing (scripts/setup.sh installs linux-perf)" >&2
     exit 1
 }
+source scripts/lib/common.sh
 OUT=$(mktemp -d); [[ -n ${KEEP:-} ]] && echo "turnaround: $OUT" >&2
 [[ -n ${KEEP:-} ]] || trap 'rm -rf "$OUT"' EXIT
 ITERS=400000
@@ -96,7 +97,7 @@ turnaround() {
     local server=("${args[@]:0:i}") client=("${args[@]:i+1}")
     "${server[@]}" -p "$port" >/dev/null 2>&1 &
     local spid=$!
-    sleep 0.3
+    wait_port "$port" || echo "turnaround: $name: the server never listened" >&2
     "${client[@]}" -p "$port" --json 127.0.0.1 >"$OUT/client.json" 2>/dev/null &
     local cpid=$!
     sleep 1
