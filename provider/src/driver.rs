@@ -7,6 +7,7 @@
 //! in order whoever drives it: the device's [`Engine`], a posting thread
 //! (write only), or a thread polling or waiting on one of its CQs.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::io::{ErrorKind, IoSlice};
 use std::net::{Shutdown, TcpStream};
@@ -29,7 +30,9 @@ use crate::nosignal::send_vectored;
 use crate::qp::{Connection, CqSide, Env, Event, PostError, QpCaps, QpState, HOLD_LIMIT};
 use crate::setup::Negotiated;
 use crate::srq::Srq;
-use crate::wr::{InlineWr, ListWr, RecvWr, SendOp, SendWrRef, WcOpcode, WcStatus, WorkCompletion};
+use crate::wr::{
+    InlineWr, ListWr, RecvWr, SendOp, SendWrRef, Sge, WcOpcode, WcStatus, WorkCompletion,
+};
 
 /// Size of the socket read buffer.
 const READ_CHUNK: usize = 256 * 1024;
@@ -992,6 +995,16 @@ impl QpShared {
 
     /// `ibv_post_recv`; allowed before the connection exists.
     pub(crate) fn post_recv(&self, wr: RecvWr) -> Result<(), DeviceError> {
+        self.post_recv_of(wr.wr_id, Cow::Owned(wr.sg_list))
+    }
+
+    /// [`post_recv`](Self::post_recv) of a borrowed SGE list, which a
+    /// running connection copies into a recycled one (nothing allocated).
+    pub(crate) fn post_recv_ref(&self, wr_id: u64, sg_list: &[Sge]) -> Result<(), DeviceError> {
+        self.post_recv_of(wr_id, Cow::Borrowed(sg_list))
+    }
+
+    fn post_recv_of(&self, wr_id: u64, sg_list: Cow<'_, [Sge]>) -> Result<(), DeviceError> {
         if self.srq.is_some() {
             return Err(PostError::HasSrq.into());
         }
@@ -999,7 +1012,10 @@ impl QpShared {
         let errored_early = io.errored_early;
         match io.conn.as_mut() {
             Some(conn) => {
-                conn.post_recv(wr)?;
+                match sg_list {
+                    Cow::Owned(sg_list) => conn.post_recv(RecvWr { wr_id, sg_list }),
+                    Cow::Borrowed(sg_list) => conn.post_recv_ref(wr_id, sg_list),
+                }?;
                 if conn.rx_held() {
                     // A message waited for this Receive: take it and the
                     // input behind it, hand out what completed and read
@@ -1011,16 +1027,16 @@ impl QpShared {
                 }
             }
             None if errored_early => self.recv_cq.push(WorkCompletion {
-                wr_id: wr.wr_id,
+                wr_id,
                 status: WcStatus::WrFlushErr,
                 opcode: WcOpcode::Recv,
                 qp_num: self.qpn,
                 ..WorkCompletion::BLANK
             }),
             None => {
-                if wr.sg_list.len() > self.caps.max_recv_sge as usize {
+                if sg_list.len() > self.caps.max_recv_sge as usize {
                     return Err(
-                        PostError::TooManySges(wr.sg_list.len(), self.caps.max_recv_sge).into(),
+                        PostError::TooManySges(sg_list.len(), self.caps.max_recv_sge).into(),
                     );
                 }
                 if io.early_recv.len() >= self.caps.max_recv_wr as usize {
@@ -1029,7 +1045,10 @@ impl QpShared {
                     ))
                     .into());
                 }
-                io.early_recv.push_back(wr);
+                io.early_recv.push_back(RecvWr {
+                    wr_id,
+                    sg_list: sg_list.into_owned(),
+                });
             }
         }
         Ok(())

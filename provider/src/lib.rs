@@ -23,6 +23,7 @@ pub mod listener;
 pub mod mem;
 mod nosignal;
 pub mod qp;
+pub mod qpn_map;
 mod queue_pair;
 pub mod region;
 mod registry;

@@ -12,7 +12,7 @@ use crate::engine::Engine;
 use crate::error::DeviceError;
 use crate::qp::{Event, QpState};
 use crate::setup::Negotiated;
-use crate::wr::{InlineWr, ListWr, RecvWr, SendWr, SendWrRef};
+use crate::wr::{InlineWr, ListWr, RecvWr, SendWr, SendWrRef, Sge};
 
 /// An RC queue pair.
 #[derive(Debug)]
@@ -124,6 +124,13 @@ impl QueuePair {
     /// `ibv_post_recv`. Allowed before the connection exists.
     pub fn post_recv(&self, wr: RecvWr) -> Result<(), DeviceError> {
         self.shared.post_recv(wr)
+    }
+
+    /// `ibv_post_recv` of a borrowed SGE list: the QP copies it into a
+    /// list recycled from a completed receive, so that reposting the
+    /// receive a message took allocates nothing.
+    pub fn post_recv_ref(&self, wr_id: u64, sg_list: &[Sge]) -> Result<(), DeviceError> {
+        self.shared.post_recv_ref(wr_id, sg_list)
     }
 
     /// `ibv_destroy_qp`: close the stream now (nothing of this QP is

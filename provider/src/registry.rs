@@ -42,6 +42,7 @@ use crate::assist::{Assist, Outcome};
 use crate::cq::{CompletionQueue, CqQp, PollMark};
 use crate::driver::QpShared;
 use crate::mem::PdId;
+use crate::qpn_map::QpnMap;
 
 /// How long a QP's CQs go unpolled before the sweep drives it.
 pub(crate) const IDLE_FOR: Duration = Duration::from_millis(10);
@@ -68,7 +69,7 @@ struct Entry {
 #[derive(Debug, Default)]
 struct Qps {
     /// Every QP, by number.
-    by_qpn: HashMap<u32, Entry>,
+    by_qpn: QpnMap<Entry>,
     /// The numbers of each protection domain's QPs (dead ones until the
     /// next prune): a deregistration visits its domain's QPs alone, not
     /// every QP of the device (1024 deregistrations of 1024 QPs were a

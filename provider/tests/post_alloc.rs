@@ -1,7 +1,7 @@
 //! The post path allocates nothing in steady state when SGEs are posted by
-//! reference (`QueuePair::post_send` of a `SendWrRef`), and neither does a
-//! completion channel wait: counted with a global allocator that counts
-//! the calling thread's allocations during the calls.
+//! reference (`QueuePair::post_send` of a `SendWrRef`, `post_recv_ref`),
+//! and neither does a completion channel wait: counted with a global
+//! allocator that counts the calling thread's allocations during the calls.
 
 mod common;
 
@@ -109,6 +109,49 @@ fn posting_by_reference_allocates_nothing_in_steady_state() {
     });
     assert!(owned >= 1);
     a.wait(1);
+}
+
+/// A receive posted by reference (`QueuePair::post_recv_ref`) reuses the
+/// SGE list of a receive that completed: reposting what a Send took, as a
+/// ping-pong does between a message and its answer, allocates nothing.
+#[test]
+fn reposting_receives_by_reference_allocates_nothing_in_steady_state() {
+    let (a, b) = common::pair();
+    let sges = [b.mr.sge(0, 32), b.mr.sge(64, 32)];
+    let send = SendOp::Send {
+        solicited: false,
+        invalidate: None,
+    };
+    // One round: 16 receives posted, taken by 16 Sends, completed.
+    let round = |base: u64| {
+        let n = allocations(|| {
+            for i in 0..16 {
+                b.qp.post_recv_ref(base + i, &sges).expect("post_recv");
+            }
+        });
+        for i in 0..16 {
+            a.post(base + i, send, vec![a.mr.sge(0, 8)]);
+        }
+        a.wait(16);
+        let got = b.wait(16);
+        assert!(got.iter().all(|wc| wc.status == WcStatus::Success));
+        n
+    };
+    for r in 0..20 {
+        round(r * 16);
+    }
+    let counted: usize = (20..40).map(|r| round(r * 16)).sum();
+    assert_eq!(counted, 0, "allocations reposting receives");
+
+    // The counter works: the owned path's caller allocates its list.
+    let owned = allocations(|| {
+        b.qp.post_recv(provider::wr::RecvWr {
+            wr_id: 1,
+            sg_list: sges.to_vec(),
+        })
+        .expect("post_recv");
+    });
+    assert!(owned >= 1);
 }
 
 /// Inline posts (`PostGuard::push_inline`) copy their payload into the QP's

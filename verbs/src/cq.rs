@@ -1,6 +1,6 @@
 //! Completion queues and typed completions.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use tracing::warn;
+
+use provider::qpn_map::QpnMap;
 
 use crate::backend::{CqOps, RawCompletion};
 use crate::device::Context;
@@ -102,7 +104,7 @@ pub struct CompletionQueue {
 pub(crate) struct CqInner {
     ctx: Context,
     pub(crate) ops: Arc<dyn CqOps>,
-    sinks: Mutex<HashMap<u32, Weak<dyn CompletionSink>>>,
+    sinks: Mutex<QpnMap<Weak<dyn CompletionSink>>>,
     /// Completions given meaning but not yet handed out (a raw batch can
     /// hold more than the caller asked for).
     ready: Mutex<VecDeque<Completion>>,
@@ -163,7 +165,7 @@ impl CompletionQueue {
             inner: Arc::new(CqInner {
                 ctx: ctx.clone(),
                 ops,
-                sinks: Mutex::new(HashMap::new()),
+                sinks: Mutex::new(QpnMap::default()),
                 ready: Mutex::new(VecDeque::new()),
                 taking: Mutex::new(Scratch {
                     raw: Vec::with_capacity(BATCH),

@@ -381,6 +381,28 @@ fn send_with_invalidate_where_native() {
     assert_ne!(r.status, WcStatus::Success, "{r:?}");
 }
 
+/// A WR the device refuses (more SGEs than it takes) leaves nothing
+/// behind: no table entry, and no place in the send queue's order that
+/// would hold back the completions of the WRs after it.
+#[test]
+fn a_refused_post_leaves_no_entry_and_holds_back_nothing() {
+    let (c, s) = pair();
+    // A device may give a QP more SGEs than asked for (siw takes 6 on a QP
+    // that asked for 4); 64 is beyond siw's, rxe's and stag0's limits.
+    let many: Vec<_> = (0..64).map(|i| c.mr.slice(i * 8, 8).unwrap()).collect();
+    let before = c.qp.outstanding();
+    let op = SendOp::Write {
+        remote: s.mr.remote(0),
+    };
+    let refused = c.qp.post_send(WorkRequest::new(1, op, &many));
+    assert!(refused.is_err(), "64 SGEs: {refused:?}");
+    assert_eq!(c.qp.outstanding(), before, "the refused WR's entry is gone");
+    c.post(2, op, &[(0, 8)]);
+    let done = c.wait();
+    assert_eq!((done.wr_id, done.status), (2, WcStatus::Success));
+    assert_eq!(c.qp.outstanding(), before);
+}
+
 #[test]
 fn unsignaled_success_is_silent_but_errors_are_not() {
     let (c, s) = pair();

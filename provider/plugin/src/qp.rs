@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use provider::device::{PostGuard, QueuePair};
 use provider::qp::{QpCaps, QpState};
-use provider::wr::{InlineWr, RecvWr, Remote, SendOp, SendWrRef};
+use provider::wr::{InlineWr, Remote, SendOp, SendWrRef};
 
 use crate::async_events::AsyncSource;
 use crate::c_list::{post_chain, sge_list, SgeList};
@@ -808,12 +808,9 @@ pub(crate) unsafe extern "C" fn post_recv(
                 if sh.has_srq || sh.state() == IBV_QPS_RESET {
                     return Err(libc::EINVAL);
                 }
-                let sg_list = sge_list(w.sg_list, w.num_sge)?.into_vec();
+                let sg_list = sge_list(w.sg_list, w.num_sge)?;
                 sh.prov
-                    .post_recv(RecvWr {
-                        wr_id: w.wr_id,
-                        sg_list,
-                    })
+                    .post_recv_ref(w.wr_id, &sg_list)
                     .map_err(|e| errno::of_device(&e))
             })
         }

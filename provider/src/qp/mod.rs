@@ -314,6 +314,8 @@ pub struct Connection {
     /// SGE lists of completed send WRs, emptied, for
     /// [`Connection::post_send_ref`] to fill instead of allocating.
     sge_pool: Vec<Vec<Sge>>,
+    /// The same for receives, for [`Connection::post_recv_ref`].
+    recv_sge_pool: Vec<Vec<Sge>>,
     cursor: TxCursor,
     in_flight: VecDeque<InFlight>,
     /// Requests awaiting a response (ORD credits in use).
@@ -364,6 +366,9 @@ const MAX_HEADER_LEN: usize = 128;
 /// header that carries a payload.
 const MAX_SEGMENT: u32 = u16::MAX as u32 - MAX_HEADER_LEN as u32;
 
+/// Completed receives' SGE lists kept for reuse, at most.
+const RECV_POOL_MAX: usize = 64;
+
 const QN_SEND: usize = 0;
 const QN_REQUEST: usize = 1;
 const QN_TERMINATE: usize = 2;
@@ -413,6 +418,7 @@ impl Connection {
             sq: VecDeque::new(),
             inline: inline::InlineSlots::default(),
             sge_pool: Vec::new(),
+            recv_sge_pool: Vec::new(),
             cursor: TxCursor::default(),
             in_flight: VecDeque::new(),
             ord_used: 0,
@@ -637,6 +643,38 @@ impl Connection {
         {
             list.clear();
             self.sge_pool.push(list);
+        }
+    }
+
+    /// [`post_recv`](Self::post_recv) of a borrowed SGE list, copied into
+    /// a list recycled from a completed receive: with receives completing
+    /// as posted, a repost allocates nothing (a Send ping-pong reposts
+    /// one per message, between the message and its answer).
+    pub fn post_recv_ref(&mut self, wr_id: u64, sg_list: &[Sge]) -> Result<(), PostError> {
+        let mut list = self.recv_sge_pool.pop().unwrap_or_default();
+        list.extend_from_slice(sg_list);
+        self.post_recv(RecvWr {
+            wr_id,
+            sg_list: list,
+        })
+    }
+
+    /// Keep a completed receive's SGE list for
+    /// [`post_recv_ref`](Self::post_recv_ref) (as [`recycle_sges`](Self::recycle_sges)
+    /// does for sends), at most [`RECV_POOL_MAX`] of them: a receiver
+    /// reposts as it takes completions, so the pool holds the few taken
+    /// and not yet reposted, and a pool that had to grow to the receive
+    /// queue's depth would allocate (and hold memory) for nothing.
+    fn recycle_recv_sges(&mut self, mut list: Vec<Sge>) {
+        let max_sge = self.caps.max_recv_sge as usize;
+        // An SRQ's receives are posted to the SRQ, never here.
+        if !self.has_srq
+            && list.capacity() != 0
+            && list.capacity() <= max_sge.max(4)
+            && self.recv_sge_pool.len() < RECV_POOL_MAX.min(self.caps.max_recv_wr as usize)
+        {
+            list.clear();
+            self.recv_sge_pool.push(list);
         }
     }
 

@@ -568,6 +568,7 @@ impl Connection {
         let Some(wr) = self.receiving.take() else {
             return Err(Error::Catastrophic.into());
         };
+        self.recycle_recv_sges(wr.sg_list);
         let mut wc = self.wc(
             wr.wr_id,
             WcStatus::Success,
@@ -596,6 +597,7 @@ impl Connection {
         let Some(wr) = self.receiving.take() else {
             return Err(Error::Catastrophic.into());
         };
+        self.recycle_recv_sges(wr.sg_list);
         let mut wc = self.wc(wr.wr_id, WcStatus::Success, WcOpcode::RecvImm, 0);
         wc.imm = Some(u64::from_be_bytes(imm));
         wc.solicited = se;

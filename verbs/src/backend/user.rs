@@ -314,10 +314,7 @@ impl QpOps for UserQp {
     }
 
     fn post_recv(&self, wr: &RecvPost<'_>) -> Result<()> {
-        Ok(self.0.post_recv(RecvWr {
-            wr_id: wr.token(),
-            sg_list: wr.sges().to_vec(),
-        })?)
+        Ok(self.0.post_recv_ref(wr.token(), wr.sges())?)
     }
 
     fn set_error(&self) -> Result<()> {
