@@ -29,6 +29,13 @@
 #     JSON=FILE               also write the medians as JSON
 #     KEEP=1                  keep the last trace and every run's row (the
 #                             directory is printed)
+#     SYMBOLS=N               also sample the client's userspace (cpu-clock,
+#                             every 3 us of CPU: the VM has no cycle counter)
+#                             and print, per build and op, the N symbols that
+#                             take the most samples inside the turnaround,
+#                             and the samples per 1000 turnarounds (a relative
+#                             size: the sampling itself slows the client, so
+#                             take the turnarounds from a run without it)
 #
 # Not in the test gate (timings). Needs perf (linux-perf, scripts/setup.sh)
 # and root; uses ports 21000-21999, so run it in a network namespace of your
@@ -84,6 +91,40 @@ print(f"{name} {statistics.median(g) * 1e9:.0f} {len(g)} {r['t_typical_us']}")
 PY
 )
 
+# From the same trace with SYMBOLS: the client's userspace samples that
+# fall inside the ping-pong thread's turnarounds, by symbol, as one JSON
+# line "name, turnarounds, {symbol: samples}".
+SYMS=$(cat <<'PY'
+import collections, json, re, sys
+name = sys.argv[1]
+open_at = {}
+windows = collections.Counter()
+samples = collections.defaultdict(collections.Counter)
+pat = re.compile(r"^\s*(\d+)\s+[\d.]+:\s+(\S+):\s*(.*)$")
+for line in sys.stdin:
+    m = pat.match(line)
+    if not m:
+        continue
+    tid, event, rest = int(m[1]), m[2], m[3].strip()
+    if event == "syscalls:sys_exit_recvfrom":
+        # The return value, then the sample's ip and symbol.
+        ret = rest.split()[0]
+        ret = int(ret, 16) if ret.startswith("0x") else int(ret)
+        if 0 < ret < 1 << 62:
+            open_at[tid] = True
+            windows[tid] += 1
+    elif event == "syscalls:sys_enter_sendto":
+        open_at[tid] = False
+    elif event.startswith("cpu-clock") and open_at.get(tid):
+        sym = re.sub(r"^[0-9a-f]+\s+", "", rest)
+        sym = re.sub(r"\+0x[0-9a-f]+$", "", sym.split(" (")[0]) or "?"
+        samples[tid][sym] += 1
+if windows:
+    tid = max(windows, key=windows.get)
+    print(json.dumps([name, windows[tid], samples[tid]]))
+PY
+)
+
 # turnaround NAME SERVER_CMD... -- CLIENT_CMD...: run the pair, trace the
 # client for a second once it is past its warm-up, append "NAME ns count
 # one_way_us" to $OUT/rows.
@@ -101,11 +142,17 @@ turnaround() {
     "${client[@]}" -p "$port" --json 127.0.0.1 >"$OUT/client.json" 2>/dev/null &
     local cpid=$!
     sleep 1
-    perf record -q -e syscalls:sys_exit_recvfrom,syscalls:sys_enter_sendto \
+    local sample=()
+    [[ -n ${SYMBOLS:-} ]] && sample=(-e cpu-clock:u -c 3000)
+    perf record -q -e syscalls:sys_exit_recvfrom,syscalls:sys_enter_sendto "${sample[@]}" \
         -p "$cpid" -o "$OUT/trace.data" -- sleep 1 >/dev/null 2>&1
     wait "$cpid" "$spid"
     perf script --ns -F tid,time,event,trace -i "$OUT/trace.data" 2>/dev/null |
         python3 -c "$PAIRS" "$name" "$OUT/client.json" >>"$OUT/rows"
+    if [[ -n ${SYMBOLS:-} ]]; then
+        perf script --ns -F tid,time,event,trace,ip,sym -i "$OUT/trace.data" 2>/dev/null |
+            python3 -c "$SYMS" "$name" >>"$OUT/symbols"
+    fi
 }
 
 for ((round = 1; round <= ROUNDS; round++)); do
@@ -152,3 +199,22 @@ for name in ["floor"] + ops:
 if json_out:
     json.dump(out, open(json_out, "w"), indent=1)
 PY
+if [[ -n ${SYMBOLS:-} && -s $OUT/symbols ]]; then
+    python3 - "$OUT/symbols" "$SYMBOLS" <<'PY'
+import collections, json, sys
+windows = collections.Counter()
+samples = collections.defaultdict(collections.Counter)
+for line in open(sys.argv[1]):
+    name, n, syms = json.loads(line)
+    windows[name] += n
+    samples[name].update(syms)
+top = int(sys.argv[2])
+print()
+print("Userspace samples inside the turnaround (cpu-clock every 3 us of CPU, all rounds)")
+for name in windows:
+    total = sum(samples[name].values())
+    print(f"{name}: {1000 * total / windows[name]:.0f} samples per 1000 turnarounds")
+    for sym, n in samples[name].most_common(top):
+        print(f"  {100 * n / max(total, 1):5.1f}%  {sym[:100]}")
+PY
+fi
