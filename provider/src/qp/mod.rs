@@ -369,6 +369,17 @@ const MAX_SEGMENT: u32 = u16::MAX as u32 - MAX_HEADER_LEN as u32;
 /// Completed receives' SGE lists kept for reuse, at most.
 const RECV_POOL_MAX: usize = 64;
 
+/// Keep a finished WR's SGE list in `pool`, emptied, for a post by
+/// reference to fill: while the pool holds fewer than `limit`, and only a
+/// list of a usual size (some room allocated, and no more than for
+/// `max_sge` SGEs, or 4 if that is more).
+fn keep_sge_list(pool: &mut Vec<Vec<Sge>>, mut list: Vec<Sge>, max_sge: u32, limit: usize) {
+    if list.capacity() != 0 && list.capacity() <= (max_sge as usize).max(4) && pool.len() < limit {
+        list.clear();
+        pool.push(list);
+    }
+}
+
 const QN_SEND: usize = 0;
 const QN_REQUEST: usize = 1;
 const QN_TERMINATE: usize = 2;
@@ -635,15 +646,9 @@ impl Connection {
 
     /// Keep a finished WR's SGE list for [`post_send_ref`](Self::post_send_ref)
     /// (at most a send queue's worth, none of an unusual size).
-    fn recycle_sges(&mut self, mut list: Vec<Sge>) {
-        let max_sge = self.caps.max_send_sge as usize;
-        if list.capacity() != 0
-            && list.capacity() <= max_sge.max(4)
-            && self.sge_pool.len() < self.caps.max_send_wr as usize
-        {
-            list.clear();
-            self.sge_pool.push(list);
-        }
+    fn recycle_sges(&mut self, list: Vec<Sge>) {
+        let limit = self.caps.max_send_wr as usize;
+        keep_sge_list(&mut self.sge_pool, list, self.caps.max_send_sge, limit);
     }
 
     /// [`post_recv`](Self::post_recv) of a borrowed SGE list, copied into
@@ -665,16 +670,11 @@ impl Connection {
     /// reposts as it takes completions, so the pool holds the few taken
     /// and not yet reposted, and a pool that had to grow to the receive
     /// queue's depth would allocate (and hold memory) for nothing.
-    fn recycle_recv_sges(&mut self, mut list: Vec<Sge>) {
-        let max_sge = self.caps.max_recv_sge as usize;
+    fn recycle_recv_sges(&mut self, list: Vec<Sge>) {
         // An SRQ's receives are posted to the SRQ, never here.
-        if !self.has_srq
-            && list.capacity() != 0
-            && list.capacity() <= max_sge.max(4)
-            && self.recv_sge_pool.len() < RECV_POOL_MAX.min(self.caps.max_recv_wr as usize)
-        {
-            list.clear();
-            self.recv_sge_pool.push(list);
+        if !self.has_srq {
+            let limit = RECV_POOL_MAX.min(self.caps.max_recv_wr as usize);
+            keep_sge_list(&mut self.recv_sge_pool, list, self.caps.max_recv_sge, limit);
         }
     }
 

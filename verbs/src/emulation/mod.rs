@@ -526,13 +526,9 @@ impl QpCore {
         let (_, route) = self.route(wr)?;
         match self.prepare(wr, route)? {
             None => Ok(()),
-            Some(q) => match self.post_queued(&q) {
-                Ok(()) => Ok(()),
-                Err(e) => {
-                    self.rollback(q.ticket.token(), q.seq);
-                    Err(e)
-                }
-            },
+            Some(q) => self
+                .post_queued(&q)
+                .inspect_err(|_| self.rollback(q.ticket.token(), q.seq)),
         }
     }
 
