@@ -5,7 +5,16 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-use crate::wr::RecvWr;
+use crate::wr::{RecvWr, Sge};
+
+/// At most this many spare SGE lists wait in an SRQ for
+/// [`Srq::post_recv_ref`]: a poster reposts as completions come, so the
+/// spares are the few receives taken and not yet reposted.
+const SPARE_MAX: usize = 64;
+
+/// At most this many lists of completed receives wait in a QP for its
+/// next [`Srq::take`], which hands them to the SRQ (see [`Spent`]).
+const SPENT_MAX: usize = 8;
 
 /// Why a receive WR was not accepted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -21,7 +30,7 @@ pub enum PostRecvError {
 /// A shared receive queue.
 #[derive(Debug)]
 pub struct Srq {
-    queue: Mutex<VecDeque<RecvWr>>,
+    queue: Mutex<Posted>,
     max_wr: usize,
     max_sge: usize,
     /// The armed limit (`ibv_modify_srq` with `IBV_SRQ_LIMIT`), 0 when
@@ -29,6 +38,31 @@ pub struct Srq {
     /// and the limit disarms, as verbs specifies.
     limit: AtomicUsize,
     limit_hook: OnceLock<LimitHook>,
+}
+
+/// The posted receives, and spare SGE lists for posts by reference:
+/// under one lock, so that taking a receive also takes back the lists
+/// of receives that completed.
+#[derive(Debug)]
+struct Posted {
+    wrs: VecDeque<RecvWr>,
+    spare: Vec<Vec<Sge>>,
+}
+
+/// The SGE lists of a QP's completed SRQ receives, on their way back to
+/// the SRQ: kept by the QP (no lock of the SRQ per completion) and handed
+/// over at its next [`Srq::take`], which holds the lock anyway.
+#[derive(Debug, Default)]
+pub struct Spent(Vec<Vec<Sge>>);
+
+impl Spent {
+    /// Keep `list` (emptied) for the SRQ, unless enough wait already.
+    pub fn keep(&mut self, mut list: Vec<Sge>) {
+        if self.0.len() < SPENT_MAX && list.capacity() > 0 {
+            list.clear();
+            self.0.push(list);
+        }
+    }
 }
 
 /// What [`Srq::set_limit_hook`] installs.
@@ -44,7 +78,10 @@ impl Srq {
     /// A queue of at most `max_wr` WRs with at most `max_sge` SGEs each.
     pub fn new(max_wr: usize, max_sge: usize) -> Srq {
         Srq {
-            queue: Mutex::new(VecDeque::with_capacity(max_wr.min(4096))),
+            queue: Mutex::new(Posted {
+                wrs: VecDeque::with_capacity(max_wr.min(4096)),
+                spare: Vec::new(),
+            }),
             max_wr,
             max_sge,
             limit: AtomicUsize::new(0),
@@ -76,19 +113,47 @@ impl Srq {
         if wr.sg_list.len() > self.max_sge {
             return Err(PostRecvError::TooManySges(wr.sg_list.len(), self.max_sge));
         }
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        if q.len() >= self.max_wr {
+        let mut q = self.lock();
+        if q.wrs.len() >= self.max_wr {
             return Err(PostRecvError::Full(self.max_wr));
         }
-        q.push_back(wr);
+        q.wrs.push_back(wr);
         Ok(())
     }
 
-    /// Take the oldest posted WR for an arriving message.
-    pub fn take(&self) -> Option<RecvWr> {
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        let wr = q.pop_front();
-        let left = q.len();
+    /// `ibv_post_srq_recv` of a borrowed SGE list, copied into a list
+    /// that a completed receive gave back: with receives completing as
+    /// posted, a repost allocates nothing.
+    pub fn post_recv_ref(&self, wr_id: u64, sg_list: &[Sge]) -> Result<(), PostRecvError> {
+        if sg_list.len() > self.max_sge {
+            return Err(PostRecvError::TooManySges(sg_list.len(), self.max_sge));
+        }
+        let mut q = self.lock();
+        if q.wrs.len() >= self.max_wr {
+            return Err(PostRecvError::Full(self.max_wr));
+        }
+        let mut list = q.spare.pop().unwrap_or_default();
+        list.extend_from_slice(sg_list);
+        q.wrs.push_back(RecvWr {
+            wr_id,
+            sg_list: list,
+        });
+        Ok(())
+    }
+
+    /// Take the oldest posted WR for an arriving message, taking back the
+    /// lists of the taker's completed receives (`spent`) as spares.
+    pub fn take(&self, spent: &mut Spent) -> Option<RecvWr> {
+        let mut q = self.lock();
+        let wr = q.wrs.pop_front();
+        let left = q.wrs.len();
+        // Lists of an unusual size, or beyond the spares' bound, go.
+        let fits = self.max_sge.max(4);
+        for list in spent.0.drain(..) {
+            if q.spare.len() < SPARE_MAX && list.capacity() <= fits {
+                q.spare.push(list);
+            }
+        }
         drop(q);
         let limit = self.limit.load(Ordering::Acquire);
         if wr.is_some()
@@ -108,7 +173,11 @@ impl Srq {
 
     /// How many WRs are posted.
     pub fn len(&self) -> usize {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner()).len()
+        self.lock().wrs.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Posted> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Whether no WR is posted.
@@ -143,20 +212,21 @@ mod tests {
         }
         srq.arm_limit(4);
         // 8 -> 4 left: not below the limit yet.
+        let mut spent = Spent::default();
         for _ in 0..4 {
-            srq.take().unwrap();
+            srq.take(&mut spent).unwrap();
         }
         assert_eq!(fired.load(Ordering::Relaxed), 0);
         assert_eq!(srq.limit(), 4);
         // 3 left: fires, and disarms.
-        srq.take().unwrap();
+        srq.take(&mut spent).unwrap();
         assert_eq!(fired.load(Ordering::Relaxed), 1);
         assert_eq!(srq.limit(), 0);
-        srq.take().unwrap();
+        srq.take(&mut spent).unwrap();
         assert_eq!(fired.load(Ordering::Relaxed), 1);
         // Armed again above what is left: fires at the next take.
         srq.arm_limit(8);
-        srq.take().unwrap();
+        srq.take(&mut spent).unwrap();
         assert_eq!(fired.load(Ordering::Relaxed), 2);
     }
 }

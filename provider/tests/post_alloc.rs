@@ -154,6 +154,64 @@ fn reposting_receives_by_reference_allocates_nothing_in_steady_state() {
     assert!(owned >= 1);
 }
 
+/// Receives posted to an SRQ by reference (`Srq::post_recv_ref`) reuse the
+/// SGE lists of receives that completed on any of its QPs, which hand
+/// them back at their next take: an SRQ reposted as its receives are
+/// used allocates nothing.
+#[test]
+fn reposting_srq_receives_by_reference_allocates_nothing_in_steady_state() {
+    let dev = provider::device::Device::open("srq-alloc").unwrap();
+    let pd = dev.alloc_pd();
+    let srq = std::sync::Arc::new(provider::srq::Srq::new(64, 2));
+    let servers: Vec<Side> = (0..2).map(|_| Side::in_pd(&pd, Some(&srq))).collect();
+    let clients: Vec<Side> = (0..2).map(|_| Side::new(None)).collect();
+    for (c, s) in clients.iter().zip(&servers) {
+        common::connect_with(c, s, MpaParams::default(), MpaParams::default());
+    }
+    let sges = [servers[0].mr.sge(0, 32), servers[0].mr.sge(64, 32)];
+    let send = SendOp::Send {
+        solicited: false,
+        invalidate: None,
+    };
+    // One round: 16 receives posted, taken by 8 Sends from each client
+    // (one per QP of the SRQ), completed.
+    let round = |base: u64| {
+        let n = allocations(|| {
+            for i in 0..16 {
+                srq.post_recv_ref(base + i, &sges).expect("post_srq_recv");
+            }
+        });
+        for i in 0..8 {
+            for c in &clients {
+                c.post(base + i, send, vec![c.mr.sge(0, 8)]);
+            }
+        }
+        let mut got = Vec::new();
+        for (c, s) in clients.iter().zip(&servers) {
+            c.wait(8);
+            got.extend(s.wait(8));
+        }
+        assert!(got.iter().all(|wc| wc.status == WcStatus::Success));
+        assert!(srq.is_empty());
+        n
+    };
+    for r in 0..20 {
+        round(r * 16);
+    }
+    let counted: usize = (20..40).map(|r| round(r * 16)).sum();
+    assert_eq!(counted, 0, "allocations reposting SRQ receives");
+
+    // The counter works: the owned path's caller allocates its list.
+    let owned = allocations(|| {
+        srq.post_recv(provider::wr::RecvWr {
+            wr_id: 1,
+            sg_list: sges.to_vec(),
+        })
+        .expect("post_srq_recv");
+    });
+    assert!(owned >= 1);
+}
+
 /// Inline posts (`PostGuard::push_inline`) copy their payload into the QP's
 /// inline slots, made at the first inline post: none after that.
 #[test]

@@ -5,7 +5,6 @@ use std::ptr;
 use std::sync::Arc;
 
 use provider::srq::Srq;
-use provider::wr::RecvWr;
 
 use crate::async_events::AsyncSource;
 use crate::c_list::{post_chain, sge_list};
@@ -201,16 +200,11 @@ pub(crate) unsafe extern "C" fn post_srq_recv(
         // SAFETY: the caller's chain, its SGE arrays and out pointer.
         unsafe {
             post_chain(wr, bad, |w| {
-                let sg_list = sge_list(w.sg_list, w.num_sge)?.into_vec();
-                inner
-                    .post_recv(RecvWr {
-                        wr_id: w.wr_id,
-                        sg_list,
-                    })
-                    .map_err(|e| match e {
-                        provider::srq::PostRecvError::Full(_) => libc::ENOMEM,
-                        _ => libc::EINVAL,
-                    })
+                let sg_list = sge_list(w.sg_list, w.num_sge)?;
+                inner.post_recv_ref(w.wr_id, &sg_list).map_err(|e| match e {
+                    provider::srq::PostRecvError::Full(_) => libc::ENOMEM,
+                    _ => libc::EINVAL,
+                })
             })
         }
     })

@@ -38,7 +38,7 @@ use std::collections::VecDeque;
 
 use crate::mem::{MrTable, PdId};
 use crate::setup::{Negotiated, Rtr};
-use crate::srq::{PostRecvError, Srq};
+use crate::srq::{PostRecvError, Spent, Srq};
 use crate::wire::ddp::{Segments, UntaggedReassembly};
 use crate::wire::stream::{Deframer, DeframerConfig, Framer, FramerConfig};
 use crate::wire::TerminateCause;
@@ -316,6 +316,8 @@ pub struct Connection {
     sge_pool: Vec<Vec<Sge>>,
     /// The same for receives, for [`Connection::post_recv_ref`].
     recv_sge_pool: Vec<Vec<Sge>>,
+    /// The lists of completed SRQ receives, for the SRQ's next take.
+    srq_spent: Spent,
     cursor: TxCursor,
     in_flight: VecDeque<InFlight>,
     /// Requests awaiting a response (ORD credits in use).
@@ -430,6 +432,7 @@ impl Connection {
             inline: inline::InlineSlots::default(),
             sge_pool: Vec::new(),
             recv_sge_pool: Vec::new(),
+            srq_spent: Spent::default(),
             cursor: TxCursor::default(),
             in_flight: VecDeque::new(),
             ord_used: 0,
@@ -671,8 +674,11 @@ impl Connection {
     /// and not yet reposted, and a pool that had to grow to the receive
     /// queue's depth would allocate (and hold memory) for nothing.
     fn recycle_recv_sges(&mut self, list: Vec<Sge>) {
-        // An SRQ's receives are posted to the SRQ, never here.
-        if !self.has_srq {
+        // An SRQ's receives are posted to the SRQ, never here: its lists
+        // go back to it.
+        if self.has_srq {
+            self.srq_spent.keep(list);
+        } else {
             let limit = RECV_POOL_MAX.min(self.caps.max_recv_wr as usize);
             keep_sge_list(&mut self.recv_sge_pool, list, self.caps.max_recv_sge, limit);
         }

@@ -615,11 +615,11 @@ impl Connection {
         len: u32,
         last: bool,
     ) -> Result<crate::wire::ddp::Placement, Error> {
-        let rq = &mut self.rq;
+        let (rq, spent) = (&mut self.rq, &mut self.srq_spent);
         let mut taken: Option<RecvWr> = None;
         let placement = self.rx_send.accept(msn, mo, len, last, || {
             let wr = match env.srq {
-                Some(srq) => srq.take(),
+                Some(srq) => srq.take(spent),
                 None => rq.pop_front(),
             }?;
             let capacity: u64 = wr.sg_list.iter().map(|s| s.length as u64).sum();

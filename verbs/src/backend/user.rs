@@ -11,7 +11,7 @@ use provider::mem::Access;
 use provider::qp::PostError;
 use provider::region::Region;
 use provider::setup::MpaParams;
-use provider::wr::{InlineWr, ListWr, RecvWr, SendWrRef, WorkCompletion};
+use provider::wr::{InlineWr, ListWr, SendWrRef, WorkCompletion};
 
 use super::{
     Backend, Connecting, ContextOps, ContextOptions, CqOps, DeviceInfo, IncomingOps, ListenerOps,
@@ -357,10 +357,7 @@ impl SrqOps for UserSrq {
 
     fn post_recv(&self, wr: &RecvPost<'_>) -> Result<()> {
         self.0
-            .post_recv(RecvWr {
-                wr_id: wr.token(),
-                sg_list: wr.sges().to_vec(),
-            })
+            .post_recv_ref(wr.token(), wr.sges())
             .map_err(|e| Error::Provider(DeviceError::Post(e.into())))
     }
 
