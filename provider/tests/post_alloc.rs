@@ -61,6 +61,28 @@ fn allocations(f: impl FnOnce()) -> usize {
     ALLOCS.with(Cell::get) - before
 }
 
+/// A Send with no solicited event or invalidation.
+const SEND: SendOp = SendOp::Send {
+    solicited: false,
+    invalidate: None,
+};
+
+/// Allocations of `post` in steady state: 20 rounds of `post(base)`
+/// (counted) then `exchange(base)` (not counted) warm queues, pools and
+/// buffers up to their working size, and the next 20 rounds are counted.
+/// `base` is the round's first WR id, 16 apart.
+fn steady_state_allocations(mut post: impl FnMut(u64), mut exchange: impl FnMut(u64)) -> usize {
+    let mut round = |r: u64| {
+        let n = allocations(|| post(r * 16));
+        exchange(r * 16);
+        n
+    };
+    for r in 0..20 {
+        round(r);
+    }
+    (20..40).map(round).sum()
+}
+
 #[test]
 fn posting_by_reference_allocates_nothing_in_steady_state() {
     let (a, b) = common::pair();
@@ -118,29 +140,22 @@ fn posting_by_reference_allocates_nothing_in_steady_state() {
 fn reposting_receives_by_reference_allocates_nothing_in_steady_state() {
     let (a, b) = common::pair();
     let sges = [b.mr.sge(0, 32), b.mr.sge(64, 32)];
-    let send = SendOp::Send {
-        solicited: false,
-        invalidate: None,
-    };
-    // One round: 16 receives posted, taken by 16 Sends, completed.
-    let round = |base: u64| {
-        let n = allocations(|| {
+    // Each round: 16 receives posted, taken by 16 Sends, completed.
+    let counted = steady_state_allocations(
+        |base| {
             for i in 0..16 {
                 b.qp.post_recv_ref(base + i, &sges).expect("post_recv");
             }
-        });
-        for i in 0..16 {
-            a.post(base + i, send, vec![a.mr.sge(0, 8)]);
-        }
-        a.wait(16);
-        let got = b.wait(16);
-        assert!(got.iter().all(|wc| wc.status == WcStatus::Success));
-        n
-    };
-    for r in 0..20 {
-        round(r * 16);
-    }
-    let counted: usize = (20..40).map(|r| round(r * 16)).sum();
+        },
+        |base| {
+            for i in 0..16 {
+                a.post(base + i, SEND, vec![a.mr.sge(0, 8)]);
+            }
+            a.wait(16);
+            let got = b.wait(16);
+            assert!(got.iter().all(|wc| wc.status == WcStatus::Success));
+        },
+    );
     assert_eq!(counted, 0, "allocations reposting receives");
 
     // The counter works: the owned path's caller allocates its list.
@@ -169,36 +184,29 @@ fn reposting_srq_receives_by_reference_allocates_nothing_in_steady_state() {
         common::connect_with(c, s, MpaParams::default(), MpaParams::default());
     }
     let sges = [servers[0].mr.sge(0, 32), servers[0].mr.sge(64, 32)];
-    let send = SendOp::Send {
-        solicited: false,
-        invalidate: None,
-    };
-    // One round: 16 receives posted, taken by 8 Sends from each client
+    // Each round: 16 receives posted, taken by 8 Sends from each client
     // (one per QP of the SRQ), completed.
-    let round = |base: u64| {
-        let n = allocations(|| {
+    let counted = steady_state_allocations(
+        |base| {
             for i in 0..16 {
                 srq.post_recv_ref(base + i, &sges).expect("post_srq_recv");
             }
-        });
-        for i in 0..8 {
-            for c in &clients {
-                c.post(base + i, send, vec![c.mr.sge(0, 8)]);
+        },
+        |base| {
+            for i in 0..8 {
+                for c in &clients {
+                    c.post(base + i, SEND, vec![c.mr.sge(0, 8)]);
+                }
             }
-        }
-        let mut got = Vec::new();
-        for (c, s) in clients.iter().zip(&servers) {
-            c.wait(8);
-            got.extend(s.wait(8));
-        }
-        assert!(got.iter().all(|wc| wc.status == WcStatus::Success));
-        assert!(srq.is_empty());
-        n
-    };
-    for r in 0..20 {
-        round(r * 16);
-    }
-    let counted: usize = (20..40).map(|r| round(r * 16)).sum();
+            let mut got = Vec::new();
+            for (c, s) in clients.iter().zip(&servers) {
+                c.wait(8);
+                got.extend(s.wait(8));
+            }
+            assert!(got.iter().all(|wc| wc.status == WcStatus::Success));
+            assert!(srq.is_empty());
+        },
+    );
     assert_eq!(counted, 0, "allocations reposting SRQ receives");
 
     // The counter works: the owned path's caller allocates its list.
