@@ -26,8 +26,6 @@
 #   fio rdma write / read (64 KiB, iodepth 16)        ≥ 0.8 × stag bw write/read (64 KiB)
 #   qperf rc_bi_bw, fio rdma send (64 KiB, iodepth 16) against stag bw send (no target: their
 #     senders outrun the Receives, which wait for them on stag0)
-#   fio rdma write with the server's engine in blocking mode, against stag bw write (no
-#     target: a diagnostic, see fio_rdma_blocking_server), and the copy rate after each
 #   qperf rc_fetch_add_mr / rc_compare_swap_mr, polling (-cp 1)
 #                                                     ≥ 0.8 × stag bw fetch-add/cmp-swap msg rate
 #   the same in event mode (qperf's default)          ≥ 0.8 × one blocking TCP round trip per op
@@ -213,8 +211,7 @@ perftest_lat() {
 # (the server counts it for --verb=send): 8 GiB, 2-6 s after the ramp (a
 # 2 GiB job's 0.3-1.3 s caught one phase of the copy rate, core_copy).
 fio_rdma() {
-    serve "$2" env ${FIO_SERVER_PROGRESS:+STAG_PROGRESS=$FIO_SERVER_PROGRESS} \
-        "$STAG" run -- fio --name=srv --ioengine=rdma --port="$2" --rw=read \
+    serve "$2" "$STAG" run -- fio --name=srv --ioengine=rdma --port="$2" --rw=read \
         --bs=64k --size="${FIO_SIZE:-8g}"
     timeout "$LIMIT" "$STAG" run -- fio --name=cli --ioengine=rdma --hostname=127.0.0.1 \
         --port="$2" --verb="$1" --rw=write --bs=64k --iodepth=16 --size="${FIO_SIZE:-8g}" \
@@ -223,19 +220,14 @@ fio_rdma() {
     stop
 }
 
-# fio_rdma_blocking_server VERB PORT: fio_rdma with the server's engine
-# in blocking mode (no target; a diagnostic beside the fio write row).
-# The fio write server is all engine (its job sleeps on a completion
-# channel): with the adaptive engine polling there, some runs fall into
-# the VM's slow copy phase and the probe after them still reads it
-# (2026-11-28: 11 of 28 such runs, against none of 20 with this server).
-fio_rdma_blocking_server() {
-    FIO_SERVER_PROGRESS=blocking fio_rdma "$@"
-}
-
 # core_copy PORT: the machine's cross-core copy rate (MB/s) for a second
 # (scripts/bench/core_copy.c), beside the bandwidth rows: no target, it
-# says which of its two levels a round's figures were taken in.
+# says which of its two levels a round's figures were taken in. Taken
+# after stag bw write and fio write too: a phase can begin during a run
+# (2026-11-28, 5 rounds: every figure under 2000 MB/s of fio write, stag
+# bw write and qperf rc_rdma_write_bw came in a round whose probe before
+# or after read the slow level, whatever the progress mode of fio's
+# server).
 core_copy() {
     timeout "$LIMIT" "$COPY_PROBE" 1
 }
@@ -294,8 +286,6 @@ for ((r = 1; r <= ROUNDS; r++)); do
     measure probe.copy_fio_write core_copy
     measure fio.write fio_rdma write
     measure probe.copy_after_fio_write core_copy
-    measure fio.write_blocking_server fio_rdma_blocking_server write
-    measure probe.copy_after_fio_write_blocking_server core_copy
     measure fio.read fio_rdma read
     measure fio.send fio_rdma send
     measure stag.fetch-add stag_bw fetch-add 8 1 msg_rate_mpps
@@ -380,8 +370,6 @@ rows = [
     ("qperf rc_rdma_write_bw 64K (event) against plain Writes", "qperf.rc_rdma_write_bw", "stag.write", "stag bw write 64K", "MB/s", "ge", None),
     ("qperf rc_bi_bw 64K (event)", "qperf.rc_bi_bw", "stag.send", "stag bw send 64K", "MB/s", "ge", None),
     ("fio rdma send 64K qd16", "fio.send", "stag.send", "stag bw send 64K", "MB/s", "ge", None),
-    ("fio rdma write 64K qd16, server's engine blocking", "fio.write_blocking_server",
-     "stag.write", "stag bw write 64K", "MB/s", "ge", None),
     ("qperf rc_fetch_add_mr (polling, -cp 1)", "qperf.rc_fetch_add_mr_poll", "stag.fetch-add", "stag bw fetch-add -s 8 -t 1", "msg/s", "ge", 0.8),
     ("qperf rc_compare_swap_mr (polling, -cp 1)", "qperf.rc_compare_swap_mr_poll", "stag.cmp-swap", "stag bw cmp-swap -s 8 -t 1", "msg/s", "ge", 0.8),
     ("qperf rc_fetch_add_mr (event)", "qperf.rc_fetch_add_mr", "floor.rtt_rate", "1 / TCP blocking round trip", "msg/s", "ge", 0.8),
@@ -437,9 +425,7 @@ md.append(f"Medians of {rounds} alternating rounds, each program as two processe
 probes = [("before stag bw write", "probe.copy_stag_write"),
           ("after it", "probe.copy_after_stag_write"),
           ("before fio rdma write", "probe.copy_fio_write"),
-          ("after it", "probe.copy_after_fio_write"),
-          ("after fio rdma write with the server's engine blocking",
-           "probe.copy_after_fio_write_blocking_server")]
+          ("after it", "probe.copy_after_fio_write")]
 if any(k in by_round for _, k in probes):
     md.append("")
     md.append("Cross-core copy rate (scripts/bench/core_copy.c, MB/s) per round, "
