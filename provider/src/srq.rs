@@ -56,10 +56,10 @@ struct Posted {
 pub struct Spent(Vec<Vec<Sge>>);
 
 impl Spent {
-    /// Keep `list` (emptied) for the SRQ, unless enough wait already.
-    pub fn keep(&mut self, mut list: Vec<Sge>) {
-        if self.0.len() < SPENT_MAX && list.capacity() > 0 {
-            list.clear();
+    /// Keep `list` for the SRQ, unless enough wait already (the SRQ
+    /// decides at its take which it keeps).
+    pub fn keep(&mut self, list: Vec<Sge>) {
+        if self.0.len() < SPENT_MAX {
             self.0.push(list);
         }
     }
@@ -110,14 +110,7 @@ impl Srq {
 
     /// `ibv_post_srq_recv`.
     pub fn post_recv(&self, wr: RecvWr) -> Result<(), PostRecvError> {
-        if wr.sg_list.len() > self.max_sge {
-            return Err(PostRecvError::TooManySges(wr.sg_list.len(), self.max_sge));
-        }
-        let mut q = self.lock();
-        if q.wrs.len() >= self.max_wr {
-            return Err(PostRecvError::Full(self.max_wr));
-        }
-        q.wrs.push_back(wr);
+        self.admit(wr.sg_list.len())?.wrs.push_back(wr);
         Ok(())
     }
 
@@ -125,13 +118,7 @@ impl Srq {
     /// that a completed receive gave back: with receives completing as
     /// posted, a repost allocates nothing.
     pub fn post_recv_ref(&self, wr_id: u64, sg_list: &[Sge]) -> Result<(), PostRecvError> {
-        if sg_list.len() > self.max_sge {
-            return Err(PostRecvError::TooManySges(sg_list.len(), self.max_sge));
-        }
-        let mut q = self.lock();
-        if q.wrs.len() >= self.max_wr {
-            return Err(PostRecvError::Full(self.max_wr));
-        }
+        let mut q = self.admit(sg_list.len())?;
         let mut list = q.spare.pop().unwrap_or_default();
         list.extend_from_slice(sg_list);
         q.wrs.push_back(RecvWr {
@@ -147,12 +134,11 @@ impl Srq {
         let mut q = self.lock();
         let wr = q.wrs.pop_front();
         let left = q.wrs.len();
-        // Lists of an unusual size, or beyond the spares' bound, go.
-        let fits = self.max_sge.max(4);
+        // As a QP keeps its own: lists of an unusual size, or beyond the
+        // spares' bound, go.
+        let max_sge = u32::try_from(self.max_sge).unwrap_or(u32::MAX);
         for list in spent.0.drain(..) {
-            if q.spare.len() < SPARE_MAX && list.capacity() <= fits {
-                q.spare.push(list);
-            }
+            crate::qp::keep_sge_list(&mut q.spare, list, max_sge, SPARE_MAX);
         }
         drop(q);
         let limit = self.limit.load(Ordering::Acquire);
@@ -174,6 +160,18 @@ impl Srq {
     /// How many WRs are posted.
     pub fn len(&self) -> usize {
         self.lock().wrs.len()
+    }
+
+    /// The queue, locked, if it takes one more WR of `sges` SGEs.
+    fn admit(&self, sges: usize) -> Result<std::sync::MutexGuard<'_, Posted>, PostRecvError> {
+        if sges > self.max_sge {
+            return Err(PostRecvError::TooManySges(sges, self.max_sge));
+        }
+        let q = self.lock();
+        if q.wrs.len() >= self.max_wr {
+            return Err(PostRecvError::Full(self.max_wr));
+        }
+        Ok(q)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Posted> {

@@ -375,7 +375,12 @@ const RECV_POOL_MAX: usize = 64;
 /// reference to fill: while the pool holds fewer than `limit`, and only a
 /// list of a usual size (some room allocated, and no more than for
 /// `max_sge` SGEs, or 4 if that is more).
-fn keep_sge_list(pool: &mut Vec<Vec<Sge>>, mut list: Vec<Sge>, max_sge: u32, limit: usize) {
+pub(crate) fn keep_sge_list(
+    pool: &mut Vec<Vec<Sge>>,
+    mut list: Vec<Sge>,
+    max_sge: u32,
+    limit: usize,
+) {
     if list.capacity() != 0 && list.capacity() <= (max_sge as usize).max(4) && pool.len() < limit {
         list.clear();
         pool.push(list);
