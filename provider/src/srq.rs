@@ -138,7 +138,7 @@ impl Srq {
         // spares' bound, go.
         let max_sge = u32::try_from(self.max_sge).unwrap_or(u32::MAX);
         for list in spent.0.drain(..) {
-            crate::qp::keep_sge_list(&mut q.spare, list, max_sge, SPARE_MAX);
+            crate::wr::keep_sge_list(&mut q.spare, list, max_sge, SPARE_MAX);
         }
         drop(q);
         let limit = self.limit.load(Ordering::Acquire);

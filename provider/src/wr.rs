@@ -14,6 +14,22 @@ pub struct Sge {
     pub lkey: u32,
 }
 
+/// Keep a finished WR's SGE list in `pool`, emptied, for a post by
+/// reference to fill: while the pool holds fewer than `limit`, and only a
+/// list of a usual size (some room allocated, and no more than for
+/// `max_sge` SGEs, or 4 if that is more).
+pub(crate) fn keep_sge_list(
+    pool: &mut Vec<Vec<Sge>>,
+    mut list: Vec<Sge>,
+    max_sge: u32,
+    limit: usize,
+) {
+    if list.capacity() != 0 && list.capacity() <= (max_sge as usize).max(4) && pool.len() < limit {
+        list.clear();
+        pool.push(list);
+    }
+}
+
 /// A remote buffer: address and rkey.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Remote {

@@ -43,7 +43,8 @@ use crate::wire::ddp::{Segments, UntaggedReassembly};
 use crate::wire::stream::{Deframer, DeframerConfig, Framer, FramerConfig};
 use crate::wire::TerminateCause;
 use crate::wr::{
-    InlineWr, RecvWr, SendOp, SendWr, SendWrRef, Sge, WcOpcode, WcStatus, WorkCompletion,
+    keep_sge_list, InlineWr, RecvWr, SendOp, SendWr, SendWrRef, Sge, WcOpcode, WcStatus,
+    WorkCompletion,
 };
 
 pub use inline::MAX_INLINE;
@@ -370,22 +371,6 @@ const MAX_SEGMENT: u32 = u16::MAX as u32 - MAX_HEADER_LEN as u32;
 
 /// Completed receives' SGE lists kept for reuse, at most.
 const RECV_POOL_MAX: usize = 64;
-
-/// Keep a finished WR's SGE list in `pool`, emptied, for a post by
-/// reference to fill: while the pool holds fewer than `limit`, and only a
-/// list of a usual size (some room allocated, and no more than for
-/// `max_sge` SGEs, or 4 if that is more).
-pub(crate) fn keep_sge_list(
-    pool: &mut Vec<Vec<Sge>>,
-    mut list: Vec<Sge>,
-    max_sge: u32,
-    limit: usize,
-) {
-    if list.capacity() != 0 && list.capacity() <= (max_sge as usize).max(4) && pool.len() < limit {
-        list.clear();
-        pool.push(list);
-    }
-}
 
 const QN_SEND: usize = 0;
 const QN_REQUEST: usize = 1;
