@@ -135,6 +135,18 @@ fn progress_mode_in_the_report() {
     assert_eq!(v["results"][0]["iterations"], 50);
 }
 
+/// A ping-pong reposts each receive after its answer: many more messages
+/// than the receive queue holds (128) must each find a receive, for every
+/// operation that takes one.
+#[test]
+fn ping_pong_reposts_outlast_the_receive_queue() {
+    for op in ["send", "imm", "write-imm"] {
+        let v = stag(&["lat", op, "--loopback", "-n", "1000", "--json"]);
+        assert_eq!(v["op"], op);
+        assert_eq!(v["results"][0]["iterations"], 1000, "{op}");
+    }
+}
+
 #[test]
 fn bad_arguments_fail_cleanly() {
     let out = Command::new(env!("CARGO_BIN_EXE_stag"))

@@ -384,6 +384,10 @@ fn measure(ep: &mut Endpoint, plan: &Plan) -> Result<Vec<Measured>> {
         Shape::RoundTrip => 1.0,
     };
     let warmup = plan.warmup();
+    if shape(op) == Shape::PingPong {
+        // A ping-pong: each side answers before it reposts.
+        ep.repost_after_posts();
+    }
     let mut out = Vec::new();
     for (idx, &size) in plan.sizes.iter().enumerate() {
         prepare(ep, op, size)?;
@@ -409,6 +413,9 @@ fn measure(ep: &mut Endpoint, plan: &Plan) -> Result<Vec<Measured>> {
 /// The server: answer pings (ping-pong operations) or just keep pace.
 fn serve(ep: &mut Endpoint, plan: &Plan) -> Result<()> {
     let op = plan.op;
+    if shape(op) == Shape::PingPong {
+        ep.repost_after_posts();
+    }
     for (idx, &size) in plan.sizes.iter().enumerate() {
         prepare(ep, op, size)?;
         ep.barrier(idx as u32)?;

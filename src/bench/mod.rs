@@ -21,7 +21,7 @@ pub mod plot;
 pub mod scale;
 pub mod stats;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
@@ -396,6 +396,10 @@ pub(crate) struct Endpoint {
     /// While a post list is open ([`Endpoint::open_list`]), the WRs
     /// [`Endpoint::post`] collects for it.
     list: RefCell<Option<Vec<Listed>>>,
+    /// Receives taken but not yet posted again, while reposts wait for
+    /// the next post ([`Endpoint::repost_after_posts`]).
+    owed_recvs: Cell<u32>,
+    repost_after_posts: bool,
     // Held so the PD outlives the QP and regions.
     _pd: ProtectionDomain,
 }
@@ -471,6 +475,8 @@ impl Buffers {
             batch: Vec::with_capacity(32),
             durable: self.durable,
             list: RefCell::new(None),
+            owed_recvs: Cell::new(0),
+            repost_after_posts: false,
             _pd: self.pd,
         }
     }
@@ -571,8 +577,10 @@ impl Endpoint {
                 });
             }
             if let CompletionKind::Recv { .. } = c.kind {
-                self.qp
-                    .post_recv(RECV_WR, &[self.rx.slice(0, self.rx.len())?])?;
+                self.owed_recvs.set(self.owed_recvs.get() + 1);
+                if !self.repost_after_posts || self.owed_recvs.get() >= RX_DEPTH / 2 {
+                    self.repost_owed()?;
+                }
             }
             if c.wr_id & CTRL_WR != 0 {
                 continue;
@@ -580,6 +588,26 @@ impl Endpoint {
             return Ok(Some(c));
         }
         Ok(None)
+    }
+
+    /// From now on a taken receive is posted again after this side's next
+    /// post rather than before the completion is handed out: a ping-pong
+    /// answers first and reposts while the peer's answer is on its way,
+    /// as UCX reposts its receives in batches off the message's path.
+    /// At least half the receive queue stays posted (a peer that sends
+    /// more than that before an answer would find no receive).
+    pub fn repost_after_posts(&mut self) {
+        self.repost_after_posts = true;
+    }
+
+    /// Post the receives taken since the last repost again.
+    fn repost_owed(&self) -> Result<()> {
+        while self.owed_recvs.get() > 0 {
+            self.qp
+                .post_recv(RECV_WR, &[self.rx.slice(0, self.rx.len())?])?;
+            self.owed_recvs.set(self.owed_recvs.get() - 1);
+        }
+        Ok(())
     }
 
     /// Take the completions already there without waiting, handing data
@@ -606,7 +634,7 @@ impl Endpoint {
             },
             &[self.ctl.slice(0, CTRL_LEN)?],
         ))?;
-        Ok(())
+        self.repost_owed()
     }
 
     /// Whether a receive completion is a control message of `kind`; its
@@ -719,7 +747,7 @@ impl Endpoint {
         }
         let local = slice.as_slice();
         self.qp.post_send(WorkRequest::new(wr_id, op, local))?;
-        Ok(())
+        self.repost_owed()
     }
 
     /// Collect what [`post`](Self::post) is given until
