@@ -107,6 +107,20 @@ impl QueuePair {
         }
     }
 
+    /// A whole post list, queued and written under one lock of the QP:
+    /// what [`start_post`](Self::start_post), [`PostGuard::push_list`] and
+    /// [`PostGuard::post`] do, for a caller that has the list in hand
+    /// (the guard takes the lock once to queue and once more to ring, so
+    /// that a program may run between its pushes). On a refused WR, its
+    /// error and how many went before it, which still leave.
+    pub fn post_list<'w>(
+        &self,
+        wrs: impl IntoIterator<Item = ListWr<'w>>,
+    ) -> Result<(), (DeviceError, usize)> {
+        self.assist.posted();
+        self.shared.post_list(wrs)
+    }
+
     /// `ibv_post_send` of one WR: [`start_post`](Self::start_post),
     /// [`push`](PostGuard::push), [`post`](PostGuard::post).
     pub fn post_send(&self, wr: impl AsSendWr) -> Result<(), DeviceError> {

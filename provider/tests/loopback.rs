@@ -856,3 +856,57 @@ fn local_protection_error_fails_the_wr() {
     assert_eq!(c[0].status, WcStatus::LocProtErr);
     assert_eq!(a.qp.state(), QpState::Error);
 }
+
+/// `QueuePair::post_list` queues and rings under one lock: a WR refused
+/// halfway down the list reports its index, and the WRs before it still
+/// leave, with nobody posting or polling the sender again.
+#[test]
+fn a_post_list_refused_halfway_sends_what_went_before() {
+    use provider::wr::{ListWr, SendWrRef};
+    let (a, b) = pair();
+    b.recv(1, 0, 64);
+    a.mr.region().write_at(0, b"before the refusal").unwrap();
+    let send = [a.mr.sge(0, 18)];
+    // An atomic's result takes one 8-octet SGE: this one is refused.
+    let short = [a.mr.sge(4096, 4)];
+    let wr = |wr_id, op, sg_list| {
+        ListWr::Send(SendWrRef {
+            wr_id,
+            op,
+            sg_list,
+            signaled: true,
+            fence: false,
+        })
+    };
+    let list = [
+        wr(
+            10,
+            SendOp::Send {
+                solicited: false,
+                invalidate: None,
+            },
+            &send[..],
+        ),
+        wr(11, SendOp::fetch_add(b.mr.remote(64), 1), &short[..]),
+        wr(
+            12,
+            SendOp::Send {
+                solicited: false,
+                invalidate: None,
+            },
+            &send[..],
+        ),
+    ];
+    let (_, index) = a.qp.post_list(list).expect_err("the atomic is refused");
+    assert_eq!(index, 1);
+    // Only the receiver polls.
+    let r = b.wait(1);
+    assert_eq!(
+        (r[0].wr_id, r[0].status, r[0].byte_len),
+        (1, WcStatus::Success, 18)
+    );
+    assert_eq!(b.mr.region().to_vec(0, 18).unwrap(), b"before the refusal");
+    let s = a.wait(1);
+    assert_eq!((s[0].wr_id, s[0].status), (10, WcStatus::Success));
+    assert_eq!(a.cq.poll(&mut [provider::wr::WorkCompletion::BLANK; 4]), 0);
+}

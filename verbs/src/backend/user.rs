@@ -267,15 +267,11 @@ fn send_wr<'a>(p: &SendPost<'a>) -> SendWrRef<'a> {
     }
 }
 
-/// Push `wrs` onto `post`: an inline payload is copied into the QP's
-/// inline slots now, the others framed from their SGEs. On a refused WR,
-/// its error and how many went before it.
-fn push_all(
-    post: &mut provider::device::PostGuard<'_>,
-    wrs: &[SendPost<'_>],
-) -> std::result::Result<(), (Error, usize)> {
-    // One lock of the QP for the list, not one per WR.
-    post.push_list(wrs.iter().map(|p| match p.inline() {
+/// `wrs` as the provider's post list: an inline payload is copied into
+/// the QP's inline slots as it is queued, the others framed from their
+/// SGEs.
+fn list_wrs<'a>(wrs: &'a [SendPost<'a>]) -> impl Iterator<Item = ListWr<'a>> + 'a {
+    wrs.iter().map(|p| match p.inline() {
         Some(_) => ListWr::Inline(InlineWr {
             wr_id: p.token(),
             op: p.op(),
@@ -284,8 +280,7 @@ fn push_all(
             fence: p.fence(),
         }),
         None => ListWr::Send(send_wr(p)),
-    }))
-    .map_err(|(e, posted)| (post_error(e), posted))
+    })
 }
 
 impl QpOps for UserQp {
@@ -294,17 +289,17 @@ impl QpOps for UserQp {
     }
 
     fn post_send(&self, wrs: &[SendPost<'_>]) -> std::result::Result<(), (Error, usize)> {
-        // Framed as they come, written in one go when the guard posts (or
-        // drops, after a refused WR: the ones before it still leave).
-        let mut post = self.0.start_post();
-        push_all(&mut post, wrs)?;
-        post.post();
-        Ok(())
+        // Framed as they come and written in one go, under one lock of
+        // the QP (after a refused WR, the ones before it still leave).
+        self.0
+            .post_list(list_wrs(wrs))
+            .map_err(|(e, posted)| (post_error(e), posted))
     }
 
     fn post_send_held(&self, wrs: &[SendPost<'_>]) -> std::result::Result<(), (Error, usize)> {
         let mut post = self.0.start_post();
-        push_all(&mut post, wrs)?;
+        post.push_list(list_wrs(wrs))
+            .map_err(|(e, posted)| (post_error(e), posted))?;
         post.hold();
         Ok(())
     }

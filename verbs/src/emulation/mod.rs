@@ -824,6 +824,9 @@ impl QpCore {
     /// stretch: the notes before it are released, then it is handled on
     /// its own, as it always was.
     fn complete_run(self: &Arc<Self>, run: &[RawCompletion], out: &mut Vec<Completion>) {
+        if let [rc] = run {
+            return self.complete_one(rc, out);
+        }
         let mut rest = run;
         while let Some(first) = rest.first() {
             if Table::of(first.token) == Table::Srq {
@@ -843,15 +846,8 @@ impl QpCore {
                 .tracker
                 .remove_each(stretch.map(|rc| rc.token), |entry| {
                     let rc = raws.next().expect("one raw completion per token");
-                    if rc.status != WcStatus::Success {
-                        self.errored.store(true, Ordering::Release);
-                    }
+                    self.note(rc, entry.is_some());
                     let Some((p, held)) = entry else {
-                        warn!(
-                            qp = self.qp_num,
-                            token = rc.token,
-                            "completion for an unknown WR"
-                        );
                         return ControlFlow::Continue(());
                     };
                     match self.send_end(rc, &p) {
@@ -875,6 +871,44 @@ impl QpCore {
             if let Some((rc, p, held)) = other {
                 self.complete_entry(rc, p, held, out);
             }
+        }
+    }
+
+    /// [`complete_run`](Self::complete_run) of a run of one, the usual
+    /// poll of a ping-pong, where the completion (a Read's, an atomic's, a
+    /// Receive's) is the round trip's turn: the same steps, without the
+    /// arrays a stretch gathers its notes in.
+    fn complete_one(self: &Arc<Self>, rc: &RawCompletion, out: &mut Vec<Completion>) {
+        if Table::of(rc.token) == Table::Srq {
+            return self.complete_srq(rc, out);
+        }
+        let entry = self.tracker.remove(rc.token);
+        self.note(rc, entry.is_some());
+        let Some((p, held)) = entry else {
+            return;
+        };
+        match self.send_end(rc, &p) {
+            Some(end) => {
+                // Its slices go before the order's lock, as a stretch's do.
+                drop(held);
+                self.release_ends(std::slice::from_ref(&end));
+            }
+            None => self.complete_entry(*rc, p, held, out),
+        }
+    }
+
+    /// Note the completion `rc`: an error's status, or (not `known`) that
+    /// the tracker has no entry for its WR.
+    fn note(&self, rc: &RawCompletion, known: bool) {
+        if rc.status != WcStatus::Success {
+            self.errored.store(true, Ordering::Release);
+        }
+        if !known {
+            warn!(
+                qp = self.qp_num,
+                token = rc.token,
+                "completion for an unknown WR"
+            );
         }
     }
 
