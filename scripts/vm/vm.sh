@@ -161,14 +161,32 @@ apt_lists_present() {
 }
 
 # Is every package of the pinned kernel still in the archive at its version?
+# (The kbuild package at its own version: see kbuild_version.)
 pinned_available() {
     local p
     for p in "linux-image-$K_REL" "linux-headers-$K_REL" "linux-headers-$K_ABI-common" \
-        "$K_KBUILD" "linux-source-$K_SERIES"; do
+        "linux-source-$K_SERIES"; do
         apt-cache madison "$p" 2>/dev/null |
             awk -F'|' -v v="$K_VERSION" '{ gsub(/ /, "", $2) } $2 == v { f = 1 } END { exit !f }' ||
             return 1
     done
+    [[ -n $(kbuild_version) ]]
+}
+
+# The version of the kbuild package to unpack beside the kernel's headers:
+# the newest in the archive that is not older than the kernel. The headers
+# ask for no more (linux-kbuild-6.1 (>= 6.1.192-2)), and Debian rebuilds
+# the series' kbuild package on its own (6.1.192-3 beside a 6.1.192-2
+# kernel), dropping the older one from the security archive.
+kbuild_version() {
+    local v best=
+    while read -r v; do
+        dpkg --compare-versions "$v" ge "$K_VERSION" || continue
+        if [[ -z $best ]] || dpkg --compare-versions "$v" gt "$best"; then
+            best=$v
+        fi
+    done < <(apt-cache madison "$K_KBUILD" 2>/dev/null | awk -F'|' '{ gsub(/ /, "", $2); print $2 }')
+    echo "$best"
 }
 
 fall_back_to_newest() {
@@ -201,9 +219,12 @@ prepare_kernel() {
     debs=$K_DIR/debs root=$K_DIR/root
     # apt-get download writes to the cwd; _apt cannot write to a root-owned
     # cache, so it downloads unsandboxed (harmless warning, filtered).
+    local kbuild_ver
+    kbuild_ver=$(kbuild_version)
+    [[ -n $kbuild_ver ]] || die "no $K_KBUILD of version $K_VERSION or later in the archive"
     (cd "$debs" && apt-get download -q \
         "linux-image-$K_REL=$K_VERSION" "linux-headers-$K_REL=$K_VERSION" \
-        "linux-headers-$K_ABI-common=$K_VERSION" "$K_KBUILD=$K_VERSION" \
+        "linux-headers-$K_ABI-common=$K_VERSION" "$K_KBUILD=$kbuild_ver" \
         "linux-source-$K_SERIES=$K_VERSION" 2>&1 | { grep -v 'unsandboxed' >&2 || true; }) ||
         die "downloading the $K_REL kernel packages failed"
     local deb
