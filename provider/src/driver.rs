@@ -941,16 +941,15 @@ impl QpShared {
     }
 
     /// [`queue_list`](Self::queue_list) and the [`ring`](Self::ring)
-    /// after it, under one lock (a lock and an unlock fewer per post: an
-    /// 8-octet Write's post is the round trip's userspace). What was
-    /// queued before a refused WR leaves too.
+    /// after it, under one lock of the QP instead of two. What was queued
+    /// before a refused WR leaves too.
     pub(crate) fn post_list<'w>(
         &self,
         wrs: impl IntoIterator<Item = ListWr<'w>>,
     ) -> Result<(), (DeviceError, usize)> {
         let mut io = self.lock();
         let res = self.queue_list_locked(&mut io, wrs);
-        if matches!(res, Ok(()) | Err((_, 1..))) {
+        if queued_any(&res) {
             self.drive_with(&mut io, false);
         }
         res
@@ -1137,4 +1136,10 @@ fn peer_closed(sock: &TcpStream) -> bool {
         Ok(n) => n > 0,
         Err(_) => true,
     }
+}
+
+/// Whether a post list that ended with `res` ([`QpShared::queue_list`])
+/// queued anything to ring for: all of it, or the WRs before a refused one.
+pub(crate) fn queued_any(res: &Result<(), (DeviceError, usize)>) -> bool {
+    matches!(res, Ok(()) | Err((_, 1..)))
 }

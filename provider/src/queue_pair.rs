@@ -264,7 +264,7 @@ impl PostGuard<'_> {
         wrs: impl IntoIterator<Item = ListWr<'w>>,
     ) -> Result<(), (DeviceError, usize)> {
         let res = self.qp.queue_list(wrs);
-        if matches!(res, Ok(()) | Err((_, 1..))) {
+        if crate::driver::queued_any(&res) {
             self.pushed = true;
         }
         res
