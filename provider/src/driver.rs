@@ -655,6 +655,12 @@ impl QpShared {
     /// still waiting for the socket. Payloads go from registered memory
     /// straight into `writev` (the core keeps only headers and CRCs).
     fn flush(conn: &mut Connection, sock: &mut &TcpStream, env: &Env) -> bool {
+        // Nothing framed, nothing to frame and no Commit to perform: most
+        // flushes after a read that brought a completion or a Write, or
+        // nothing. (The input delivered its completions as it came.)
+        if !conn.has_pending_tx() && !conn.has_commit_job() {
+            return false;
+        }
         loop {
             if !conn.has_queued_tx() && !conn.prepare_transmit(env, TX_BUDGET) {
                 // A Commit holds the responses back until it is done:
@@ -950,9 +956,67 @@ impl QpShared {
         let mut io = self.lock();
         let res = self.queue_list_locked(&mut io, wrs);
         if queued_any(&res) {
-            self.drive_with(&mut io, false);
+            self.drive_posted(&mut io);
         }
         res
+    }
+
+    /// A post's drive: frame and write what was posted. When all of it
+    /// left at once and the post changed nothing else (the small post of
+    /// a ping-pong), only the completions it made are delivered: the rest
+    /// of a drive (the tail, hold and close checks, the arming, the
+    /// events) would find what the last drive left. Anything else (a
+    /// socket that took less, a tail to hold, an error, an event) gets the
+    /// whole drive, which picks up from where this one stopped.
+    fn drive_posted(&self, io: &mut QpIo) {
+        if !self.wrote_posted(io) {
+            self.drive_with(io, false);
+        }
+    }
+
+    /// [`drive_posted`](Self::drive_posted)'s short way; whether it was
+    /// enough.
+    fn wrote_posted(&self, io: &mut QpIo) -> bool {
+        let QpIo {
+            conn: Some(conn),
+            writable_wanted: false,
+            closed: false,
+            fin_sent: false,
+            ..
+        } = io
+        else {
+            return false;
+        };
+        let Some(sock) = self.sock.get() else {
+            return false;
+        };
+        // A held tail goes out in front of this post through the whole
+        // drive, which keeps the streak's count.
+        if conn.state() != QpState::Rts || self.tail_held.load(Ordering::Acquire) {
+            return false;
+        }
+        let env = self.env();
+        conn.prepare_transmit(&env, TX_BUDGET);
+        // Longer output may hold back its tail ([`Self::flush_posted`]).
+        if conn.queued_tx() > crate::tail::MIN_MSS {
+            return false;
+        }
+        match conn.write_transmit(&env, |iov| send_vectored(sock, iov)) {
+            Ok(_) if !conn.has_queued_tx() => {}
+            // Written in part, or failed: the whole drive writes again and
+            // meets the full or failed socket as it always does.
+            _ => return false,
+        }
+        if conn.state() != QpState::Rts || conn.has_pending_tx() || conn.has_events_or_jobs() {
+            return false;
+        }
+        while let Some((side, wc)) = conn.poll_completion() {
+            match side {
+                CqSide::Send => self.send_cq.push(wc),
+                CqSide::Recv => self.recv_cq.push(wc),
+            }
+        }
+        true
     }
 
     fn queue_list_locked<'w>(
@@ -1013,7 +1077,7 @@ impl QpShared {
     /// device's engine when nobody does).
     pub(crate) fn ring(&self) {
         let mut io = self.lock();
-        self.drive_with(&mut io, false);
+        self.drive_posted(&mut io);
     }
 
     /// `ibv_post_recv`; allowed before the connection exists.

@@ -11,11 +11,18 @@ use std::time::{Duration, Instant};
 use common::*;
 use provider::device::DeviceError;
 use provider::qp::{PostError, QpCaps, QpState};
-use provider::setup::{MpaParams, Request};
+use provider::setup::{MpaParams, Negotiated, Request};
+use provider::wire::ddp::TAGGED_HEADER_LEN;
+use provider::wire::stream::{Deframer, DeframerConfig};
 use provider::wr::{SendOp, SendWr, WcStatus};
 
 /// Accept one TCP connection and answer its MPA Request.
 fn accept_mpa(listener: &TcpListener) -> std::net::TcpStream {
+    accept_mpa_negotiated(listener).0
+}
+
+/// [`accept_mpa`], with what the exchange settled.
+fn accept_mpa_negotiated(listener: &TcpListener) -> (std::net::TcpStream, Negotiated) {
     let (mut sock, _) = listener.accept().unwrap();
     let mut reader = Request::reader();
     let mut buf = [0u8; 1024];
@@ -26,9 +33,9 @@ fn accept_mpa(listener: &TcpListener) -> std::net::TcpStream {
             break Request::from_repr(&repr);
         }
     };
-    let (_, reply) = request.accept(&MpaParams::default()).unwrap();
+    let (negotiated, reply) = request.accept(&MpaParams::default()).unwrap();
     sock.write_all(&reply).unwrap();
-    sock
+    (sock, negotiated)
 }
 
 /// A peer that completes the MPA exchange and then never reads again.
@@ -97,6 +104,106 @@ fn a_stalled_peer_fills_buffers_without_hanging() {
     assert_eq!(ids.len() as u64, posted, "each WR completes exactly once");
     assert!(done.iter().any(|w| w.status == WcStatus::WrFlushErr));
     assert_eq!(me.qp.state(), QpState::Error);
+}
+
+/// Small Writes, each framed at its post and written by it (the post's
+/// short way, `QpShared::drive_posted`), against a peer that does not read
+/// yet: the socket fills, the posts that meet it leave their octets to the
+/// whole drive and queue behind them, and the send queue ends the posting.
+/// Nobody posts or polls after that, yet once the peer reads, every FPDU
+/// arrives whole and in posting order, and every WR completes in order.
+#[test]
+fn small_posts_that_fill_the_socket_leave_whole_and_in_order() {
+    // Framed, an FPDU of this payload is below the shortest segment a
+    // post holds back (`tail::MIN_MSS`): each post writes it at once.
+    const LEN: usize = 400;
+    // More than the socket buffers take (26 MB): the posts stop at the
+    // first WR the send queue refuses, with the stream full.
+    const MOST: usize = 1 << 16;
+    const SLOTS: usize = 2048;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    // A small receive buffer, inherited by the accepted socket.
+    nix::sys::socket::setsockopt(&listener, nix::sys::socket::sockopt::RcvBuf, &4096).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (go, go_rx) = std::sync::mpsc::channel::<usize>();
+    let peer = std::thread::spawn(move || {
+        let (mut sock, negotiated) = accept_mpa_negotiated(&listener);
+        assert!(!negotiated.markers_rx);
+        let n = go_rx.recv().unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut deframer = Deframer::new(DeframerConfig {
+            crc: negotiated.crc,
+            markers: false,
+            max_ulpdu_len: u16::MAX,
+        });
+        let mut payloads: Vec<Vec<u8>> = Vec::with_capacity(n);
+        let mut buf = vec![0u8; 64 << 10];
+        while payloads.len() < n {
+            let got = sock
+                .read(&mut buf)
+                .unwrap_or_else(|e| panic!("after {} FPDUs: {e}", payloads.len()));
+            assert!(got > 0, "closed after {} FPDUs", payloads.len());
+            let mut input = &buf[..got];
+            while let Some(ulpdu) = deframer.poll(&mut input).unwrap() {
+                payloads.push(ulpdu[TAGGED_HEADER_LEN..].to_vec());
+            }
+        }
+        // The socket too: the stream stays up until the checks are done.
+        (payloads, sock)
+    });
+    let me = Side::new(None);
+    me.qp.connect(addr, &MpaParams::default()).unwrap();
+    // Write i carries i in its first 4 octets and i as u8 after them,
+    // from a slot of the MR that Write i + SLOTS reuses: with at most
+    // max_send_wr outstanding, Write i completed (it is in the socket) by
+    // then.
+    let payload = |i: usize| {
+        let mut p = vec![i as u8; LEN];
+        p[..4].copy_from_slice(&(i as u32).to_be_bytes());
+        p
+    };
+    let mut done = Vec::new();
+    let mut posted = 0;
+    while posted < MOST {
+        let off = posted % SLOTS * LEN;
+        me.mr.region().write_at(off, &payload(posted)).unwrap();
+        let wr = SendWr {
+            wr_id: posted as u64,
+            op: SendOp::Write {
+                remote: provider::wr::Remote {
+                    addr: off as u64,
+                    rkey: 1,
+                },
+            },
+            sg_list: vec![me.mr.sge(off, LEN as u32)],
+            signaled: true,
+            fence: false,
+        };
+        match me.qp.post_send(wr) {
+            Ok(()) => posted += 1,
+            Err(DeviceError::Post(PostError::SendQueueFull(_))) => break,
+            Err(e) => panic!("unexpected {e}"),
+        }
+        // What the posts' own drives completed (this drives nothing).
+        me.cq.try_poll_each(usize::MAX, |wc| done.push(wc));
+    }
+    assert!(posted < MOST, "the socket took all {MOST} Writes");
+    assert!(done.len() < posted);
+    go.send(posted).unwrap();
+    let (payloads, _stream) = peer.join().unwrap();
+    for (i, p) in payloads.iter().enumerate() {
+        assert!(*p == payload(i), "FPDU {i} is not Write {i}");
+    }
+    done.extend(me.wait(posted - done.len()));
+    let ids: Vec<u64> = done.iter().map(|wc| wc.wr_id).collect();
+    assert_eq!(
+        ids,
+        (0..posted as u64).collect::<Vec<_>>(),
+        "in posting order"
+    );
+    assert!(done.iter().all(|wc| wc.status == WcStatus::Success));
+    assert_eq!(me.qp.state(), QpState::Rts);
 }
 
 const CHILD_ENV: &str = "STAG_LIFECYCLE_CHILD";

@@ -589,6 +589,10 @@ impl Connection {
             return Ok(());
         }
         if let Some(data) = inline {
+            wr = match self.frame_at_once(env, wr, Some(data)) {
+                Ok(()) => return Ok(()),
+                Err(wr) => wr,
+            };
             let slots = self.caps.max_send_wr as usize;
             let (start, _) = self.inline.copy_in(slots, data);
             wr.sg_list[0].addr = start as u64;
@@ -615,7 +619,9 @@ impl Connection {
                 return Ok(());
             }
         }
-        self.sq.push_back(Queued { wr, inline: false });
+        if let Err(wr) = self.frame_at_once(env, wr, None) {
+            self.sq.push_back(Queued { wr, inline: false });
+        }
         Ok(())
     }
 
@@ -708,6 +714,17 @@ impl Connection {
     /// drive has nothing to do.
     pub fn has_output(&self) -> bool {
         !self.completions.is_empty() || !self.events.is_empty() || !self.durability.is_empty()
+    }
+
+    /// Whether the driver has an event or a Commit to take (the outputs
+    /// other than completions).
+    pub fn has_events_or_jobs(&self) -> bool {
+        !self.events.is_empty() || self.has_commit_job()
+    }
+
+    /// Whether a Commit waits for the driver ([`poll_durability`](Self::poll_durability)).
+    pub fn has_commit_job(&self) -> bool {
+        !self.durability.is_empty()
     }
 
     /// The next completion, with the CQ it belongs on.

@@ -37,6 +37,20 @@ fn pair_with(caps: QpCaps, rtr: Option<Rtr>) -> (Connection, Connection) {
     )
 }
 
+/// [`pair`] with one Read or atomic outstanding at a time (ORD and IRD 1).
+fn pair_of_one_credit() -> (Connection, Connection) {
+    let one = |initiator| Negotiated {
+        ord: 1,
+        ird: 1,
+        ..negotiated(initiator, None)
+    };
+    let caps = QpCaps::default();
+    (
+        Connection::new(1, PD, caps, one(true), false),
+        Connection::new(2, PD, caps, one(false), false),
+    )
+}
+
 /// Everything `c` has to send now (no commit performed).
 fn transmit(c: &mut Connection, mem: &MrTable) -> Vec<u8> {
     let env = Env { mem, srq: None };
@@ -829,14 +843,7 @@ fn a_read_stream_at_the_ord_limit_is_pipelined_until_its_last_request_leaves() {
         mem: &mem,
         srq: None,
     };
-    let caps = QpCaps::default();
-    let one = |initiator| Negotiated {
-        ord: 1,
-        ird: 1,
-        ..negotiated(initiator, None)
-    };
-    let mut a = Connection::new(1, PD, caps, one(true), false);
-    let mut b = Connection::new(2, PD, caps, one(false), false);
+    let (mut a, mut b) = pair_of_one_credit();
     let (source, sva) = region(&mem, 64, Access::REMOTE_READ);
     let (sink, dva) = region(&mem, 64, Access::LOCAL_WRITE);
     let read = |wr_id| SendWr {
@@ -857,8 +864,11 @@ fn a_read_stream_at_the_ord_limit_is_pipelined_until_its_last_request_leaves() {
     };
     assert!(!a.pipelined(), "nothing posted");
     a.post_send(read(1), &env).expect("post");
+    assert!(!a.pipelined(), "nothing waits behind the first Read");
+    // The first Read was framed at its post (nothing was ahead of it) and
+    // holds the one credit: the second waits behind it.
     a.post_send(read(2), &env).expect("post");
-    assert!(!a.pipelined(), "nothing on the wire yet");
+    assert!(a.pipelined());
 
     // One Read leaves (ORD 1); the second waits for its response.
     let first = transmit(&mut a, &mem);
@@ -916,4 +926,116 @@ fn input_is_under_way_from_a_message_s_first_octet_to_its_last() {
     deliver(&wire[first_fpdu..], &mut b, &mem);
     assert!(!b.input_under_way(), "the Send is in");
     assert_eq!(completions(&mut b).len(), 1);
+}
+
+/// A WR with nothing ahead of it is framed at its post, as the send queue
+/// would frame it next; what comes behind it queues, and so does a WR the
+/// queue would hold (a fenced one behind a Read, a Read past the ORD).
+/// What reaches the wire, and the order of the completions, are the
+/// queue's.
+#[test]
+fn a_wr_with_nothing_ahead_is_framed_at_its_post_and_the_rest_queue() {
+    let mem = MrTable::new();
+    let env = Env {
+        mem: &mem,
+        srq: None,
+    };
+    let (mut a, mut b) = pair_of_one_credit();
+    let (src, sva) = region(&mem, 64, Access::LOCAL_WRITE);
+    let (dst, dva) = region(&mem, 64, Access::REMOTE_WRITE | Access::REMOTE_READ);
+    let fill: Vec<u8> = (0..64).collect();
+    mem.write_local(src, PD, sva, &fill).expect("fill");
+    let op = |wr_id: u64, op: SendOp, fence: bool| SendWr {
+        wr_id,
+        op,
+        sg_list: vec![Sge {
+            addr: sva + wr_id * 8,
+            length: 8,
+            lkey: src,
+        }],
+        signaled: true,
+        fence,
+    };
+    let write = |wr_id: u64| SendOp::Write {
+        remote: Remote {
+            addr: dva + wr_id * 8,
+            rkey: dst,
+        },
+    };
+    let read = |wr_id: u64| SendOp::Read {
+        remote: Remote {
+            addr: dva + wr_id * 8,
+            rkey: dst,
+        },
+    };
+
+    a.post_send(op(0, write(0), false), &env).expect("post");
+    let framed = a.queued_tx();
+    assert!(framed > 0, "framed at its post");
+    a.post_send(op(1, write(1), false), &env).expect("post");
+    assert_eq!(a.queued_tx(), framed, "the second queues behind the first");
+    let out = transmit(&mut a, &mem);
+    assert!(matches!(
+        frames(&out)[..],
+        [
+            RdmapRepr::Write { to: t0, last: true, .. },
+            RdmapRepr::Write { to: t1, last: true, .. },
+        ] if t0 == dva && t1 == dva + 8
+    ));
+    deliver(&out, &mut b, &mem);
+
+    // The Read takes the one ORD credit at its post. With nothing
+    // framed, a second Read waits for the credit, and a Write behind it
+    // waits in the queue.
+    a.post_send(op(2, read(0), false), &env).expect("post");
+    assert!(a.queued_tx() > 0, "the Read is framed at its post");
+    let out = transmit(&mut a, &mem);
+    assert!(matches!(frames(&out)[..], [RdmapRepr::ReadRequest { .. }]));
+    deliver(&out, &mut b, &mem);
+    a.post_send(op(3, read(1), false), &env).expect("post");
+    assert_eq!(a.queued_tx(), 0, "past the ORD");
+    a.post_send(op(4, write(4), false), &env).expect("post");
+    assert_eq!(a.queued_tx(), 0, "behind a queued WR");
+    deliver(&transmit(&mut b, &mem), &mut a, &mem);
+    let out = transmit(&mut a, &mem);
+    assert!(matches!(
+        frames(&out)[..],
+        [RdmapRepr::ReadRequest { .. }, RdmapRepr::Write { .. }]
+    ));
+    deliver(&out, &mut b, &mem);
+    deliver(&transmit(&mut b, &mem), &mut a, &mem);
+
+    // A fenced Write waits for the Read before it.
+    a.post_send(op(5, read(4), false), &env).expect("post");
+    let out = transmit(&mut a, &mem);
+    assert!(matches!(frames(&out)[..], [RdmapRepr::ReadRequest { .. }]));
+    deliver(&out, &mut b, &mem);
+    a.post_send(op(6, write(6), true), &env).expect("post");
+    assert_eq!(a.queued_tx(), 0, "fenced");
+    deliver(&transmit(&mut b, &mem), &mut a, &mem);
+    let out = transmit(&mut a, &mem);
+    assert!(matches!(frames(&out)[..], [RdmapRepr::Write { .. }]));
+    deliver(&out, &mut b, &mem);
+
+    let done: Vec<_> = completions(&mut a)
+        .iter()
+        .map(|(_, wc)| (wc.wr_id, wc.status))
+        .collect();
+    assert_eq!(
+        done,
+        (0..7).map(|i| (i, WcStatus::Success)).collect::<Vec<_>>()
+    );
+    // Writes 0, 1, 4 and 6 placed their 8 octets; Reads 2, 3 and 5
+    // brought back those of Writes 0, 1 and 4.
+    let mut placed = [0u8; 64];
+    mem.read_local(dst, PD, dva, &mut placed).expect("read");
+    assert_eq!(placed[..16], fill[..16]);
+    assert_eq!(placed[32..40], fill[32..40]);
+    assert_eq!(placed[48..56], fill[48..56]);
+    let mut got = [0u8; 64];
+    mem.read_local(src, PD, sva, &mut got).expect("read");
+    assert_eq!(got[16..32], fill[..16]);
+    assert_eq!(got[40..48], fill[32..40]);
+    assert_eq!(a.state(), QpState::Rts);
+    assert_eq!(b.state(), QpState::Rts);
 }

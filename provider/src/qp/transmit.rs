@@ -19,7 +19,11 @@ use crate::setup::Rtr;
 use crate::wire::atomic::AtomicOpcode;
 use crate::wire::ddp::{SegmentSpan, Segments};
 use crate::wire::rdmap::{RdmapRepr, SendKind};
-use crate::wr::{Remote, SendOp, Sge, WcStatus};
+use crate::wr::{Remote, SendOp, SendWr, Sge, WcStatus};
+
+/// Payloads up to this size are copied into the output rather than
+/// gathered from registered memory at write time.
+const SNAPSHOT_MAX: usize = 4096;
 
 /// A Commit the driver performs outside the sans-IO core (it may block in
 /// `msync`), then reports with [`Connection::handle_commit_done`].
@@ -190,14 +194,30 @@ impl Connection {
         }
     }
 
+    /// [`frame`](Self::frame) with a payload that `payload` appends, in
+    /// place behind the header (no markers: see [`Framer::frame_appending`]).
+    fn frame_with(&mut self, repr: &RdmapRepr, payload: impl FnOnce(&mut Vec<u8>)) {
+        let hlen = repr.header_len();
+        let mut header = [0u8; MAX_HEADER_LEN];
+        repr.emit(&mut header[..hlen]);
+        let start = self.tx.bytes.len();
+        let framed = self
+            .framer
+            .frame_appending(&header[..hlen], &mut self.tx.bytes, |out| {
+                payload(out);
+                Ok::<(), std::convert::Infallible>(())
+            });
+        match framed {
+            Ok(_) => self.tx.push_bytes(start),
+            Err(e) => self.frame_failed(e),
+        }
+    }
+
     /// Frame one ULPDU whose payload is `self.pieces` (read in place from
     /// registered memory, never copied, unless markers are in use). If a
     /// piece's region is gone (deregistered, or invalidated by the peer,
     /// since the WR was checked), nothing is framed and the error says why.
     fn frame_pieces(&mut self, env: &Env, repr: &RdmapRepr) -> Result<(), crate::wire::Error> {
-        /// Payloads up to this size are copied into the output rather than
-        /// gathered from registered memory at write time.
-        const SNAPSHOT_MAX: usize = 4096;
         let hlen = repr.header_len();
         let mut header = [0u8; MAX_HEADER_LEN];
         repr.emit(&mut header[..hlen]);
@@ -299,19 +319,25 @@ impl Connection {
     /// `IBV_WC_LOC_PROT_ERR`, as on an RNIC, and the QP goes to Error.
     fn fail_head_local(&mut self) {
         self.cursor = TxCursor::default();
-        if let Some(wr) = self.sq.pop_front().map(|q| q.wr) {
-            self.in_flight.push_back(InFlight {
-                wr_id: wr.wr_id,
-                op: wr.op,
-                sg_list: wr.sg_list,
-                signaled: true,
-                status: Some(WcStatus::LocProtErr),
-                byte_len: 0,
-                vendor_err: 0,
-                req_id: 0,
-                tx_mark: 0,
-            });
+        match self.sq.pop_front() {
+            Some(head) => self.failed_local(head.wr),
+            None => self.fail_local(),
         }
+    }
+
+    /// [`fail_head_local`](Self::fail_head_local) of `wr`.
+    fn failed_local(&mut self, wr: SendWr) {
+        self.in_flight.push_back(InFlight {
+            wr_id: wr.wr_id,
+            op: wr.op,
+            sg_list: wr.sg_list,
+            signaled: true,
+            status: Some(WcStatus::LocProtErr),
+            byte_len: 0,
+            vendor_err: 0,
+            req_id: 0,
+            tx_mark: 0,
+        });
         self.fail_local();
     }
 
@@ -560,12 +586,7 @@ impl Connection {
                 solicited,
                 invalidate,
             } => {
-                let kind = match (solicited, invalidate.is_some()) {
-                    (false, false) => SendKind::Send,
-                    (false, true) => SendKind::SendInvalidate,
-                    (true, false) => SendKind::SendSe,
-                    (true, true) => SendKind::SendSeInvalidate,
-                };
+                let kind = SendKind::of(solicited, invalidate.is_some());
                 let Some(span) = self.next_span(total, UNTAGGED) else {
                     return true;
                 };
@@ -613,6 +634,134 @@ impl Connection {
                 );
                 self.finish_head(0);
             }
+            SendOp::Read { .. }
+            | SendOp::FetchAdd { .. }
+            | SendOp::CmpSwap { .. }
+            | SendOp::Swap { .. }
+            | SendOp::AtomicWrite { .. }
+            | SendOp::Commit { .. } => {
+                if let Some(req_id) = self.frame_request(op, sink, total) {
+                    self.start_response_wait(req_id);
+                }
+            }
+        }
+        true
+    }
+
+    /// Frame `wr` now instead of queueing it, when nothing is ahead of it
+    /// (no queued WR, no response owed, nothing waiting for the socket)
+    /// and it leaves in one FPDU: a request, or a Send or Write of at most
+    /// one segment, copied. The send queue would frame it next the same
+    /// way, through its entry, its cursor and a segment plan: an 8-octet
+    /// post's longest steps after the system call. `data` is an inline
+    /// WR's payload (not copied into the slots first). Hands `wr` back
+    /// when it must queue.
+    pub(super) fn frame_at_once(
+        &mut self,
+        env: &Env,
+        wr: SendWr,
+        data: Option<&[&[u8]]>,
+    ) -> Result<(), SendWr> {
+        if self.phase != Phase::Running
+            || !self.sq.is_empty()
+            || !self.tx.is_empty()
+            || !self.inbound.is_empty()
+            || self.framer.config().markers
+            || (wr.fence && self.ord_used > 0)
+        {
+            return Err(wr);
+        }
+        let total: u64 = wr.sg_list.iter().map(|s| s.length as u64).sum();
+        if wr.op.needs_response() {
+            if self.ord_used >= self.neg.ord {
+                return Err(wr);
+            }
+            let sink = wr.sg_list.first().copied().unwrap_or(Sge {
+                addr: 0,
+                length: 0,
+                lkey: 0,
+            });
+            let Some(req_id) = self.frame_request(wr.op, sink, total) else {
+                return Err(wr);
+            };
+            self.framed_at_once(wr, total, Some(req_id));
+            return Ok(());
+        }
+        if total > u64::from(self.caps.max_segment).min(SNAPSHOT_MAX as u64) {
+            return Err(wr);
+        }
+        let repr = match wr.op {
+            SendOp::Send {
+                solicited,
+                invalidate,
+            } => RdmapRepr::Send {
+                kind: SendKind::of(solicited, invalidate.is_some()),
+                last: true,
+                msn: self.next_msn(QN_SEND),
+                mo: 0,
+                invalidate_stag: invalidate.unwrap_or(0),
+            },
+            SendOp::Write { remote } => RdmapRepr::Write {
+                last: true,
+                stag: remote.rkey,
+                to: remote.addr,
+            },
+            // Two FPDUs (a Write with Immediate), or rare.
+            _ => return Err(wr),
+        };
+        let framed = match data {
+            Some(data) => {
+                self.frame_with(&repr, |out| {
+                    data.iter().for_each(|d| out.extend_from_slice(d))
+                });
+                Ok(())
+            }
+            None => {
+                self.pieces.clear();
+                self.pieces
+                    .extend(
+                        wr.sg_list
+                            .iter()
+                            .filter(|s| s.length > 0)
+                            .map(|s| Piece::Local {
+                                lkey: s.lkey,
+                                addr: s.addr,
+                                len: s.length,
+                            }),
+                    );
+                self.frame_pieces(env, &repr)
+            }
+        };
+        if framed.is_err() {
+            // Its region went away since the post checked it.
+            self.failed_local(wr);
+            return Ok(());
+        }
+        self.framed_at_once(wr, total, None);
+        Ok(())
+    }
+
+    /// `wr`, framed by [`frame_at_once`](Self::frame_at_once), is out:
+    /// it waits for its response `req_id`, or completes once written.
+    /// Should the framing have failed the stream, it is flushed.
+    fn framed_at_once(&mut self, wr: SendWr, total: u64, req_id: Option<u32>) {
+        if self.phase.is_error() {
+            self.complete_send(&wr.op, wr.wr_id, WcStatus::WrFlushErr, 0, 0);
+            self.recycle_sges(wr.sg_list);
+            return;
+        }
+        match req_id {
+            Some(req_id) => self.awaits_response(wr, req_id),
+            None => self.framed_whole(wr, total),
+        }
+    }
+
+    /// Frame the request of `op`, whose local buffer is `sink` (`total`
+    /// octets in all); returns the ID its response will carry (0 for a
+    /// Read's, which carries none), or `None` for an operation that needs
+    /// no response (nothing framed).
+    fn frame_request(&mut self, op: SendOp, sink: Sge, total: u64) -> Option<u32> {
+        let req_id = match op {
             SendOp::Read { remote } => {
                 let msn = self.next_msn(QN_REQUEST);
                 let size = total.min(u32::MAX as u64) as u32;
@@ -627,10 +776,10 @@ impl Connection {
                     },
                     &[],
                 );
-                self.start_response_wait(0);
+                0
             }
             SendOp::FetchAdd { remote, add, mask } => {
-                self.send_atomic(AtomicOpcode::FetchAdd, remote, add, mask, 0, 0);
+                self.send_atomic(AtomicOpcode::FetchAdd, remote, add, mask, 0, 0)
             }
             SendOp::CmpSwap {
                 remote,
@@ -638,21 +787,19 @@ impl Connection {
                 compare_mask,
                 swap,
                 swap_mask,
-            } => {
-                self.send_atomic(
-                    AtomicOpcode::CmpSwap,
-                    remote,
-                    swap,
-                    swap_mask,
-                    compare,
-                    compare_mask,
-                );
-            }
+            } => self.send_atomic(
+                AtomicOpcode::CmpSwap,
+                remote,
+                swap,
+                swap_mask,
+                compare,
+                compare_mask,
+            ),
             SendOp::Swap { remote, swap } => {
-                self.send_atomic(AtomicOpcode::Swap, remote, swap, 0, 0, 0);
+                self.send_atomic(AtomicOpcode::Swap, remote, swap, 0, 0, 0)
             }
             SendOp::AtomicWrite { remote, value } => {
-                self.send_atomic(AtomicOpcode::Swap, remote, value, 0, 0, 0);
+                self.send_atomic(AtomicOpcode::Swap, remote, value, 0, 0, 0)
             }
             SendOp::Commit { remote, len } => {
                 let msn = self.next_msn(QN_REQUEST);
@@ -668,10 +815,14 @@ impl Connection {
                     },
                     &[],
                 );
-                self.start_response_wait(req_id);
+                req_id
             }
-        }
-        true
+            SendOp::Send { .. }
+            | SendOp::Write { .. }
+            | SendOp::WriteImm { .. }
+            | SendOp::Imm { .. } => return None,
+        };
+        Some(req_id)
     }
 
     /// The next segment of an RDMA Write (of a Write with Immediate when
@@ -720,7 +871,7 @@ impl Connection {
         add_swap_mask: u64,
         compare: u64,
         compare_mask: u64,
-    ) {
+    ) -> u32 {
         let msn = self.next_msn(QN_REQUEST);
         let req_id = self.alloc_req_id();
         self.frame(
@@ -737,7 +888,7 @@ impl Connection {
             },
             &[],
         );
-        self.start_response_wait(req_id);
+        req_id
     }
 
     /// The head WR's request is out: it now waits for its response.
@@ -746,6 +897,11 @@ impl Connection {
             return;
         };
         self.cursor = TxCursor::default();
+        self.awaits_response(wr, req_id);
+    }
+
+    /// `wr`'s request is framed: it waits for its response `req_id`.
+    fn awaits_response(&mut self, wr: SendWr, req_id: u32) {
         self.ord_used += 1;
         let byte_len = wr.sg_list.iter().map(|s| s.length).sum();
         self.in_flight.push_back(InFlight {
@@ -765,18 +921,23 @@ impl Connection {
     fn finish_head(&mut self, total: u64) {
         self.cursor = TxCursor::default();
         if let Some(wr) = self.sq.pop_front().map(|q| q.wr) {
-            self.in_flight.push_back(InFlight {
-                wr_id: wr.wr_id,
-                op: wr.op,
-                sg_list: wr.sg_list,
-                signaled: wr.signaled,
-                status: Some(WcStatus::Success),
-                byte_len: total.min(u32::MAX as u64) as u32,
-                vendor_err: 0,
-                req_id: 0,
-                tx_mark: self.tx.queued_total(),
-            });
+            self.framed_whole(wr, total);
         }
+    }
+
+    /// `wr`'s last octet is framed: it completes once that is written.
+    fn framed_whole(&mut self, wr: SendWr, total: u64) {
+        self.in_flight.push_back(InFlight {
+            wr_id: wr.wr_id,
+            op: wr.op,
+            sg_list: wr.sg_list,
+            signaled: wr.signaled,
+            status: Some(WcStatus::Success),
+            byte_len: total.min(u32::MAX as u64) as u32,
+            vendor_err: 0,
+            req_id: 0,
+            tx_mark: self.tx.queued_total(),
+        });
     }
 
     /// The pieces of `span` in the head WR's SGEs, into `self.pieces`.

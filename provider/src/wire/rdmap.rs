@@ -190,6 +190,17 @@ pub enum SendKind {
 }
 
 impl SendKind {
+    /// The Send opcode of a message with (or without) the Solicited Event
+    /// flag and an STag to invalidate.
+    pub fn of(solicited: bool, invalidates: bool) -> SendKind {
+        match (solicited, invalidates) {
+            (false, false) => SendKind::Send,
+            (false, true) => SendKind::SendInvalidate,
+            (true, false) => SendKind::SendSe,
+            (true, true) => SendKind::SendSeInvalidate,
+        }
+    }
+
     /// The opcode on the wire.
     pub fn opcode(self) -> Opcode {
         match self {
