@@ -564,12 +564,7 @@ impl QpShared {
                 }
             }
         }
-        while let Some((side, wc)) = conn.poll_completion() {
-            match side {
-                CqSide::Send => self.send_cq.push(wc),
-                CqSide::Recv => self.recv_cq.push(wc),
-            }
-        }
+        self.push_completions(conn);
         let mut evented = false;
         while let Some(ev) = conn.poll_event() {
             debug!(qpn = self.qpn, ?ev, "event");
@@ -1010,13 +1005,18 @@ impl QpShared {
         if conn.state() != QpState::Rts || conn.has_pending_tx() || conn.has_events_or_jobs() {
             return false;
         }
+        self.push_completions(conn);
+        true
+    }
+
+    /// Hand the connection's completions to their CQs.
+    fn push_completions(&self, conn: &mut Connection) {
         while let Some((side, wc)) = conn.poll_completion() {
             match side {
                 CqSide::Send => self.send_cq.push(wc),
                 CqSide::Recv => self.recv_cq.push(wc),
             }
         }
-        true
     }
 
     fn queue_list_locked<'w>(

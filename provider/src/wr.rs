@@ -278,6 +278,23 @@ pub struct SendWr {
     pub fence: bool,
 }
 
+impl SendWr {
+    /// The octets its SGEs name, in all.
+    pub fn total_len(&self) -> u64 {
+        self.sg_list.iter().map(|s| u64::from(s.length)).sum()
+    }
+
+    /// The data sink a Read names: its first SGE (the responses are
+    /// placed across all its SGEs by offset); a zero SGE if it has none.
+    pub fn read_sink(&self) -> Sge {
+        self.sg_list.first().copied().unwrap_or(Sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        })
+    }
+}
+
 /// A send work request whose SGE list is borrowed: what a caller that
 /// keeps its SGEs on the stack posts with
 /// [`PostGuard::push`](crate::device::PostGuard::push),

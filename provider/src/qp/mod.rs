@@ -567,8 +567,7 @@ impl Connection {
                 "an atomic needs one 8-byte SGE for the result",
             ));
         }
-        let total: u64 = wr.sg_list.iter().map(|s| s.length as u64).sum();
-        if total > u32::MAX as u64 {
+        if wr.total_len() > u32::MAX as u64 {
             return Err(PostError::Invalid(
                 "a message is at most 2^32 - 1 bytes long",
             ));
@@ -713,7 +712,7 @@ impl Connection {
     /// either ([`has_pending_tx`](Self::has_pending_tx)) and no input, a
     /// drive has nothing to do.
     pub fn has_output(&self) -> bool {
-        !self.completions.is_empty() || !self.events.is_empty() || !self.durability.is_empty()
+        !self.completions.is_empty() || self.has_events_or_jobs()
     }
 
     /// Whether the driver has an event or a Commit to take (the outputs

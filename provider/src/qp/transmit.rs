@@ -564,23 +564,12 @@ impl Connection {
         let Some(wr) = self.sq.front() else {
             return false;
         };
-        if self.cursor.at_start() {
-            if wr.op.needs_response() && self.ord_used >= self.neg.ord {
-                return false;
-            }
-            if wr.fence && self.ord_used > 0 {
-                return false;
-            }
+        if self.cursor.at_start() && !self.may_start(wr) {
+            return false;
         }
         let op = wr.op;
-        let total: u64 = wr.sg_list.iter().map(|s| s.length as u64).sum();
-        // A Read names its first SGE as the data sink; the responses are
-        // placed across all SGEs by offset.
-        let sink = wr.sg_list.first().copied().unwrap_or(Sge {
-            addr: 0,
-            length: 0,
-            lkey: 0,
-        });
+        let total = wr.total_len();
+        let sink = wr.read_sink();
         match op {
             SendOp::Send {
                 solicited,
@@ -667,21 +656,13 @@ impl Connection {
             || !self.tx.is_empty()
             || !self.inbound.is_empty()
             || self.framer.config().markers
-            || (wr.fence && self.ord_used > 0)
+            || !self.may_start(&wr)
         {
             return Err(wr);
         }
-        let total: u64 = wr.sg_list.iter().map(|s| s.length as u64).sum();
+        let total = wr.total_len();
         if wr.op.needs_response() {
-            if self.ord_used >= self.neg.ord {
-                return Err(wr);
-            }
-            let sink = wr.sg_list.first().copied().unwrap_or(Sge {
-                addr: 0,
-                length: 0,
-                lkey: 0,
-            });
-            let Some(req_id) = self.frame_request(wr.op, sink, total) else {
+            let Some(req_id) = self.frame_request(wr.op, wr.read_sink(), total) else {
                 return Err(wr);
             };
             self.framed_at_once(wr, total, Some(req_id));
@@ -718,17 +699,7 @@ impl Connection {
             }
             None => {
                 self.pieces.clear();
-                self.pieces
-                    .extend(
-                        wr.sg_list
-                            .iter()
-                            .filter(|s| s.length > 0)
-                            .map(|s| Piece::Local {
-                                lkey: s.lkey,
-                                addr: s.addr,
-                                len: s.length,
-                            }),
-                    );
+                local_pieces(&wr.sg_list, 0, total as u32, &mut self.pieces);
                 self.frame_pieces(env, &repr)
             }
         };
@@ -955,28 +926,41 @@ impl Connection {
             });
             return;
         }
-        let mut off = span.offset as u64;
-        let mut left = span.len;
-        for sge in &wr.sg_list {
-            if left == 0 {
-                break;
-            }
-            let l = sge.length as u64;
-            if off >= l {
-                off -= l;
-                continue;
-            }
-            let n = ((l - off).min(left as u64)) as u32;
-            // Checked at post time; should the region go away before the
-            // segment is framed, the WR fails (see fail_head_local).
-            self.pieces.push(Piece::Local {
-                lkey: sge.lkey,
-                addr: sge.addr + off,
-                len: n,
-            });
-            left -= n;
-            off = 0;
+        local_pieces(&wr.sg_list, span.offset, span.len, &mut self.pieces);
+    }
+
+    /// Whether `wr` may start leaving now: a request needs an ORD credit,
+    /// and a fenced WR waits for the Reads and atomics before it.
+    fn may_start(&self, wr: &SendWr) -> bool {
+        let out_of_credit = wr.op.needs_response() && self.ord_used >= self.neg.ord;
+        let fenced = wr.fence && self.ord_used > 0;
+        !(out_of_credit || fenced)
+    }
+}
+
+/// The pieces of `sg_list` in the `len` octets from `offset`, onto `out`.
+fn local_pieces(sg_list: &[Sge], offset: u32, len: u32, out: &mut Vec<Piece>) {
+    let mut off = u64::from(offset);
+    let mut left = len;
+    for sge in sg_list {
+        if left == 0 {
+            break;
         }
+        let l = u64::from(sge.length);
+        if off >= l {
+            off -= l;
+            continue;
+        }
+        let n = ((l - off).min(u64::from(left))) as u32;
+        // Checked at post time; should the region go away before the
+        // segment is framed, the WR fails (see fail_head_local).
+        out.push(Piece::Local {
+            lkey: sge.lkey,
+            addr: sge.addr + off,
+            len: n,
+        });
+        left -= n;
+        off = 0;
     }
 }
 
