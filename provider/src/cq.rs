@@ -154,9 +154,14 @@ pub(crate) struct PollMark {
 }
 
 impl PollMark {
-    /// A poll of the CQ.
+    /// A poll of the CQ. A load and a store, not an atomic add: the count
+    /// only tells a reader that polls happened since it last looked, which
+    /// two polls racing to store the same value still tell, and a locked
+    /// add on every poll of a spinning thread cost more than the rest of
+    /// this bookkeeping together.
     pub(crate) fn bump(&self) {
-        self.polls.fetch_add(1, Ordering::Relaxed);
+        let polls = self.polls.load(Ordering::Relaxed);
+        self.polls.store(polls.wrapping_add(1), Ordering::Relaxed);
     }
 
     /// Polls so far.
@@ -167,7 +172,12 @@ impl PollMark {
     /// A poll found the CQ empty: whether the one before it did too (a
     /// thread spins on this CQ).
     pub(crate) fn empty_again(&self) -> bool {
-        self.empty.swap(true, Ordering::Relaxed)
+        // Stored only when it changes (no locked exchange per empty poll).
+        let again = self.empty.load(Ordering::Relaxed);
+        if !again {
+            self.empty.store(true, Ordering::Relaxed);
+        }
+        again
     }
 
     /// A poll found completions.

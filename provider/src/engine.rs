@@ -267,7 +267,11 @@ pub(crate) struct Ownership {
 impl Ownership {
     /// An application thread is driving this QP: the engine keeps off.
     pub(crate) fn note_app(&self) {
-        self.app_polls.fetch_add(1, Ordering::Relaxed);
+        // A load and a store, as `PollMark::bump`: the engine asks only
+        // whether the count moved since it looked.
+        let polls = self.app_polls.load(Ordering::Relaxed);
+        self.app_polls
+            .store(polls.wrapping_add(1), Ordering::Relaxed);
         if self.released.load(Ordering::Relaxed) {
             self.released.store(false, Ordering::Relaxed);
         }

@@ -2,6 +2,7 @@
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -105,9 +106,12 @@ pub(crate) struct CqInner {
     ctx: Context,
     pub(crate) ops: Arc<dyn CqOps>,
     sinks: Mutex<QpnMap<Weak<dyn CompletionSink>>>,
+    /// Bumped (under `sinks`' lock) whenever `sinks` changes: a poll's
+    /// cached sink stands while it has not moved.
+    sinks_changed: AtomicU64,
     /// Completions given meaning but not yet handed out (a raw batch can
     /// hold more than the caller asked for).
-    ready: Mutex<VecDeque<Completion>>,
+    ready: ReadyQueue,
     /// Held while completions are taken from the device and given their
     /// meaning, so that concurrent pollers keep the device's order (the
     /// mailbox numbers a QP's zero-length receives in that order); holds
@@ -129,10 +133,93 @@ impl std::fmt::Debug for CqInner {
     }
 }
 
+/// The completions ready for the application, with their count beside
+/// them: a poll looks at the count before it takes the lock, so the
+/// usual poll, which finds none waiting, takes no lock here (a spinning
+/// poller's every empty poll locked and unlocked it, and a poll that
+/// found a completion did so three times).
+#[derive(Default)]
+struct ReadyQueue {
+    queue: Mutex<VecDeque<Completion>>,
+    /// `queue.len()`, stored under the lock after every change.
+    len: AtomicUsize,
+}
+
+impl ReadyQueue {
+    fn lock(&self) -> ReadyGuard<'_> {
+        ReadyGuard {
+            queue: self.queue.lock().unwrap_or_else(|p| p.into_inner()),
+            len: &self.len,
+        }
+    }
+
+    /// Whether none is queued. A completion queued while this looks is
+    /// seen by the next look, as if this one had come a moment earlier;
+    /// one queued before it (on any thread, under the lock) is seen.
+    fn is_empty(&self) -> bool {
+        self.len.load(Ordering::Acquire) == 0
+    }
+
+    /// Hand `done` out behind what is queued: up to `max` to `out`, the
+    /// rest onto the queue, all under one lock (before, `done` went onto
+    /// the queue under one lock and came off it under another); how many
+    /// went to `out`.
+    fn hand_out(&self, done: &mut Vec<Completion>, out: &mut Vec<Completion>, max: usize) -> usize {
+        if done.is_empty() && self.is_empty() {
+            return 0;
+        }
+        let mut ready = self.lock();
+        if ready.queue.is_empty() {
+            // Nothing ahead of them (the usual case): straight out.
+            let n = max.min(done.len());
+            out.extend(done.drain(..n));
+            ready.queue.extend(done.drain(..));
+            return n;
+        }
+        ready.queue.extend(done.drain(..));
+        let n = max.min(ready.queue.len());
+        out.extend(ready.queue.drain(..n));
+        n
+    }
+
+    /// Move up to `max` to `out`; how many.
+    fn take(&self, out: &mut Vec<Completion>, max: usize) -> usize {
+        if max == 0 || self.is_empty() {
+            return 0;
+        }
+        let mut ready = self.lock();
+        let n = max.min(ready.queue.len());
+        out.extend(ready.queue.drain(..n));
+        n
+    }
+}
+
+/// The locked ready queue; its count follows it when the lock goes.
+struct ReadyGuard<'a> {
+    queue: std::sync::MutexGuard<'a, VecDeque<Completion>>,
+    len: &'a AtomicUsize,
+}
+
+impl Drop for ReadyGuard<'_> {
+    fn drop(&mut self) {
+        self.len.store(self.queue.len(), Ordering::Release);
+    }
+}
+
 #[derive(Default)]
 struct Scratch {
     raw: Vec<RawCompletion>,
     done: Vec<Completion>,
+    /// The sink of the QP the last round found completions of, as of
+    /// `sinks_changed`: a CQ of one QP (or a run of polls on one) finds
+    /// its sink without the map's lock or lookup.
+    sink: Option<CachedSink>,
+}
+
+struct CachedSink {
+    qp_num: u32,
+    changed: u64,
+    sink: Weak<dyn CompletionSink>,
 }
 
 /// Raw completions taken from the backend per round.
@@ -166,10 +253,12 @@ impl CompletionQueue {
                 ctx: ctx.clone(),
                 ops,
                 sinks: Mutex::new(QpnMap::default()),
-                ready: Mutex::new(VecDeque::new()),
+                sinks_changed: AtomicU64::new(0),
+                ready: ReadyQueue::default(),
                 taking: Mutex::new(Scratch {
                     raw: Vec::with_capacity(BATCH),
                     done: Vec::with_capacity(BATCH),
+                    sink: None,
                 }),
                 ready_fd,
                 epoll,
@@ -199,7 +288,7 @@ impl CompletionQueue {
         }
         // A completion that arrived before arming raised no event.
         self.drive()?;
-        Ok(!self.lock_ready().is_empty())
+        Ok(!self.inner.ready.is_empty())
     }
 
     /// [`req_notify`](Self::req_notify) without its last drive: for an
@@ -209,14 +298,14 @@ impl CompletionQueue {
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn req_notify_undriven(&self) -> Result<bool> {
         let _ = self.inner.ready_fd.read();
-        Ok(self.inner.ops.req_notify()? || !self.lock_ready().is_empty())
+        Ok(self.inner.ops.req_notify()? || !self.inner.ready.is_empty())
     }
 
     /// Whether completions may be queued (without driving anything):
     /// false only when none is, on a device that can tell.
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn has_queued(&self) -> bool {
-        !self.lock_ready().is_empty() || self.inner.ops.has_queued()
+        !self.inner.ready.is_empty() || self.inner.ops.has_queued()
     }
 
     /// The device context.
@@ -228,17 +317,44 @@ impl CompletionQueue {
         let mut sinks = self.inner.sinks.lock().unwrap_or_else(|p| p.into_inner());
         sinks.retain(|_, w| w.strong_count() > 0);
         sinks.insert(qp_num, sink);
+        self.inner.sinks_changed.fetch_add(1, Ordering::Release);
     }
 
-    fn lock_ready(&self) -> std::sync::MutexGuard<'_, VecDeque<Completion>> {
-        self.inner.ready.lock().unwrap_or_else(|p| p.into_inner())
+    /// The live sink of QP `qp_num`, from `cache` while the map has not
+    /// changed since it was filled, else from the map (then cached).
+    fn sink_of(
+        &self,
+        qp_num: u32,
+        cache: &mut Option<CachedSink>,
+    ) -> Option<Arc<dyn CompletionSink>> {
+        let changed = self.inner.sinks_changed.load(Ordering::Acquire);
+        if let Some(c) = cache {
+            if c.qp_num == qp_num && c.changed == changed {
+                return c.sink.upgrade();
+            }
+        }
+        let sink = self
+            .inner
+            .sinks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&qp_num)
+            .cloned()?;
+        let live = sink.upgrade();
+        *cache = Some(CachedSink {
+            qp_num,
+            changed,
+            sink,
+        });
+        live
     }
 
     /// Give raw completions their meaning, running emulation steps on the
-    /// way (they may post follow-up work and yield nothing), onto the
-    /// ready queue.
+    /// way (they may post follow-up work and yield nothing): into
+    /// `scratch.done` for [`hand_out`](Self::hand_out), and what a send
+    /// queue's order releases straight onto the ready queue.
     fn process(&self, scratch: &mut Scratch) {
-        let Scratch { raw, done } = scratch;
+        let Scratch { raw, done, sink } = scratch;
         let mut last: Option<(u32, Arc<dyn CompletionSink>)> = None;
         let mut rest = &raw[..];
         while let Some(first) = rest.first() {
@@ -247,11 +363,7 @@ impl CompletionQueue {
             let (run, after) = rest.split_at(len);
             rest = after;
             if last.as_ref().is_none_or(|(qpn, _)| *qpn != qp_num) {
-                let sinks = self.inner.sinks.lock().unwrap_or_else(|p| p.into_inner());
-                last = sinks
-                    .get(&qp_num)
-                    .and_then(Weak::upgrade)
-                    .map(|s| (qp_num, s));
+                last = self.sink_of(qp_num, sink).map(|s| (qp_num, s));
             }
             match &last {
                 Some((_, s)) => s.complete(run, done),
@@ -263,34 +375,48 @@ impl CompletionQueue {
             }
         }
         raw.clear();
-        if !done.is_empty() {
-            self.lock_ready().extend(done.drain(..));
-        }
+    }
+
+    /// Hand what a round gave meaning to (`done`) out (see
+    /// [`ReadyQueue::hand_out`]). Only under `taking`, so that a
+    /// concurrent poll's round cannot come between.
+    fn hand_out(&self, done: &mut Vec<Completion>, out: &mut Vec<Completion>, max: usize) -> usize {
+        self.inner.ready.hand_out(done, out, max)
     }
 
     /// One round of taking raw completions and giving them their meaning;
     /// the application's stay queued for its next poll.
     pub(crate) fn drive(&self) -> Result<()> {
         let mut scratch = self.inner.taking.lock().unwrap_or_else(|p| p.into_inner());
-        self.take_raw(&mut scratch)?;
+        if self.take_raw(&mut scratch)? {
+            let Scratch { done, .. } = &mut *scratch;
+            self.hand_out(done, &mut Vec::new(), 0);
+        }
         Ok(())
     }
 
-    /// Take a batch from the device and give it meaning (onto the ready
-    /// queue); whether there was any. Only under `taking`.
+    /// Take a batch from the device and give it meaning (into
+    /// `scratch.done`, and what a send queue's order released onto the
+    /// ready queue); whether there was any. Only under `taking`.
     fn take_raw(&self, scratch: &mut Scratch) -> Result<bool> {
         self.inner.ops.poll(&mut scratch.raw, BATCH)?;
-        let any = !scratch.raw.is_empty();
+        if scratch.raw.is_empty() {
+            return Ok(false);
+        }
         self.process(scratch);
-        Ok(any)
+        Ok(true)
     }
 
-    /// Queue a completion produced outside a poll (by the agent thread).
-    pub(crate) fn push_ready(&self, c: impl IntoIterator<Item = Completion>) {
-        let mut ready = self.lock_ready();
-        let before = ready.len();
-        ready.extend(c);
-        if ready.len() == before {
+    /// Queue what `release` puts at the back of the ready queue: a QP's
+    /// send order releasing its finished WRs in order, straight in (its
+    /// caller holds the order's lock, so that releases on two threads
+    /// cannot swap places). `wake`: released outside a poll, where a
+    /// thread may be asleep on the CQ.
+    pub(crate) fn release_with(&self, wake: bool, release: impl FnOnce(&mut VecDeque<Completion>)) {
+        let mut ready = self.inner.ready.lock();
+        let before = ready.queue.len();
+        release(&mut ready.queue);
+        if !wake || ready.queue.len() == before {
             return;
         }
         drop(ready);
@@ -299,22 +425,9 @@ impl CompletionQueue {
         self.inner.ops.interrupt();
     }
 
-    /// Queue completions a QP's send order released, in that order (its
-    /// caller holds the order's lock). `wake`: released outside a poll.
-    pub(crate) fn push_released(&self, c: impl IntoIterator<Item = Completion>, wake: bool) {
-        if wake {
-            self.push_ready(c);
-        } else {
-            self.lock_ready().extend(c);
-        }
-    }
-
     /// Move up to `max` ready completions to `out`.
     fn take_ready(&self, out: &mut Vec<Completion>, max: usize) -> usize {
-        let mut ready = self.lock_ready();
-        let n = max.min(ready.len());
-        out.extend(ready.drain(..n));
-        n
+        self.inner.ready.take(out, max)
     }
 
     /// `ibv_poll_cq`: append up to `max` completions to `out`; returns how
@@ -342,8 +455,8 @@ impl CompletionQueue {
             if !self.take_raw(&mut scratch)? {
                 break;
             }
-            drop(scratch);
-            n += self.take_ready(out, max - n);
+            let Scratch { done, .. } = &mut *scratch;
+            n += self.hand_out(done, out, max - n);
         }
         Ok(n)
     }
@@ -360,8 +473,8 @@ impl CompletionQueue {
             if let Ok(mut scratch) = self.inner.taking.try_lock() {
                 self.inner.ops.poll_queued(&mut scratch.raw, BATCH)?;
                 self.process(&mut scratch);
-                drop(scratch);
-                n += self.take_ready(out, max - n);
+                let Scratch { done, .. } = &mut *scratch;
+                n += self.hand_out(done, out, max - n);
             }
         }
         Ok(n)
@@ -402,7 +515,7 @@ impl CompletionQueue {
                 continue;
             }
             // The provider's wait also returns when the emulation layer
-            // queues a completion (`push_ready` interrupts it).
+            // queues a completion (`release_with` interrupts it).
             self.inner.ops.wait(left)?;
         }
     }
@@ -415,5 +528,66 @@ impl AsFd for CompletionQueue {
     /// an async runtime's fd readiness.
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.inner.epoll.0.as_fd()
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A successful Send completion of QP 1 with id `wr_id`.
+    pub(crate) fn c(wr_id: u64) -> Completion {
+        Completion {
+            wr_id,
+            status: WcStatus::Success,
+            qp_num: 1,
+            kind: CompletionKind::Send,
+            vendor_err: 0,
+        }
+    }
+
+    /// The ids of `v`, in order.
+    pub(crate) fn ids(v: &[Completion]) -> Vec<u64> {
+        v.iter().map(|c| c.wr_id).collect()
+    }
+
+    /// A round's completions go out behind those queued before it, as
+    /// many as asked for; the rest wait on the queue, in order, and its
+    /// count (what a poll looks at before it locks) follows.
+    #[test]
+    fn handed_out_completions_keep_their_order_behind_the_queue() {
+        let ready = ReadyQueue::default();
+        assert!(ready.is_empty());
+        ready.lock().queue.extend([c(1), c(2)]);
+        assert!(!ready.is_empty());
+        let mut done = vec![c(3), c(4), c(5)];
+        let mut out = Vec::new();
+        assert_eq!(ready.hand_out(&mut done, &mut out, 2), 2);
+        assert_eq!(ids(&out), [1, 2]);
+        assert!(done.is_empty(), "the rest is queued, not left behind");
+        assert_eq!(ready.len.load(Ordering::Relaxed), 3);
+        out.clear();
+        assert_eq!(ready.take(&mut out, 8), 3);
+        assert_eq!(ids(&out), [3, 4, 5]);
+        assert!(ready.is_empty());
+    }
+
+    /// With nothing queued, a round goes straight out up to `max`, and
+    /// what does not fit is queued for the next poll.
+    #[test]
+    fn a_round_larger_than_asked_queues_its_rest() {
+        let ready = ReadyQueue::default();
+        let mut done = vec![c(1), c(2), c(3)];
+        let mut out = Vec::new();
+        assert_eq!(ready.hand_out(&mut done, &mut out, 1), 1);
+        assert_eq!(ids(&out), [1]);
+        assert!(!ready.is_empty());
+        let mut more = vec![c(4)];
+        out.clear();
+        assert_eq!(ready.hand_out(&mut more, &mut out, 8), 3);
+        assert_eq!(ids(&out), [2, 3, 4]);
+        assert!(ready.is_empty());
+        assert_eq!(ready.hand_out(&mut Vec::new(), &mut out, 8), 0);
+        assert_eq!(ready.take(&mut out, 0), 0);
     }
 }

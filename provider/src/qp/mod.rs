@@ -607,6 +607,16 @@ impl Connection {
                 | SendOp::CmpSwap { .. }
                 | SendOp::Swap { .. }
         );
+        if !write {
+            // A payload framed at once is checked as it is copied, under the
+            // region table's one lock (a second lookup of the region, and a
+            // second lock, per post before): a bad SGE fails its WR as the
+            // check below would, and nothing of it is framed.
+            wr = match self.frame_at_once(env, wr, None) {
+                Ok(()) => return Ok(()),
+                Err(wr) => wr,
+            };
+        }
         for sge in &wr.sg_list {
             if env
                 .mem
@@ -618,7 +628,9 @@ impl Connection {
                 return Ok(());
             }
         }
-        if let Err(wr) = self.frame_at_once(env, wr, None) {
+        if !write {
+            self.sq.push_back(Queued { wr, inline: false });
+        } else if let Err(wr) = self.frame_at_once(env, wr, None) {
             self.sq.push_back(Queued { wr, inline: false });
         }
         Ok(())

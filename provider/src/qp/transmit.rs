@@ -643,8 +643,11 @@ impl Connection {
     /// one segment, copied. The send queue would frame it next the same
     /// way, through its entry, its cursor and a segment plan: an 8-octet
     /// post's longest steps after the system call. `data` is an inline
-    /// WR's payload (not copied into the slots first). Hands `wr` back
-    /// when it must queue.
+    /// WR's payload (not copied into the slots first). A Send's or
+    /// Write's SGEs need no check before: each is checked as its octets
+    /// are copied, and one naming no region it may read fails the WR
+    /// (`LocProtErr`) with nothing framed. Hands `wr` back when it must
+    /// queue.
     pub(super) fn frame_at_once(
         &mut self,
         env: &Env,
@@ -704,7 +707,8 @@ impl Connection {
             }
         };
         if framed.is_err() {
-            // Its region went away since the post checked it.
+            // An SGE names no region it may read (a bad lkey, an access
+            // out of bounds, a region gone).
             self.failed_local(wr);
             return Ok(());
         }

@@ -667,7 +667,14 @@ impl QpCore {
     /// entry holds).
     fn payload(&self, wr: &WorkRequest<'_>) -> Result<(Held, Option<usize>, Option<Box<Inline>>)> {
         Ok(if !wr.inline {
-            (wr.local.iter().cloned().collect::<Held>(), None, None)
+            // Pushed one by one, as the tracker's SGEs are: `collect`'s
+            // size hint, reserve and general extend were 40 instructions
+            // of an 8-octet post, for the one or two slices a WR names.
+            let mut held = Held::new();
+            for s in wr.local {
+                held.push(s.clone());
+            }
+            (held, None, None)
         } else if self.backend.copies_inline() {
             (Held::new(), None, Some(Box::new(Inline::gather(wr)?)))
         } else {
@@ -777,9 +784,8 @@ impl QpCore {
     /// `wake`: a thread may be asleep on the CQ (a release outside a poll).
     fn finish(&self, seq: u64, c: Option<Completion>, wake: bool) {
         let mut order = self.order.lock().unwrap_or_else(|p| p.into_inner());
-        let mut out: SmallVec<[Completion; 4]> = SmallVec::new();
-        order.finish(seq, c, &mut out);
-        self.send_cq.push_released(out, wake);
+        self.send_cq
+            .release_with(wake, |ready| order.finish(seq, c, ready));
     }
 
     fn completion(
@@ -823,7 +829,7 @@ impl QpCore {
     /// of the order. Any other (a receive, an emulation step) ends the
     /// stretch: the notes before it are released, then it is handled on
     /// its own, as it always was.
-    fn complete_run(self: &Arc<Self>, run: &[RawCompletion], out: &mut Vec<Completion>) {
+    fn complete_run(&self, run: &[RawCompletion], out: &mut Vec<Completion>) {
         if let [rc] = run {
             return self.complete_one(rc, out);
         }
@@ -878,7 +884,7 @@ impl QpCore {
     /// poll of a ping-pong, where the completion (a Read's, an atomic's, a
     /// Receive's) is the round trip's turn: the same steps, without the
     /// arrays a stretch gathers its notes in.
-    fn complete_one(self: &Arc<Self>, rc: &RawCompletion, out: &mut Vec<Completion>) {
+    fn complete_one(&self, rc: &RawCompletion, out: &mut Vec<Completion>) {
         if Table::of(rc.token) == Table::Srq {
             return self.complete_srq(rc, out);
         }
@@ -966,13 +972,13 @@ impl QpCore {
             return;
         }
         let mut order = self.order.lock().unwrap_or_else(|p| p.into_inner());
-        let mut out: SmallVec<[Completion; CQ_RUN]> = SmallVec::new();
-        for e in ends {
-            if let Some(seq) = e.seq {
-                order.finish(seq, e.completion, &mut out);
+        self.send_cq.release_with(false, |ready| {
+            for e in ends {
+                if let Some(seq) = e.seq {
+                    order.finish(seq, e.completion, ready);
+                }
             }
-        }
-        self.send_cq.push_released(out.drain(..), false);
+        });
     }
 
     fn complete_srq(&self, rc: &RawCompletion, out: &mut Vec<Completion>) {
@@ -991,13 +997,7 @@ impl QpCore {
 
     /// A completion that is not a plain send's end (see
     /// [`send_end`](Self::send_end)), its entry taken from the tracker.
-    fn complete_entry(
-        self: &Arc<Self>,
-        rc: RawCompletion,
-        p: Pending,
-        held: Held,
-        out: &mut Vec<Completion>,
-    ) {
+    fn complete_entry(&self, rc: RawCompletion, p: Pending, held: Held, out: &mut Vec<Completion>) {
         match p.what {
             What::Recv => out.push(self.recv_completion(p.wr_id, &rc)),
             What::Probe { slot } => {
@@ -1043,9 +1043,12 @@ impl QpCore {
                     Step::Silent if rc.status == WcStatus::Success => {}
                     Step::Silent => self.finish_send(&w, outcome, false),
                     Step::Cas(cas) => self.cas_step(&rc, w, cas, held, false),
-                    Step::CommitRead { remote, len } => {
-                        self.commit_step(&rc, w, (remote, len), false)
-                    }
+                    // The one step that posts through the agent, which
+                    // takes an `Arc` of the core.
+                    Step::CommitRead { remote, len } => match self.me.upgrade() {
+                        Some(me) => me.commit_step(&rc, w, (remote, len), false),
+                        None => warn!(qp = self.qp_num, "completion for a QP being dropped"),
+                    },
                     Step::Agent => {
                         warn!(qp = self.qp_num, "device completion for an agent request")
                     }
@@ -1102,11 +1105,8 @@ fn check_atomic_local(wr: &WorkRequest<'_>) -> Result<()> {
 
 impl CompletionSink for QpCore {
     fn complete(&self, run: &[RawCompletion], out: &mut Vec<Completion>) {
-        // The strategies post follow-ups that need an Arc of the core; a
-        // sink is only ever reached through one (the CQ upgrades its Weak).
-        match self.me.upgrade() {
-            Some(me) => me.complete_run(run, out),
-            None => warn!(qp = self.qp_num, "completion for a QP being dropped"),
-        }
+        // No `Arc` of the core per run (an atomic pair per poll that finds
+        // a completion): the one step that needs one takes it.
+        self.complete_run(run, out)
     }
 }

@@ -58,22 +58,7 @@ impl SendOrder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cq::CompletionKind;
-    use provider::wr::WcStatus;
-
-    fn c(wr_id: u64) -> Completion {
-        Completion {
-            wr_id,
-            status: WcStatus::Success,
-            qp_num: 1,
-            kind: CompletionKind::Send,
-            vendor_err: 0,
-        }
-    }
-
-    fn ids(v: &[Completion]) -> Vec<u64> {
-        v.iter().map(|c| c.wr_id).collect()
-    }
+    use crate::cq::tests::{c, ids};
 
     #[test]
     fn a_late_wr_holds_back_later_ones_then_all_leave_in_order() {
