@@ -14,6 +14,35 @@ pub struct Sge {
     pub lkey: u32,
 }
 
+/// The parts of a message's octets `offset..offset + len` in its SGE list
+/// `sg_list`, in order: each SGE they touch, the offset into it and how
+/// many octets there. Ends with the list if the list is shorter; the
+/// caller tells that from the lengths it was given.
+pub(crate) fn sge_spans(
+    sg_list: &[Sge],
+    offset: u64,
+    len: u64,
+) -> impl Iterator<Item = (&Sge, u64, u64)> {
+    let (mut skip, mut left) = (offset, len);
+    sg_list
+        .iter()
+        .map_while(move |sge| {
+            if left == 0 {
+                return None;
+            }
+            let l = u64::from(sge.length);
+            if skip >= l {
+                skip -= l;
+                return Some(None);
+            }
+            let (off, n) = (skip, (l - skip).min(left));
+            skip = 0;
+            left -= n;
+            Some(Some((sge, off, n)))
+        })
+        .flatten()
+}
+
 /// Keep a finished WR's SGE list in `pool`, emptied, for a post by
 /// reference to fill: while the pool holds fewer than `limit`, and only a
 /// list of a usual size (some room allocated, and no more than for
@@ -555,4 +584,40 @@ impl WorkCompletion {
         vendor_err: 0,
         solicited: false,
     };
+}
+
+#[cfg(test)]
+mod span_tests {
+    use super::*;
+
+    fn sge(length: u32) -> Sge {
+        Sge {
+            addr: 0x1000 * u64::from(length),
+            length,
+            lkey: length,
+        }
+    }
+
+    fn spans(list: &[Sge], offset: u64, len: u64) -> Vec<(u32, u64, u64)> {
+        sge_spans(list, offset, len)
+            .map(|(s, off, n)| (s.lkey, off, n))
+            .collect()
+    }
+
+    /// A span skips the SGEs before its offset, starts part-way into one,
+    /// crosses into the next, and stops where its length ends; past the
+    /// list's end it simply ends (the octets it lacks are the caller's
+    /// to notice).
+    #[test]
+    fn a_span_walks_the_sges_it_covers_and_no_others() {
+        let list = [sge(4), sge(8), sge(16)];
+        assert_eq!(spans(&list, 0, 28), [(4, 0, 4), (8, 0, 8), (16, 0, 16)]);
+        assert_eq!(spans(&list, 6, 10), [(8, 2, 6), (16, 0, 4)]);
+        assert_eq!(spans(&list, 4, 8), [(8, 0, 8)]);
+        assert_eq!(spans(&list, 12, 0), []);
+        assert_eq!(spans(&list, 20, 100), [(16, 8, 8)]);
+        assert_eq!(spans(&list, 28, 1), []);
+        let with_empty = [sge(4), sge(0), sge(8)];
+        assert_eq!(spans(&with_empty, 2, 6), [(4, 2, 2), (8, 0, 4)]);
+    }
 }

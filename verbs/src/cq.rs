@@ -160,10 +160,11 @@ impl ReadyQueue {
         self.len.load(Ordering::Acquire) == 0
     }
 
-    /// Hand `done` out behind what is queued: up to `max` to `out`, the
-    /// rest onto the queue, all under one lock (before, `done` went onto
-    /// the queue under one lock and came off it under another); how many
-    /// went to `out`.
+    /// Hand a poll round's completions (`done`) out behind what is
+    /// queued: up to `max` to `out`, the rest onto the queue, all under one
+    /// lock (before, `done` went onto the queue under one lock and came off
+    /// it under another); how many went to `out`. Only under the CQ's
+    /// `taking`, so that a concurrent poll's round cannot come between.
     fn hand_out(&self, done: &mut Vec<Completion>, out: &mut Vec<Completion>, max: usize) -> usize {
         if done.is_empty() && self.is_empty() {
             return 0;
@@ -351,7 +352,7 @@ impl CompletionQueue {
 
     /// Give raw completions their meaning, running emulation steps on the
     /// way (they may post follow-up work and yield nothing): into
-    /// `scratch.done` for [`hand_out`](Self::hand_out), and what a send
+    /// `scratch.done` for [`ReadyQueue::hand_out`], and what a send
     /// queue's order releases straight onto the ready queue.
     fn process(&self, scratch: &mut Scratch) {
         let Scratch { raw, done, sink } = scratch;
@@ -377,20 +378,13 @@ impl CompletionQueue {
         raw.clear();
     }
 
-    /// Hand what a round gave meaning to (`done`) out (see
-    /// [`ReadyQueue::hand_out`]). Only under `taking`, so that a
-    /// concurrent poll's round cannot come between.
-    fn hand_out(&self, done: &mut Vec<Completion>, out: &mut Vec<Completion>, max: usize) -> usize {
-        self.inner.ready.hand_out(done, out, max)
-    }
-
     /// One round of taking raw completions and giving them their meaning;
     /// the application's stay queued for its next poll.
     pub(crate) fn drive(&self) -> Result<()> {
         let mut scratch = self.inner.taking.lock().unwrap_or_else(|p| p.into_inner());
         if self.take_raw(&mut scratch)? {
             let Scratch { done, .. } = &mut *scratch;
-            self.hand_out(done, &mut Vec::new(), 0);
+            self.inner.ready.hand_out(done, &mut Vec::new(), 0);
         }
         Ok(())
     }
@@ -456,7 +450,7 @@ impl CompletionQueue {
                 break;
             }
             let Scratch { done, .. } = &mut *scratch;
-            n += self.hand_out(done, out, max - n);
+            n += self.inner.ready.hand_out(done, out, max - n);
         }
         Ok(n)
     }
@@ -474,7 +468,7 @@ impl CompletionQueue {
                 self.inner.ops.poll_queued(&mut scratch.raw, BATCH)?;
                 self.process(&mut scratch);
                 let Scratch { done, .. } = &mut *scratch;
-                n += self.hand_out(done, out, max - n);
+                n += self.inner.ready.hand_out(done, out, max - n);
             }
         }
         Ok(n)

@@ -32,7 +32,7 @@ use crate::wire::fpdu::{pad_len, Crc32c, CRC_LEN, LENGTH_LEN};
 use crate::wire::rdmap::RdmapRepr;
 use crate::wire::stream::Deframer;
 use crate::wire::Error;
-use crate::wr::{SendOp, WcStatus};
+use crate::wr::{sge_spans, SendOp, WcStatus};
 
 use super::Env;
 
@@ -226,22 +226,13 @@ impl Connection {
                 if stag != first.lkey {
                     return None;
                 }
-                let mut off = to.checked_sub(first.addr)?;
+                let off = to.checked_sub(first.addr)?;
                 if off.checked_add(len)? > u64::from(head.byte_len) {
                     return None;
                 }
-                // The same walk as `scatter`, recorded instead of copied.
+                // The spans `scatter` would copy to, recorded instead.
                 let mut left = len;
-                for sge in &head.sg_list {
-                    if left == 0 {
-                        break;
-                    }
-                    let l = u64::from(sge.length);
-                    if off >= l {
-                        off -= l;
-                        continue;
-                    }
-                    let n = (l - off).min(left);
+                for (sge, off, n) in sge_spans(&head.sg_list, off, len) {
                     let addr = sge.addr.checked_add(off)?;
                     env.mem.check_local(sge.lkey, pd, addr, n, true).ok()?;
                     let seg = PlaceSeg {
@@ -254,7 +245,6 @@ impl Connection {
                         return None;
                     }
                     left -= n;
-                    off = 0;
                 }
                 (left == 0).then_some((Kind::ReadResponse { last }, target))
             }

@@ -18,7 +18,7 @@ use crate::wire::ddp::{Control, Segments};
 use crate::wire::rdmap::{Opcode, RdmapRepr, SendKind};
 use crate::wire::stream::Deframer;
 use crate::wire::{Error, TerminateCause};
-use crate::wr::{RecvWr, SendOp, Sge, WcOpcode, WcStatus};
+use crate::wr::{sge_spans, RecvWr, SendOp, Sge, WcOpcode, WcStatus};
 
 /// Why processing an inbound ULPDU stopped the stream.
 pub(super) enum RxFail {
@@ -727,26 +727,12 @@ impl Connection {
 }
 
 /// Scatter `data` at message offset `off` across `sges`.
-fn scatter(
-    mem: &MrTable,
-    pd: PdId,
-    sges: &[Sge],
-    mut off: u64,
-    mut data: &[u8],
-) -> Result<(), Error> {
-    for sge in sges {
-        if data.is_empty() {
-            break;
-        }
-        let l = sge.length as u64;
-        if off >= l {
-            off -= l;
-            continue;
-        }
-        let n = ((l - off) as usize).min(data.len());
-        mem.write_local(sge.lkey, pd, sge.addr + off, &data[..n])?;
-        data = &data[n..];
-        off = 0;
+fn scatter(mem: &MrTable, pd: PdId, sges: &[Sge], off: u64, mut data: &[u8]) -> Result<(), Error> {
+    for (sge, off, n) in sge_spans(sges, off, data.len() as u64) {
+        // At most `data.len()`.
+        let (part, rest) = data.split_at(n as usize);
+        mem.write_local(sge.lkey, pd, sge.addr + off, part)?;
+        data = rest;
     }
     if data.is_empty() {
         Ok(())

@@ -19,7 +19,7 @@ use crate::setup::Rtr;
 use crate::wire::atomic::AtomicOpcode;
 use crate::wire::ddp::{SegmentSpan, Segments};
 use crate::wire::rdmap::{RdmapRepr, SendKind};
-use crate::wr::{Remote, SendOp, SendWr, Sge, WcStatus};
+use crate::wr::{sge_spans, Remote, SendOp, SendWr, Sge, WcStatus};
 
 /// Payloads up to this size are copied into the output rather than
 /// gathered from registered memory at write time.
@@ -944,27 +944,16 @@ impl Connection {
 
 /// The pieces of `sg_list` in the `len` octets from `offset`, onto `out`.
 fn local_pieces(sg_list: &[Sge], offset: u32, len: u32, out: &mut Vec<Piece>) {
-    let mut off = u64::from(offset);
-    let mut left = len;
-    for sge in sg_list {
-        if left == 0 {
-            break;
-        }
-        let l = u64::from(sge.length);
-        if off >= l {
-            off -= l;
-            continue;
-        }
-        let n = ((l - off).min(u64::from(left))) as u32;
-        // Checked at post time; should the region go away before the
-        // segment is framed, the WR fails (see fail_head_local).
+    // Checked at post time (or as a WR framed at once is copied); should
+    // the region go away before the segment is framed, the WR fails (see
+    // fail_head_local).
+    for (sge, off, n) in sge_spans(sg_list, offset.into(), len.into()) {
         out.push(Piece::Local {
             lkey: sge.lkey,
             addr: sge.addr + off,
-            len: n,
+            // At most `len`.
+            len: n as u32,
         });
-        left -= n;
-        off = 0;
     }
 }
 
