@@ -991,7 +991,12 @@ impl QpShared {
             return false;
         }
         let env = self.env();
-        conn.prepare_transmit(&env, TX_BUDGET);
+        // What the post framed at once is framed already; the send queue
+        // is walked only when the post queued a WR, or a response is owed
+        // (the walk was 86 instructions of an 8-octet Write's post, #20).
+        if conn.has_to_frame() {
+            conn.prepare_transmit(&env, TX_BUDGET);
+        }
         // Longer output may hold back its tail ([`Self::flush_posted`]).
         if conn.queued_tx() > crate::tail::MIN_MSS {
             return false;

@@ -91,7 +91,8 @@ impl Connection {
         if self.phase.is_error() || placing.failed.is_some() {
             return None;
         }
-        let remaining = self.deframer.external_remaining() as u64;
+        let deframer = self.deframer.as_ref()?;
+        let remaining = deframer.external_remaining() as u64;
         if remaining == 0 {
             return None;
         }
@@ -99,7 +100,7 @@ impl Connection {
         let ulpdu_len = placing.target.len() as usize + TAGGED_HEADER_LEN;
         Some(PlaceRequest {
             target: placing.target.window(placing.done, remaining),
-            crc: self.deframer.external_crc(),
+            crc: deframer.external_crc(),
             trailer: pad_len(ulpdu_len) + CRC_LEN,
         })
     }
@@ -115,17 +116,18 @@ impl Connection {
         if !self.streaming || self.phase.is_error() {
             return None;
         }
-        Some(self.deframer.fpdu_remaining()? + HEADER_PEEK)
+        Some(self.deframer.as_ref()?.fpdu_remaining()? + HEADER_PEEK)
     }
 
     /// `n` payload octets of the [`placement`](Self::placement) were read
     /// into its target, `crc` its CRC extended over them.
     pub fn handle_placed(&mut self, n: usize, crc: Option<Crc32c>) {
-        let Some(placing) = self.placing.as_mut() else {
+        let (Some(placing), Some(deframer)) = (self.placing.as_mut(), self.deframer.as_mut())
+        else {
             return;
         };
-        let n = n.min(self.deframer.external_remaining());
-        self.deframer.placed_external(n, crc);
+        let n = n.min(deframer.external_remaining());
+        deframer.placed_external(n, crc);
         placing.done += n as u64;
     }
 

@@ -285,7 +285,7 @@ fn a_large_write_lands_directly_and_exactly() {
             assert!(rx.direct > 100, "a segment split over many reads");
         }
         assert_eq!(b.state(), QpState::Rts);
-        assert!(b.placing.is_none() && b.deframer.is_idle());
+        assert!(b.placing.is_none() && b.deframer.as_ref().is_some_and(|d| d.is_idle()));
         let got = dst.contents(&mem);
         assert!(
             got.iter().enumerate().all(|(i, &x)| x == pattern(i)),
@@ -538,11 +538,11 @@ fn small_segments_and_markers_take_the_ordinary_path() {
         let mem = MrTable::new();
         let (mut a, mut b) = pair(true);
         a.framer = Framer::new(FramerConfig { crc: true, markers });
-        b.deframer = Deframer::new(DeframerConfig {
+        b.deframer = Some(Box::new(Deframer::new(DeframerConfig {
             crc: true,
             markers,
             max_ulpdu_len: u16::MAX,
-        });
+        })));
         let dst = Guarded::new(&mem, len, Access::REMOTE_WRITE, |_| 0);
         post_write(&mut a, &mem, len, dst.stag, dst.va);
         let wire = transmit(&mut a, &mem);

@@ -152,8 +152,9 @@ impl Connection {
     pub fn input_under_way(&self) -> bool {
         !self.phase.is_error()
             && self.held.is_none()
-            && self.deframer.error().is_none()
-            && (!self.deframer.is_idle() || self.rx_send.in_progress())
+            && self.deframer.as_ref().is_some_and(|d| {
+                d.error().is_none() && (!d.is_idle() || self.rx_send.in_progress())
+            })
     }
 
     /// Room to read up to `want` stream octets into directly while input
@@ -239,12 +240,15 @@ impl Connection {
     /// wait for a Receive (empty otherwise).
     fn deframe<'a>(&mut self, mut input: &'a [u8], env: &Env) -> &'a [u8] {
         // The ULPDU may borrow the deframer's buffer: lend the deframer out
-        // of `self` for the loop (a fresh one allocates nothing) so that the
-        // handlers can take `&mut self`.
-        let config = self.deframer.config();
-        let mut deframer = std::mem::replace(&mut self.deframer, Deframer::new(config));
+        // of `self` for the loop so that the handlers can take `&mut self`.
+        let Some(mut deframer) = self.deframer.take() else {
+            // Lent already: nothing in `receive` feeds octets back in, so
+            // this is never reached; were it, the input would be kept
+            // whole rather than lost.
+            return input;
+        };
         self.receive(&mut deframer, &mut input, env);
-        self.deframer = deframer;
+        self.deframer = Some(deframer);
         if self.held.is_some() {
             input
         } else {

@@ -128,7 +128,14 @@ impl Connection {
 
     /// Whether the connection has work it could transmit now.
     pub fn has_pending_tx(&self) -> bool {
-        if !self.tx.is_empty() || matches!(self.phase, Phase::SendRtr(_)) {
+        !self.tx.is_empty() || self.has_to_frame()
+    }
+
+    /// Whether [`prepare_transmit`](Self::prepare_transmit) would frame
+    /// anything: an RTR to send, a response owed, or a send queue that
+    /// can move.
+    pub fn has_to_frame(&self) -> bool {
+        if matches!(self.phase, Phase::SendRtr(_)) {
             return true;
         }
         let rts = matches!(self.phase, Phase::Running | Phase::AwaitRtrResponse);
