@@ -202,9 +202,11 @@ impl ReadyGuard<'_> {
     /// handling cost more than the moves (#20).
     fn move_to(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
         let n = max.min(self.queue.len());
-        out.reserve(n);
         for _ in 0..n {
-            out.extend(self.queue.pop_front());
+            let Some(c) = self.queue.pop_front() else {
+                break;
+            };
+            out.push(c);
         }
         n
     }
