@@ -32,6 +32,21 @@ pub(crate) trait CqQp: Send + Sync {
     /// stands back; a thread polling an armed CQ is about to sleep on
     /// its notification and leaves the QP with the engine.
     fn try_progress(&self, claim: bool);
+    /// [`try_progress`](Self::try_progress) with `claim`, from a thread
+    /// polling `cq` (not armed): the completions for `cq` the drive makes
+    /// go straight to `take`, up to `max`, while `cq` has none queued
+    /// (see [`CompletionQueue::poll_each`]); how many went. The rest is
+    /// queued as a drive queues it.
+    fn try_progress_into(
+        &self,
+        cq: &CompletionQueue,
+        max: usize,
+        take: &mut dyn FnMut(WorkCompletion),
+    ) -> usize {
+        let _ = (cq, max, take);
+        self.try_progress(true);
+        0
+    }
     /// Drive the QP from a waiter whose sleep on its socket just ended
     /// with the socket ready, waiting for the lock if another thread holds
     /// it (the input is still unread behind that thread).
@@ -355,9 +370,39 @@ impl CompletionQueue {
                 }
             }
         } else {
-            self.drive_qps(true);
+            // The thread drives the QPs and takes what they complete for
+            // this CQ straight from them, not through the queue (a lock
+            // and a queue's push and pop per completion, #20).
+            let n = self.drive_qps_into(max, &mut take);
+            if n > 0 {
+                return n + self.try_poll_each(max - n, take);
+            }
         }
         self.try_poll_each(max, take)
+    }
+
+    /// Whether no completion is queued, without the lock: one queued
+    /// while this looks is seen by the next look.
+    pub(crate) fn nothing_queued(&self) -> bool {
+        self.queued.load(Ordering::Acquire) == 0
+    }
+
+    /// Drive the CQ's QPs once from this polling thread, handing what
+    /// they complete for this CQ to `take` ([`CqQp::try_progress_into`]);
+    /// how many went to it.
+    ///
+    /// A QP's completions keep their order: one goes to `take` only while
+    /// nothing is queued here, looked at under the QP's lock, which every
+    /// push of that QP's completions holds; once one of them is queued,
+    /// the rest follow it onto the queue. Completions of different QPs
+    /// have no order between them.
+    fn drive_qps_into(&self, max: usize, take: &mut dyn FnMut(WorkCompletion)) -> usize {
+        let qps = self.qps.read().unwrap_or_else(|p| p.into_inner());
+        let mut n = 0;
+        for qp in qps.iter().filter_map(Weak::upgrade) {
+            n += qp.try_progress_into(self, max - n, take);
+        }
+        n
     }
 
     /// Block until a completion is waiting or `timeout` passes; then poll.
@@ -383,15 +428,6 @@ impl CompletionQueue {
     /// must take completions under its own lock, in CQ order.
     pub fn wait_ready(&self, timeout: Duration) -> usize {
         self.sleep_until(timeout, || self.len())
-    }
-
-    /// Drive the CQ's QPs once from this thread (`claim`: see
-    /// [`CqQp::try_progress`]).
-    fn drive_qps(&self, claim: bool) {
-        let qps = self.qps.read().unwrap_or_else(|p| p.into_inner());
-        for qp in qps.iter().filter_map(Weak::upgrade) {
-            qp.try_progress(claim);
-        }
     }
 
     /// The sleeping loop of [`wait`](Self::wait): `check()` looks and

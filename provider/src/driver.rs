@@ -116,6 +116,9 @@ pub(crate) struct QpIo {
     /// Socket reads that returned bytes (how a caller tells whether a
     /// drive found input).
     pub(crate) rx_reads: u64,
+    /// The drive leaves its completions on the connection: the polling
+    /// thread that drives takes them itself ([`CqQp::try_progress_into`]).
+    defer_push: bool,
 }
 
 /// What the engine, the CQs and the QP handle hold of a QP.
@@ -316,6 +319,7 @@ impl QpShared {
             closed,
             events,
             rx_reads,
+            defer_push,
             ..
         } = io;
         let (Some(conn), Some(mut sock)) = (conn.as_mut(), self.sock.get()) else {
@@ -564,7 +568,9 @@ impl QpShared {
                 }
             }
         }
-        self.push_completions(conn);
+        if !*defer_push {
+            self.push_completions(conn);
+        }
         let mut evented = false;
         while let Some(ev) = conn.poll_event() {
             debug!(qpn = self.qpn, ?ev, "event");
@@ -772,6 +778,40 @@ impl CqQp for QpShared {
         if let Some(mut io) = self.try_lock() {
             self.drive(&mut io);
         }
+    }
+
+    fn try_progress_into(
+        &self,
+        cq: &CompletionQueue,
+        max: usize,
+        take: &mut dyn FnMut(WorkCompletion),
+    ) -> usize {
+        self.own.note_app();
+        let Some(mut io) = self.try_lock() else {
+            return 0;
+        };
+        io.defer_push = true;
+        self.drive(&mut io);
+        io.defer_push = false;
+        let Some(conn) = io.conn.as_mut() else {
+            return 0;
+        };
+        // Under the QP's lock: no other thread queues this QP's
+        // completions meanwhile (see `CompletionQueue::drive_qps_into`).
+        let mut n = 0;
+        while let Some((side, wc)) = conn.poll_completion() {
+            let to = match side {
+                CqSide::Send => &self.send_cq,
+                CqSide::Recv => &self.recv_cq,
+            };
+            if n < max && std::ptr::eq(&**to, cq) && cq.nothing_queued() {
+                take(wc);
+                n += 1;
+            } else {
+                to.push(wc);
+            }
+        }
+        n
     }
 
     fn wait_fd(&self, always: bool) -> Option<(BorrowedFd<'_>, bool)> {

@@ -14,7 +14,7 @@ use provider::cq::CompletionQueue;
 use provider::device::Device;
 use provider::engine::{Progress, PARK_RECHECK};
 use provider::setup::MpaParams;
-use provider::wr::{SendOp, WcOpcode, WcStatus, WorkCompletion};
+use provider::wr::{SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion};
 
 const MODES: [Progress; 4] = [
     Progress::Busy,
@@ -251,4 +251,63 @@ fn a_busy_engine_leaves_a_qp_the_application_polls_parked() {
         again <= periods + 1,
         "parked {again} more times in {periods} recheck periods"
     );
+}
+
+/// A poll that drives in more completions than it may take hands the
+/// first straight to its caller and queues the rest behind it, in order:
+/// the receives of eight Sends that arrive in one read come out one per
+/// poll, in posting order.
+#[test]
+fn a_drive_that_completes_more_than_the_poll_takes_keeps_their_order() {
+    let (a, b) = pair_in(Progress::Busy, Progress::Busy);
+    for i in 0..8u64 {
+        b.recv(i, 64 * i as usize, 64);
+    }
+    // b's thread polls until its engine stands back, so that b's next
+    // polls read the socket themselves.
+    let mut one = [WorkCompletion::BLANK; 1];
+    let parks = b.dev.engine_idle_parks();
+    let start = Instant::now();
+    while b.dev.engine_idle_parks() == parks {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "b's QP was never left to b's thread"
+        );
+        assert_eq!(b.cq.poll(&mut one), 0);
+    }
+    // One list, one socket write: the eight arrive together.
+    let mut post = a.qp.start_post();
+    for i in 0..8u64 {
+        a.mr.region().write_at(i as usize, &[i as u8]).unwrap();
+        post.push(SendWr {
+            wr_id: 100 + i,
+            op: SendOp::Send {
+                solicited: false,
+                invalidate: None,
+            },
+            sg_list: vec![a.mr.sge(i as usize, 1)],
+            signaled: true,
+            fence: false,
+        })
+        .unwrap();
+    }
+    post.post();
+    let mut got = Vec::new();
+    let start = Instant::now();
+    while got.len() < 8 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "only {got:?} arrived"
+        );
+        if b.cq.poll(&mut one) == 1 {
+            got.push((one[0].wr_id, one[0].status, one[0].opcode, one[0].byte_len));
+        }
+    }
+    let want: Vec<_> = (0..8u64)
+        .map(|i| (i, WcStatus::Success, WcOpcode::Recv, 1))
+        .collect();
+    assert_eq!(got, want);
+    for i in 0..8u64 {
+        assert_eq!(b.mr.region().to_vec(64 * i as usize, 1).unwrap(), [i as u8]);
+    }
 }
