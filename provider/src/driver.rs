@@ -798,13 +798,15 @@ impl CqQp for QpShared {
         };
         // Under the QP's lock: no other thread queues this QP's
         // completions meanwhile (see `CompletionQueue::drive_qps_into`).
+        // A CQ armed meanwhile (another thread means to sleep on it) gets
+        // its completions queued, which fires its event.
         let mut n = 0;
         while let Some((side, wc)) = conn.poll_completion() {
             let to = match side {
                 CqSide::Send => &self.send_cq,
                 CqSide::Recv => &self.recv_cq,
             };
-            if n < max && std::ptr::eq(&**to, cq) && cq.nothing_queued() {
+            if n < max && std::ptr::eq(&**to, cq) && cq.nothing_queued() && !cq.is_armed() {
                 take(wc);
                 n += 1;
             } else {
