@@ -330,10 +330,18 @@ impl CompletionQueue {
         }
         let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
         let n = max.min(q.len());
-        // One at a time: a poll takes one or a few, and `drain`'s general
-        // ring handling cost more than the moves (#20).
-        for wc in std::iter::from_fn(|| q.pop_front()).take(n) {
-            take(wc);
+        if n == 1 {
+            // A ping-pong's poll: `drain`'s ring handling cost it more
+            // than the move (#20).
+            if let Some(wc) = q.pop_front() {
+                take(wc);
+            }
+        } else {
+            // A batch: popping each cost a batch poll 15 % more (64 QPs'
+            // Writes, callgrind).
+            for wc in q.drain(..n) {
+                take(wc);
+            }
         }
         self.queued.store(q.len(), Ordering::Release);
         n
