@@ -217,6 +217,21 @@ fn wait_blocking(cq: &Arc<CompletionQueue>, n: usize) -> Vec<WorkCompletion> {
     out
 }
 
+/// Poll `side`'s CQ (finding nothing) until its busy engine parks the
+/// QP, leaving it to this thread.
+fn poll_until_parked(side: &Side) {
+    let mut buf = [WorkCompletion::BLANK; 4];
+    let before = side.dev.engine_idle_parks();
+    let start = Instant::now();
+    while side.dev.engine_idle_parks() == before {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the polled QP was never parked"
+        );
+        assert_eq!(side.cq.poll(&mut buf), 0);
+    }
+}
+
 /// A busy engine leaves a QP whose CQ the application spins on to that
 /// thread without waiting for an arrival to race it for, and the QP stays
 /// parked while the thread keeps polling: at most one park per recheck
@@ -230,15 +245,7 @@ fn wait_blocking(cq: &Arc<CompletionQueue>, n: usize) -> Vec<WorkCompletion> {
 fn a_busy_engine_leaves_a_qp_the_application_polls_parked() {
     let (a, _b) = pair_in(Progress::Busy, Progress::Busy);
     let mut buf = [WorkCompletion::BLANK; 4];
-    let before = a.dev.engine_idle_parks();
-    let start = Instant::now();
-    while a.dev.engine_idle_parks() == before {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "the polled QP was never parked"
-        );
-        assert_eq!(a.cq.poll(&mut buf), 0);
-    }
+    poll_until_parked(&a);
     let parked = a.dev.engine_idle_parks();
     let spin = Duration::from_millis(50);
     let start = Instant::now();
@@ -265,16 +272,8 @@ fn a_drive_that_completes_more_than_the_poll_takes_keeps_their_order() {
     }
     // b's thread polls until its engine stands back, so that b's next
     // polls read the socket themselves.
+    poll_until_parked(&b);
     let mut one = [WorkCompletion::BLANK; 1];
-    let parks = b.dev.engine_idle_parks();
-    let start = Instant::now();
-    while b.dev.engine_idle_parks() == parks {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "b's QP was never left to b's thread"
-        );
-        assert_eq!(b.cq.poll(&mut one), 0);
-    }
     // One list, one socket write: the eight arrive together.
     let mut post = a.qp.start_post();
     for i in 0..8u64 {
