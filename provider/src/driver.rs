@@ -802,11 +802,8 @@ impl CqQp for QpShared {
         // its completions queued, which fires its event.
         let mut n = 0;
         while let Some((side, wc)) = conn.poll_completion() {
-            let to = match side {
-                CqSide::Send => &self.send_cq,
-                CqSide::Recv => &self.recv_cq,
-            };
-            if n < max && std::ptr::eq(&**to, cq) && cq.nothing_queued() && !cq.is_armed() {
+            let to = self.cq_of(side);
+            if n < max && std::ptr::eq(to, cq) && cq.nothing_queued() && !cq.is_armed() {
                 take(wc);
                 n += 1;
             } else {
@@ -1059,10 +1056,15 @@ impl QpShared {
     /// Hand the connection's completions to their CQs.
     fn push_completions(&self, conn: &mut Connection) {
         while let Some((side, wc)) = conn.poll_completion() {
-            match side {
-                CqSide::Send => self.send_cq.push(wc),
-                CqSide::Recv => self.recv_cq.push(wc),
-            }
+            self.cq_of(side).push(wc);
+        }
+    }
+
+    /// The CQ a completion of `side` belongs on.
+    fn cq_of(&self, side: CqSide) -> &CompletionQueue {
+        match side {
+            CqSide::Send => &self.send_cq,
+            CqSide::Recv => &self.recv_cq,
         }
     }
 

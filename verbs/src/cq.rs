@@ -440,16 +440,11 @@ impl CompletionQueue {
         self.inner.ops.interrupt();
     }
 
-    /// Move up to `max` ready completions to `out`.
-    fn take_ready(&self, out: &mut Vec<Completion>, max: usize) -> usize {
-        self.inner.ready.take(out, max)
-    }
-
     /// `ibv_poll_cq`: append up to `max` completions to `out`; returns how
     /// many. Never blocks; on the userspace provider the calling thread
     /// also makes progress on this CQ's QPs.
     pub fn poll(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
-        let mut n = self.take_ready(out, max);
+        let mut n = self.inner.ready.take(out, max);
         // Emulated operations may consume several raw completions before
         // one surfaces; a few rounds keep a busy poller's latency low
         // without looping unboundedly. Once one has surfaced it goes to
@@ -483,7 +478,7 @@ impl CompletionQueue {
     /// read would find nothing (the async stream's quiet look).
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn poll_queued(&self, out: &mut Vec<Completion>, max: usize) -> Result<usize> {
-        let mut n = self.take_ready(out, max);
+        let mut n = self.inner.ready.take(out, max);
         if n < max {
             if let Ok(mut scratch) = self.inner.taking.try_lock() {
                 self.inner.ops.poll_queued(&mut scratch.raw, BATCH)?;

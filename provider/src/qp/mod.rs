@@ -602,8 +602,11 @@ impl Connection {
             self.sq.push_back(Queued { wr, inline: true });
             return Ok(());
         }
-        // Local protection is checked at post time so that a bad SGE fails
-        // its own WR before anything of it reaches the wire.
+        // Local protection is checked before anything of a WR reaches the
+        // wire, so that a bad SGE fails its own WR: a Send's or Write's as
+        // `frame_at_once` copies its payload, when it frames it at once;
+        // otherwise, and for the WRs whose local SGEs are written (Reads,
+        // atomics), by the look below, at post time.
         let write = matches!(
             wr.op,
             SendOp::Read { .. }
