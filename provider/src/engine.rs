@@ -30,7 +30,8 @@
 //! - **park**: the engine finds input on a QP an application thread owns
 //!   (or, polling, finds the thread driving it): it disarms the socket
 //!   (a busy engine that found the thread driving it takes the socket
-//!   out of its epoll set) and looks again every [`PARK_RECHECK`],
+//!   out of its epoll set, and so does any engine once a park has lasted
+//!   a recheck period) and looks again every [`PARK_RECHECK`],
 //!   taking the QP back once the application stops driving it
 //!   (`Device::engine_parks` counts the parks on an arrival,
 //!   `Device::engine_idle_parks` the others).
@@ -250,6 +251,9 @@ pub(crate) struct Ownership {
     engine_seen: AtomicU64,
     /// Engine only: in the engine's parked list.
     parked: AtomicBool,
+    /// Engine only: parked with the socket out of the epoll set
+    /// ([`park_out`]) rather than disarmed in it, until the take-back.
+    out_of_set: AtomicBool,
     /// A thread's wait on the socket ended and the socket stayed out of
     /// the engine's set for that thread's next wait: in the engine's
     /// held list until its recheck ([`Engine::hold`]).
@@ -298,6 +302,7 @@ impl Ownership {
     /// to re-arm its socket now, which waits for the last thread asleep on
     /// it to wake ([`end_wait`](Self::end_wait) re-arms it then).
     pub(crate) fn unpark(&self) -> bool {
+        self.out_of_set.store(false, Ordering::Relaxed);
         self.parked.store(false, Ordering::SeqCst);
         !self.waited_on()
     }
@@ -899,7 +904,7 @@ struct Run {
     spinner: Spinner,
     /// QPs whose socket is disarmed, or out of the set, because an
     /// application thread drives them.
-    parked: Vec<Weak<dyn EngineQp>>,
+    parked: Vec<Parked>,
     last_check: Instant,
     /// When a polling engine last looked for application-driven QPs.
     last_scan: Instant,
@@ -986,10 +991,15 @@ impl Run {
                     // thread re-armed it) until the recheck.
                     own.armed.store(false, Ordering::Relaxed);
                     if let Some(fd) = qp.fd() {
-                        disarm(&self.epoll, token, fd);
+                        if own.out_of_set.load(Ordering::Relaxed) {
+                            // Added back by its driver during a long park.
+                            park_out(&self.epoll, token, fd);
+                        } else {
+                            disarm(&self.epoll, token, fd);
+                        }
                     }
                     if !own.parked.swap(true, Ordering::Relaxed) {
-                        self.add_parked(&qp, true);
+                        self.add_parked(&qp, token, true);
                     }
                 } else {
                     qp.engine_drive(false);
@@ -1020,12 +1030,16 @@ impl Run {
                 && (recheck || now.duration_since(self.last_check) >= PARK_RECHECK)
             {
                 self.last_check = now;
-                self.parked.retain(|w| {
-                    let Some(qp) = w.upgrade() else {
+                let epoll = &self.epoll;
+                self.parked.retain(|p| {
+                    let Some(qp) = p.qp.upgrade() else {
                         return false;
                     };
                     let own = qp.ownership();
                     if own.app_active() {
+                        if now.duration_since(p.since) >= PARK_RECHECK {
+                            p.take_out(epoll, &*qp);
+                        }
                         return true;
                     }
                     qp.engine_drive(true);
@@ -1115,11 +1129,19 @@ impl Run {
                 continue;
             }
             own.armed.store(false, Ordering::Relaxed);
+            own.out_of_set.store(true, Ordering::Relaxed);
             if let Some(fd) = qp.fd() {
                 park_out(epoll, token, fd);
             }
             own.parked.store(true, Ordering::Relaxed);
-            Self::push_parked(parked, last_check, spinner.progress, &parks.idle, &qp);
+            Self::push_parked(
+                parked,
+                last_check,
+                spinner.progress,
+                &parks.idle,
+                &qp,
+                token,
+            );
         }
     }
 
@@ -1137,7 +1159,7 @@ impl Run {
     /// (alternating rounds, medians: 6.75 against 5.91 µs in one run of
     /// five, 5.93 against 5.88 and 5.87 in two of seven), so it is left
     /// as it was until measured.
-    fn add_parked(&mut self, qp: &Arc<dyn EngineQp>, on_arrival: bool) {
+    fn add_parked(&mut self, qp: &Arc<dyn EngineQp>, token: u64, on_arrival: bool) {
         let count = if on_arrival {
             &self.parks.on_arrival
         } else {
@@ -1149,23 +1171,30 @@ impl Run {
             self.spinner.progress,
             count,
             qp,
+            token,
         );
     }
 
     /// [`add_parked`](Self::add_parked) on the fields it touches (for a
     /// caller that holds the QP map's lock).
     fn push_parked(
-        parked: &mut Vec<Weak<dyn EngineQp>>,
+        parked: &mut Vec<Parked>,
         last_check: &mut Instant,
         progress: Progress,
         count: &AtomicU64,
         qp: &Arc<dyn EngineQp>,
+        token: u64,
     ) {
+        let now = Instant::now();
         if parked.is_empty() && progress == Progress::Busy {
-            *last_check = Instant::now();
+            *last_check = now;
         }
         count.fetch_add(1, Ordering::Relaxed);
-        parked.push(Arc::downgrade(qp));
+        parked.push(Parked {
+            qp: Arc::downgrade(qp),
+            token,
+            since: now,
+        });
     }
 
     /// The earliest deadline of [`Engine::drive_at`].
@@ -1218,6 +1247,38 @@ impl Run {
             if let Some(qp) = qp.upgrade() {
                 qp.engine_drive(false);
             }
+        }
+    }
+}
+
+/// A QP in the engine's parked list.
+struct Parked {
+    qp: Weak<dyn EngineQp>,
+    token: u64,
+    /// When it was parked.
+    since: Instant,
+}
+
+impl Parked {
+    /// An application thread still drives the QP a recheck period after
+    /// the park: take its socket out of the epoll set ([`park_out`]) if
+    /// it is only disarmed there. A disarmed socket's epoll entry stays
+    /// on its wait queue, and every arrival then takes that queue's lock
+    /// and runs epoll's callback for nothing, on both ends of a
+    /// ping-pong whose threads spin on their QPs (the adaptive engine's
+    /// park on an arrival; a busy engine's scan takes the socket out at
+    /// once). A park this long is a spinning application's, which keeps
+    /// it until it stops: the delete and the add at the take-back are
+    /// paid once. A short park (an event-mode program polling between an
+    /// event and its next arm) ends before this and keeps the one-shot
+    /// disarm, which costs it less than a delete and an add per message.
+    fn take_out(&self, epoll: &Epoll, qp: &dyn EngineQp) {
+        let own = qp.ownership();
+        if own.out_of_set.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        if let Some(fd) = qp.fd() {
+            park_out(epoll, self.token, fd);
         }
     }
 }
@@ -1376,6 +1437,9 @@ mod tests {
         sock: std::os::unix::net::UnixStream,
         drives: AtomicU32,
         polls: AtomicU32,
+        /// Set: the engine to re-arm the socket with at a take-back (as
+        /// a real QP's driver does), under token 7.
+        engine: std::sync::OnceLock<Arc<Engine>>,
     }
 
     impl FakeQp {
@@ -1393,8 +1457,14 @@ mod tests {
         fn fd(&self) -> Option<BorrowedFd<'_>> {
             Some(self.sock.as_fd())
         }
-        fn engine_drive(&self, _rearm: bool) {
+        fn engine_drive(&self, rearm: bool) {
             self.drain();
+            if rearm && self.own.unpark() {
+                if let Some(engine) = self.engine.get() {
+                    self.own.armed.store(true, Ordering::Relaxed);
+                    engine.arm(7, self.sock.as_fd(), Input::Read, false);
+                }
+            }
             self.drives.fetch_add(1, Ordering::SeqCst);
         }
         fn engine_poll(&self) -> bool {
@@ -1431,6 +1501,7 @@ mod tests {
                 sock: ours,
                 drives: AtomicU32::new(0),
                 polls: AtomicU32::new(0),
+                engine: Default::default(),
             });
             let engine = Engine::start("sole-test", progress).unwrap();
             let weak: Weak<dyn EngineQp> = Arc::downgrade(&(qp.clone() as Arc<dyn EngineQp>));
@@ -1461,6 +1532,95 @@ mod tests {
             assert_eq!(qp.polls.load(Ordering::SeqCst), polls, "still polled");
             engine.deregister(7, qp.sock.as_fd());
         }
+    }
+
+    /// Whether `fd` is in one of this process's epoll sets: a `tfd` line
+    /// of an eventpoll descriptor's `/proc/self/fdinfo` (the kernel's
+    /// own account, which a disarmed registration keeps).
+    fn in_an_epoll_set(fd: std::os::fd::RawFd) -> bool {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| {
+                let e = e.ok()?;
+                let link = std::fs::read_link(e.path()).ok()?;
+                (link.to_str()? == "anon_inode:[eventpoll]")
+                    .then(|| {
+                        std::fs::read_to_string(format!(
+                            "/proc/self/fdinfo/{}",
+                            e.file_name().to_str()?
+                        ))
+                        .ok()
+                    })
+                    .flatten()
+            })
+            .any(|info| {
+                info.lines().any(|l| {
+                    let mut words = l.split_whitespace();
+                    words.next() == Some("tfd:") && words.next() == Some(&fd.to_string())
+                })
+            })
+    }
+
+    /// An adaptive engine parks a QP on an arrival while an application
+    /// thread drives it, disarming its socket; a recheck period later,
+    /// with that thread still driving, the socket is out of the epoll set
+    /// altogether (no epoll callback per arrival); once the thread stops,
+    /// the engine takes the QP back.
+    #[test]
+    fn a_long_park_takes_the_socket_out_of_the_set() {
+        use std::io::Write as _;
+        use std::os::fd::AsRawFd as _;
+        let (ours, mut peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let fd = ours.as_raw_fd();
+        let qp = Arc::new(FakeQp {
+            own: Ownership::default(),
+            sock: ours,
+            drives: AtomicU32::new(0),
+            polls: AtomicU32::new(0),
+            engine: Default::default(),
+        });
+        let engine = Arc::new(Engine::start("long-park-test", Progress::default()).unwrap());
+        let _ = qp.engine.set(engine.clone());
+        let weak: Weak<dyn EngineQp> = Arc::downgrade(&(qp.clone() as Arc<dyn EngineQp>));
+        engine.register(7, weak, &qp.own, qp.sock.as_fd()).unwrap();
+        assert!(in_an_epoll_set(fd), "registered");
+        // The application thread: drives the QP (reads its socket) until told to stop.
+        let stop = Arc::new(AtomicBool::new(false));
+        let app = {
+            let (qp, stop) = (qp.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    qp.own.note_app();
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+            })
+        };
+        // Arrivals until one reaches the engine while the thread drives:
+        // the engine parks the QP.
+        wait_for("the park", || {
+            peer.write_all(b"x").unwrap();
+            qp.own.parked.load(Ordering::SeqCst)
+        });
+        let parked = engine.parks();
+        wait_for("the socket out of the set", || !in_an_epoll_set(fd));
+        // It stays out, and parked, while the thread drives it.
+        std::thread::sleep(PARK_RECHECK * 20);
+        assert!(!in_an_epoll_set(fd));
+        assert!(qp.own.parked.load(Ordering::SeqCst));
+        assert_eq!(engine.parks(), parked, "parked once");
+        // The thread stops: the engine takes the QP back.
+        stop.store(true, Ordering::SeqCst);
+        app.join().unwrap();
+        wait_for("the take-back", || !qp.own.parked.load(Ordering::SeqCst));
+        assert!(!qp.own.out_of_set.load(Ordering::SeqCst));
+        assert!(in_an_epoll_set(fd), "watched again");
+        let drives = qp.drives.load(Ordering::SeqCst);
+        peer.write_all(b"y").unwrap();
+        wait_for("a drive on the next arrival", || {
+            qp.drives.load(Ordering::SeqCst) > drives
+        });
+        engine.deregister(7, qp.sock.as_fd());
     }
 
     #[test]
