@@ -722,6 +722,33 @@ impl EngineQp for QpShared {
         true
     }
 
+    fn engine_watch(&self, watched: bool) -> bool {
+        // Under the io lock, as every change of the socket's epoll flags;
+        // a take-out is skipped rather than waited for.
+        let io = if watched {
+            self.lock()
+        } else {
+            match self.try_lock() {
+                Some(io) => io,
+                None => return false,
+            }
+        };
+        let (Some(engine), Some(sock)) = (self.engine.upgrade(), self.sock.get()) else {
+            return false;
+        };
+        if io.closed || !self.own.armed.load(Ordering::Relaxed) {
+            // Whoever disarmed it (a park, a thread asleep on the socket)
+            // re-arms it when that ends.
+            return false;
+        }
+        if watched {
+            engine.arm(self.qpn as u64, sock.as_fd(), io.input, io.writable_wanted);
+        } else {
+            engine.unwatch(self.qpn as u64, sock.as_fd());
+        }
+        true
+    }
+
     fn engine_unhold(&self) -> Option<Instant> {
         // A thread that keeps waiting on the socket keeps it: no lock
         // taken here, which that thread would wait for (a futex pair per
