@@ -116,6 +116,8 @@ pub(crate) struct QpIo {
     /// Socket reads that returned bytes (how a caller tells whether a
     /// drive found input).
     pub(crate) rx_reads: u64,
+    /// Socket reads that placed payload straight into registered memory.
+    rx_placed: u64,
     /// The drive leaves its completions on the connection: the polling
     /// thread that drives takes them itself ([`CqQp::try_progress_into`]).
     defer_push: bool,
@@ -319,6 +321,7 @@ impl QpShared {
             closed,
             events,
             rx_reads,
+            rx_placed,
             defer_push,
             ..
         } = io;
@@ -359,6 +362,7 @@ impl QpShared {
                         *closed = true;
                     }
                     Ok(Ok(n)) => {
+                        *rx_placed += 1;
                         let placed = n.min(req.target.len() as usize);
                         conn.handle_placed(placed, crc);
                         if n > placed {
@@ -709,17 +713,18 @@ impl EngineQp for QpShared {
         engine.arm(self.qpn as u64, sock.as_fd(), io.input, io.writable_wanted);
     }
 
-    fn engine_poll(&self) -> bool {
+    fn engine_poll(&self) -> Option<bool> {
         // Another thread drives it right now: nothing to read here.
         let Some(mut io) = self.try_lock() else {
-            return true;
+            return Some(false);
         };
         if io.closed || io.conn.is_none() || io.input != Input::Read || io.writable_wanted {
             // Not a plain read: its socket's events say when to drive.
-            return false;
+            return None;
         }
+        let before = (io.rx_reads, io.rx_placed);
         self.drive(&mut io);
-        true
+        Some((io.rx_reads, io.rx_placed) != before)
     }
 
     fn engine_watch(&self, watched: bool) -> bool {

@@ -402,12 +402,13 @@ pub(crate) trait EngineQp: Send + Sync {
     /// if `rearm` (the QP was parked), take it back
     /// ([`Ownership::unpark`]) and re-arm the socket.
     fn engine_drive(&self, rearm: bool);
-    /// A busy engine's poll of the one QP it drives ([`Run::poll_sole`]):
-    /// drive it (a read of its socket, which an idle QP answers with
-    /// `EAGAIN`) unless another thread drives it now. `false`: its socket
-    /// waits for something other than input (closed, input blocked on a
-    /// Receive, output blocked on room), which only its epoll events tell.
-    fn engine_poll(&self) -> bool;
+    /// A polling engine's poll of the one QP it drives
+    /// ([`Run::poll_sole`]): drive it (a read of its socket, which an idle
+    /// QP answers with `EAGAIN`) unless another thread drives it now;
+    /// whether the drive read input. `None`: its socket waits for
+    /// something other than input (closed, input blocked on a Receive,
+    /// output blocked on room), which only its epoll events tell.
+    fn engine_poll(&self) -> Option<bool>;
     /// Under the QP's io lock, while the socket is armed (no thread
     /// asleep on it, not parked) and the QP open: take the socket out of
     /// the epoll set for a busy engine's direct polls (`watched` false;
@@ -922,7 +923,7 @@ struct Run {
     last_check: Instant,
     /// When a polling engine last looked for application-driven QPs.
     last_scan: Instant,
-    /// Busy only: the one QP the engine drives, whose socket it reads
+    /// While polling: the one QP the engine drives, whose socket it reads
     /// directly on most passes ([`Run::poll_sole`]).
     sole: Option<Weak<dyn EngineQp>>,
     /// The sole QP's socket is out of the epoll set while it is polled
@@ -983,7 +984,7 @@ impl Run {
                     }
                 }
             };
-            let sole_candidate = self.drives_one_qp_busy();
+            let sole_candidate = self.drives_one_qp_polling();
             let mut recheck = false;
             let mut traffic = false;
             for ev in &events[..n] {
@@ -1072,14 +1073,16 @@ impl Run {
 }
 
 impl Run {
-    /// Busy, with exactly one registered QP not parked: the case
-    /// [`poll_sole`](Self::poll_sole) serves.
-    fn drives_one_qp_busy(&self) -> bool {
-        self.spinner.progress == Progress::Busy
+    /// A polling mode (busy, or adaptive in its window: the callers ask
+    /// while the engine polls), with exactly one registered QP not
+    /// parked: the case [`poll_sole`](Self::poll_sole) serves.
+    fn drives_one_qp_polling(&self) -> bool {
+        self.spinner.progress != Progress::Blocking
             && self.registered.load(Ordering::Relaxed) == self.parked.len() + 1
     }
 
-    /// A busy engine that drives one QP reads its socket directly instead
+    /// A polling engine (busy, or adaptive in its window) that drives one
+    /// QP reads its socket directly instead
     /// of asking `epoll_wait(0)` first: a request then costs the responder
     /// the read that brings it, as on a plain polling socket, and not an
     /// `epoll_wait` that reports it, a map lookup and then the read. Every
@@ -1096,7 +1099,7 @@ impl Run {
         if self.sole_polls >= SOLE_POLLS {
             return false;
         }
-        if !self.drives_one_qp_busy() {
+        if !self.drives_one_qp_polling() {
             self.end_sole();
             return false;
         }
@@ -1109,10 +1112,19 @@ impl Run {
             || own.parked.load(Ordering::Relaxed)
             || own.waited_on()
             || own.app_drove_unseen()
-            || !qp.engine_poll()
         {
             self.end_sole();
             return false;
+        }
+        match qp.engine_poll() {
+            None => {
+                self.end_sole();
+                return false;
+            }
+            // Traffic keeps an adaptive engine's window open, as an
+            // event's drive does.
+            Some(true) => self.spinner.traffic(Instant::now()),
+            Some(false) => {}
         }
         if !self.sole_out {
             // Read directly, the socket need not be in the set: there its
@@ -1521,10 +1533,11 @@ mod tests {
             }
             self.drives.fetch_add(1, Ordering::SeqCst);
         }
-        fn engine_poll(&self) -> bool {
+        fn engine_poll(&self) -> Option<bool> {
+            let read = self.read.load(Ordering::SeqCst);
             self.drain();
             self.polls.fetch_add(1, Ordering::SeqCst);
-            true
+            Some(self.read.load(Ordering::SeqCst) != read)
         }
         fn engine_unhold(&self) -> Option<Instant> {
             None
@@ -1556,8 +1569,9 @@ mod tests {
     /// A busy engine that drives one QP, once an arrival made it drive
     /// that QP, reads its socket directly on most passes (no epoll_wait
     /// first), and still waits on its epoll set between; it stops once
-    /// an application thread drives the QP. An adaptive engine never
-    /// polls that way.
+    /// an application thread drives the QP. An adaptive engine polls that
+    /// way within its window at most: once it sleeps, it polls no more,
+    /// and the QP's socket is in its set, whose events drive the QP.
     #[test]
     fn a_busy_engine_polls_its_one_qp_directly_until_the_application_drives_it() {
         use std::io::Write as _;
@@ -1573,14 +1587,26 @@ mod tests {
                 driving: AtomicBool::new(false),
                 engine: Default::default(),
             });
-            let engine = Engine::start("sole-test", progress).unwrap();
+            let engine = Arc::new(Engine::start("sole-test", progress).unwrap());
+            let _ = qp.engine.set(engine.clone());
             let weak: Weak<dyn EngineQp> = Arc::downgrade(&(qp.clone() as Arc<dyn EngineQp>));
             engine.register(7, weak, &qp.own, qp.sock.as_fd()).unwrap();
             peer.write_all(b"x").unwrap();
             wait_for("the first drive", || qp.drives.load(Ordering::SeqCst) >= 1);
             if progress != Progress::Busy {
+                // The window (200 µs at most) is long past.
                 std::thread::sleep(Duration::from_millis(20));
-                assert_eq!(qp.polls.load(Ordering::SeqCst), 0, "{progress}");
+                let polls = qp.polls.load(Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(20));
+                assert_eq!(qp.polls.load(Ordering::SeqCst), polls, "{progress}");
+                use std::os::fd::AsRawFd as _;
+                assert!(in_the_set(&engine, qp.sock.as_raw_fd()), "{progress}");
+                let drives = qp.drives.load(Ordering::SeqCst);
+                peer.write_all(b"y").unwrap();
+                wait_for("a drive on the event", || {
+                    qp.drives.load(Ordering::SeqCst) > drives
+                });
+                engine.deregister(7, qp.sock.as_fd());
                 continue;
             }
             wait_for("direct polls", || qp.polls.load(Ordering::SeqCst) >= 1000);
