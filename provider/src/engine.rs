@@ -1502,6 +1502,37 @@ mod tests {
     }
 
     impl FakeQp {
+        /// A stand-in over `sock` (made non-blocking), with no engine.
+        fn new(sock: std::os::unix::net::UnixStream) -> Arc<FakeQp> {
+            sock.set_nonblocking(true).unwrap();
+            Arc::new(FakeQp {
+                own: Ownership::default(),
+                sock,
+                drives: AtomicU32::new(0),
+                polls: AtomicU32::new(0),
+                read: AtomicU32::new(0),
+                driving: AtomicBool::new(false),
+                engine: Default::default(),
+            })
+        }
+
+        /// Start an engine in `progress` mode and register `qp` with it
+        /// under token 7, the engine it re-arms its socket with.
+        fn start_engine(qp: &Arc<FakeQp>, name: &str, progress: Progress) -> Arc<Engine> {
+            let engine = Arc::new(Engine::start(name, progress).unwrap());
+            let _ = qp.engine.set(engine.clone());
+            qp.register(&engine, 7);
+            engine
+        }
+
+        /// Register with `engine` under `token`.
+        fn register(self: &Arc<Self>, engine: &Engine, token: u64) {
+            let weak: Weak<dyn EngineQp> = Arc::downgrade(&(self.clone() as Arc<dyn EngineQp>));
+            engine
+                .register(token, weak, &self.own, self.sock.as_fd())
+                .unwrap();
+        }
+
         fn drain(&self) {
             use std::io::Read as _;
             let mut buf = [0u8; 64];
@@ -1577,20 +1608,8 @@ mod tests {
         use std::io::Write as _;
         for progress in [Progress::Busy, Progress::default()] {
             let (ours, mut peer) = std::os::unix::net::UnixStream::pair().unwrap();
-            ours.set_nonblocking(true).unwrap();
-            let qp = Arc::new(FakeQp {
-                own: Ownership::default(),
-                sock: ours,
-                drives: AtomicU32::new(0),
-                polls: AtomicU32::new(0),
-                read: AtomicU32::new(0),
-                driving: AtomicBool::new(false),
-                engine: Default::default(),
-            });
-            let engine = Arc::new(Engine::start("sole-test", progress).unwrap());
-            let _ = qp.engine.set(engine.clone());
-            let weak: Weak<dyn EngineQp> = Arc::downgrade(&(qp.clone() as Arc<dyn EngineQp>));
-            engine.register(7, weak, &qp.own, qp.sock.as_fd()).unwrap();
+            let qp = FakeQp::new(ours);
+            let engine = FakeQp::start_engine(&qp, "sole-test", progress);
             peer.write_all(b"x").unwrap();
             wait_for("the first drive", || qp.drives.load(Ordering::SeqCst) >= 1);
             if progress != Progress::Busy {
@@ -1661,21 +1680,9 @@ mod tests {
         use std::io::Write as _;
         use std::os::fd::AsRawFd as _;
         let (ours, mut peer) = std::os::unix::net::UnixStream::pair().unwrap();
-        ours.set_nonblocking(true).unwrap();
         let fd = ours.as_raw_fd();
-        let qp = Arc::new(FakeQp {
-            own: Ownership::default(),
-            sock: ours,
-            drives: AtomicU32::new(0),
-            polls: AtomicU32::new(0),
-            read: AtomicU32::new(0),
-            driving: AtomicBool::new(false),
-            engine: Default::default(),
-        });
-        let engine = Arc::new(Engine::start("long-park-test", Progress::default()).unwrap());
-        let _ = qp.engine.set(engine.clone());
-        let weak: Weak<dyn EngineQp> = Arc::downgrade(&(qp.clone() as Arc<dyn EngineQp>));
-        engine.register(7, weak, &qp.own, qp.sock.as_fd()).unwrap();
+        let qp = FakeQp::new(ours);
+        let engine = FakeQp::start_engine(&qp, "long-park-test", Progress::default());
         assert!(in_the_set(&engine, fd), "registered");
         // An application thread drives the QP from now on.
         qp.driving.store(true, Ordering::SeqCst);
@@ -1713,25 +1720,10 @@ mod tests {
     fn a_directly_polled_socket_is_out_of_the_set_until_another_qp_joins() {
         use std::io::Write as _;
         use std::os::fd::AsRawFd as _;
-        let fake = |sock: std::os::unix::net::UnixStream| {
-            sock.set_nonblocking(true).unwrap();
-            Arc::new(FakeQp {
-                own: Ownership::default(),
-                sock,
-                drives: AtomicU32::new(0),
-                polls: AtomicU32::new(0),
-                read: AtomicU32::new(0),
-                driving: AtomicBool::new(false),
-                engine: Default::default(),
-            })
-        };
         let (ours, mut peer) = std::os::unix::net::UnixStream::pair().unwrap();
         let fd = ours.as_raw_fd();
-        let qp = fake(ours);
-        let engine = Arc::new(Engine::start("sole-out-test", Progress::Busy).unwrap());
-        let _ = qp.engine.set(engine.clone());
-        let weak: Weak<dyn EngineQp> = Arc::downgrade(&(qp.clone() as Arc<dyn EngineQp>));
-        engine.register(7, weak, &qp.own, qp.sock.as_fd()).unwrap();
+        let qp = FakeQp::new(ours);
+        let engine = FakeQp::start_engine(&qp, "sole-out-test", Progress::Busy);
         peer.write_all(b"x").unwrap();
         wait_for("direct polls", || qp.polls.load(Ordering::SeqCst) >= 100);
         assert!(!in_the_set(&engine, fd), "polled directly, yet in the set");
@@ -1741,11 +1733,8 @@ mod tests {
         wait_for("the octet read", || qp.read.load(Ordering::SeqCst) > read);
         // A second QP: the first is no longer the engine's alone.
         let (second_sock, _second_peer) = std::os::unix::net::UnixStream::pair().unwrap();
-        let second = fake(second_sock);
-        let weak: Weak<dyn EngineQp> = Arc::downgrade(&(second.clone() as Arc<dyn EngineQp>));
-        engine
-            .register(8, weak, &second.own, second.sock.as_fd())
-            .unwrap();
+        let second = FakeQp::new(second_sock);
+        second.register(&engine, 8);
         wait_for("the socket back in the set", || in_the_set(&engine, fd));
         let drives = qp.drives.load(Ordering::SeqCst);
         peer.write_all(b"z").unwrap();
