@@ -706,11 +706,7 @@ impl EngineQp for QpShared {
         if !rearm || !self.own.unpark() || io.closed {
             return;
         }
-        let (Some(engine), Some(sock)) = (self.engine.upgrade(), self.sock.get()) else {
-            return;
-        };
-        self.own.armed.store(true, Ordering::Relaxed);
-        engine.arm(self.qpn as u64, sock.as_fd(), io.input, io.writable_wanted);
+        self.arm_for(&io);
     }
 
     fn engine_poll(&self) -> Option<bool> {
@@ -738,19 +734,18 @@ impl EngineQp for QpShared {
                 None => return false,
             }
         };
-        let (Some(engine), Some(sock)) = (self.engine.upgrade(), self.sock.get()) else {
-            return false;
-        };
         if io.closed || !self.own.armed.load(Ordering::Relaxed) {
             // Whoever disarmed it (a park, a thread asleep on the socket)
             // re-arms it when that ends.
             return false;
         }
         if watched {
-            engine.arm(self.qpn as u64, sock.as_fd(), io.input, io.writable_wanted);
-        } else {
-            engine.unwatch(self.qpn as u64, sock.as_fd());
+            return self.arm_for(&io);
         }
+        let (Some(engine), Some(sock)) = (self.engine.upgrade(), self.sock.get()) else {
+            return false;
+        };
+        engine.unwatch(self.qpn as u64, sock.as_fd());
         true
     }
 
@@ -776,15 +771,24 @@ impl EngineQp for QpShared {
             return None;
         }
         self.drive(&mut io);
-        if io.closed {
-            return None;
+        if !io.closed {
+            self.arm_for(&io);
         }
+        None
+    }
+}
+
+impl QpShared {
+    /// Arm the socket in the engine's set for the QP's state in `io`
+    /// (under its lock, so the flags match it); whether there were an
+    /// engine and a socket to arm.
+    fn arm_for(&self, io: &QpIo) -> bool {
         let (Some(engine), Some(sock)) = (self.engine.upgrade(), self.sock.get()) else {
-            return None;
+            return false;
         };
         self.own.armed.store(true, Ordering::Relaxed);
         engine.arm(self.qpn as u64, sock.as_fd(), io.input, io.writable_wanted);
-        None
+        true
     }
 }
 
