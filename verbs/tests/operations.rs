@@ -403,6 +403,40 @@ fn a_refused_post_leaves_no_entry_and_holds_back_nothing() {
     assert_eq!(c.qp.outstanding(), before);
 }
 
+/// A receive holds an entry (and its memory) from its post until its
+/// completion is taken, in the receive table beside the send WRs', and a
+/// receive the device refuses leaves none behind.
+#[test]
+fn a_receive_is_outstanding_until_its_completion_and_a_refused_one_leaves_nothing() {
+    let (c, s) = pair();
+    let setup = s.qp.outstanding();
+    assert_eq!(setup, 4, "the receives posted at setup");
+    let many: Vec<_> = (0..64).map(|i| s.mr.slice(i * 8, 8).unwrap()).collect();
+    assert!(s.qp.post_recv(1, &many).is_err(), "64 SGEs");
+    assert_eq!(
+        s.qp.outstanding(),
+        setup,
+        "the refused receive's entry is gone"
+    );
+    s.recv(2, 0, 64);
+    assert_eq!(s.qp.outstanding(), setup + 1);
+    let send = SendOp::Send {
+        solicited: false,
+        invalidate: None,
+    };
+    let mut taken = Vec::new();
+    for i in 0..5u64 {
+        c.post(10 + i, send, &[(0, 8)]);
+        assert_eq!(c.wait().wr_id, 10 + i);
+        let r = s.wait();
+        assert_eq!(r.status, WcStatus::Success, "{r:?}");
+        taken.push(r.wr_id);
+        assert_eq!(s.qp.outstanding(), setup - i as usize, "{taken:?}");
+    }
+    assert_eq!(taken, [1000, 1001, 1002, 1003, 2], "in the order posted");
+    assert_eq!(c.qp.outstanding(), 4, "the client's own receives only");
+}
+
 #[test]
 fn unsignaled_success_is_silent_but_errors_are_not() {
     let (c, s) = pair();

@@ -76,7 +76,6 @@ pub(crate) struct Pending {
 
 #[derive(Debug, Clone, Copy)]
 enum What {
-    Recv,
     Send {
         /// The application's operation (what its completion reports).
         op: SendOp,
@@ -88,9 +87,7 @@ enum What {
         bounce: Option<usize>,
     },
     /// RFC 7306 §1.1's FetchAdd of 0; its result goes to the prober.
-    Probe {
-        slot: usize,
-    },
+    Probe { slot: usize },
 }
 
 /// The application's send WR a step belongs to.
@@ -200,6 +197,8 @@ pub(crate) struct QpCore {
     qp_num: u32,
     send_cq: CompletionQueue,
     tracker: Tracker<Pending>,
+    /// The QP's own posted receives, by token: a wr_id and slices each.
+    receives: Tracker<u64>,
     order: Mutex<SendOrder>,
     srq: Option<Arc<SrqCore>>,
     /// The agent channel, when this connection has one.
@@ -308,6 +307,7 @@ impl QpCore {
             qp_num,
             send_cq: send_cq.clone(),
             tracker: Tracker::new(Table::Qp),
+            receives: Tracker::new(Table::Rq),
             order: Mutex::new(SendOrder::default()),
             srq,
             agent: OnceLock::new(),
@@ -371,7 +371,7 @@ impl QpCore {
     }
 
     pub fn outstanding(&self) -> usize {
-        self.tracker.len()
+        self.tracker.len() + self.receives.len()
     }
 
     pub fn set_error(&self) -> Result<()> {
@@ -766,15 +766,9 @@ impl QpCore {
         } else {
             local.iter().cloned().collect()
         };
-        let ticket = self.tracker.insert(
-            Pending {
-                wr_id,
-                what: What::Recv,
-            },
-            held,
-        );
+        let ticket = self.receives.insert(wr_id, held);
         self.backend.post_recv(&ticket.recv()).inspect_err(|_| {
-            self.tracker.remove(ticket.token());
+            self.receives.remove(ticket.token());
         })
     }
 
@@ -826,17 +820,17 @@ impl QpCore {
     /// entries of a stretch of them are taken under one lock of it; each
     /// that is a send's end (most of them) only notes its place and
     /// completion there, and the stretch's notes are released in one lock
-    /// of the order. Any other (a receive, an emulation step) ends the
-    /// stretch: the notes before it are released, then it is handled on
-    /// its own, as it always was.
+    /// of the order. Any other (a receive, whose entry is in another
+    /// table, or an emulation step) ends the stretch: the notes before it
+    /// are released, then it is handled on its own.
     fn complete_run(&self, run: &[RawCompletion], out: &mut Vec<Completion>) {
         if let [rc] = run {
             return self.complete_one(rc, out);
         }
         let mut rest = run;
         while let Some(first) = rest.first() {
-            if Table::of(first.token) == Table::Srq {
-                self.complete_srq(first, out);
+            if Table::of(first.token) != Table::Qp {
+                self.complete_recv(first, out);
                 rest = &rest[1..];
                 continue;
             }
@@ -875,7 +869,7 @@ impl QpCore {
             drop(helds);
             self.release_ends(&ends);
             if let Some((rc, p, held)) = other {
-                self.complete_entry(rc, p, held, out);
+                self.complete_entry(rc, p, held);
             }
         }
     }
@@ -885,8 +879,8 @@ impl QpCore {
     /// Receive's) is the round trip's turn: the same steps, without the
     /// arrays a stretch gathers its notes in.
     fn complete_one(&self, rc: &RawCompletion, out: &mut Vec<Completion>) {
-        if Table::of(rc.token) == Table::Srq {
-            return self.complete_srq(rc, out);
+        if Table::of(rc.token) != Table::Qp {
+            return self.complete_recv(rc, out);
         }
         let entry = self.tracker.remove(rc.token);
         self.note(rc, entry.is_some());
@@ -899,7 +893,7 @@ impl QpCore {
                 drop(held);
                 self.release_ends(std::slice::from_ref(&end));
             }
-            None => self.complete_entry(*rc, p, held, out),
+            None => self.complete_entry(*rc, p, held),
         }
     }
 
@@ -981,11 +975,17 @@ impl QpCore {
         });
     }
 
-    fn complete_srq(&self, rc: &RawCompletion, out: &mut Vec<Completion>) {
+    /// A receive's completion, from the QP's receive queue or its SRQ.
+    fn complete_recv(&self, rc: &RawCompletion, out: &mut Vec<Completion>) {
         if rc.status != WcStatus::Success {
             self.errored.store(true, Ordering::Release);
         }
-        match self.srq.as_ref().and_then(|s| s.take(rc.token)) {
+        let taken = match Table::of(rc.token) {
+            Table::Srq => self.srq.as_ref().and_then(|s| s.take(rc.token)),
+            _ => self.receives.remove(rc.token),
+        };
+        match taken {
+            // Its slices go once the completion is made.
             Some((wr_id, _held)) => out.push(self.recv_completion(wr_id, rc)),
             None => warn!(
                 qp = self.qp_num,
@@ -997,9 +997,8 @@ impl QpCore {
 
     /// A completion that is not a plain send's end (see
     /// [`send_end`](Self::send_end)), its entry taken from the tracker.
-    fn complete_entry(&self, rc: RawCompletion, p: Pending, held: Held, out: &mut Vec<Completion>) {
+    fn complete_entry(&self, rc: RawCompletion, p: Pending, held: Held) {
         match p.what {
-            What::Recv => out.push(self.recv_completion(p.wr_id, &rc)),
             What::Probe { slot } => {
                 self.free_slot(slot);
                 self.probes
