@@ -110,6 +110,16 @@ if [[ $INSTALL == 1 ]]; then
         $SUDO apt-get install -y -q "${need[@]}" >/dev/null
     fi
 fi
+# A peer that is missing leaves its columns "n/a (did not run)"; say which
+# and why up front, so a --no-install run is not read as a full one.
+missing=()
+command -v ucx_perftest >/dev/null || missing+=("UCX (ucx_perftest, Debian ucx-utils)")
+command -v fi_pingpong >/dev/null || missing+=("libfabric's fi_pingpong (libfabric-bin)")
+[[ -e /usr/include/rdma/fabric.h ]] ||
+    missing+=("libfabric's RMA and atomics (fi_peer.c needs libfabric-dev)")
+for m in "${missing[@]}"; do
+    log "WARNING: no $m: its figures will be missing"
+done
 [[ -x /usr/bin/time ]] || {
     echo "bench-peers: needs GNU time (/usr/bin/time; Debian package time)" >&2
     exit 1
