@@ -84,6 +84,37 @@ fn an_inline_send_carries_the_bytes_of_post_time() {
         .is_err());
 }
 
+/// Inline Writes, more than the send queue has slots (on a libibverbs
+/// device each goes from a bounce slot that its completion frees), each
+/// landing with the bytes of its post time.
+#[test]
+fn inline_writes_land_with_the_bytes_of_post_time() {
+    let (c, s) = pair();
+    let depth = verbs::QpCaps::default().max_send_wr as u64;
+    let local = [c.mr.slice(0, 8).unwrap()];
+    for i in 1..=3 * depth {
+        c.mr.write_at(0, &i.to_le_bytes()).unwrap();
+        let op = SendOp::write(s.mr.remote(4096));
+        c.qp.post_send(WorkRequest::new(i, op, &local).inlined())
+            .unwrap_or_else(|e| panic!("inline Write {i}: {e}"));
+        c.mr.write_at(0, &[0xff; 8]).unwrap();
+        let done = c.wait();
+        assert_eq!((done.wr_id, done.status), (i, WcStatus::Success));
+        // An iWARP Write completes once sent: wait for it to land,
+        // driving the target's QP meanwhile.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut out = Vec::new();
+        while s.mr.load_u64(4096).unwrap() != i {
+            let landed = s.mr.load_u64(4096).unwrap();
+            assert!(
+                std::time::Instant::now() < deadline,
+                "Write {i} never landed: the target holds {landed:#x}"
+            );
+            s.cq.poll(&mut out, 8).unwrap();
+        }
+    }
+}
+
 /// Inline Write with Immediate through the mailbox (forced here; the only
 /// way on libibverbs devices): each WR's bounce slot comes back with its
 /// completion, so more inline WRs than the send queue has slots all go.

@@ -35,7 +35,7 @@ use provider::wr::{Remote, SendOp, WcStatus};
 
 use self::agent::Agent;
 use self::cas::CasLoop;
-use self::inline::Inline;
+use self::inline::Gathered;
 use self::order::SendOrder;
 use self::srq::SrqCore;
 use crate::backend::{QpOps, RawCompletion, SendPost};
@@ -251,7 +251,7 @@ struct Queued {
     /// `Queued` moves several times on its way to the backend, and the
     /// 264 octets of an `Inline` made every WR's moves memory copies (10 %
     /// of the posting thread at 1024 QPs), inline or not.
-    inline: Option<Box<Inline>>,
+    inline: Option<Gathered>,
 }
 
 impl Queued {
@@ -543,7 +543,7 @@ impl QpCore {
     /// prepared; those before it are in `batch`.
     fn prepare_natives(&self, wrs: &[WorkRequest<'_>], batch: &mut Batch) -> Option<Error> {
         let mut helds: SmallVec<[(Held, Option<usize>); BATCH]> = SmallVec::new();
-        let mut inlines: SmallVec<[Option<Box<Inline>>; BATCH]> = SmallVec::new();
+        let mut inlines: SmallVec<[Option<Gathered>; BATCH]> = SmallVec::new();
         let mut failed = None;
         for wr in wrs {
             match self.payload(wr) {
@@ -665,7 +665,7 @@ impl QpCore {
     /// What a WR's entry holds: its slices, or its inline payload (copied
     /// now: for the backend to copy in turn, or into a bounce slot the
     /// entry holds).
-    fn payload(&self, wr: &WorkRequest<'_>) -> Result<(Held, Option<usize>, Option<Box<Inline>>)> {
+    fn payload(&self, wr: &WorkRequest<'_>) -> Result<(Held, Option<usize>, Option<Gathered>)> {
         Ok(if !wr.inline {
             // Pushed one by one, as the tracker's SGEs are: `collect`'s
             // size hint, reserve and general extend were 40 instructions
@@ -676,9 +676,9 @@ impl QpCore {
             }
             (held, None, None)
         } else if self.backend.copies_inline() {
-            (Held::new(), None, Some(Box::new(Inline::gather(wr)?)))
+            (Held::new(), None, Some(Gathered::gather(wr)?))
         } else {
-            let (slice, slot) = self.bounce_copy(&Inline::gather(wr)?)?;
+            let (slice, slot) = self.bounce_copy(&*Gathered::gather(wr)?)?;
             (smallvec![slice], Some(slot), None)
         })
     }
