@@ -32,6 +32,30 @@ pub struct LatArgs {
     /// Draw a latency histogram and CDF to this PNG file (client side).
     #[arg(long, value_name = "FILE.png")]
     pub plot: Option<PathBuf>,
+    /// Post Sends and Writes of at most this many bytes inline
+    /// (IBV_SEND_INLINE), as perftest's -I; 0 posts none inline. Default
+    /// on the userspace provider, as perftest's latency tests: 220 for
+    /// Writes, 236 for Sends; 0 on libibverbs devices (stag copies an
+    /// inline payload into a bounce slot there). Each side sets its own
+    #[arg(short = 'I', long = "inline-size", value_name = "BYTES")]
+    pub inline_size: Option<u32>,
+}
+
+/// The inline size `-I` defaults to: perftest's for its latency tests
+/// (`DEF_INLINE_WRITE`, `DEF_INLINE_SEND_RC_UC`) where the device takes
+/// the payload at post time itself (stag0 copies it into the QP's inline
+/// slots, and frames it ~220 instructions cheaper than a gather, #20);
+/// none on a libibverbs device, where stag's inline is a copy into a
+/// registered bounce slot posted as an ordinary WR.
+fn inline_default(op: OpKind, backend: stag::Backend) -> u32 {
+    if backend != stag::Backend::Userspace {
+        return 0;
+    }
+    match op {
+        OpKind::Send => 236,
+        OpKind::Write | OpKind::WriteImm => 220,
+        _ => 0,
+    }
 }
 
 /// One size's statistics and its samples (µs, for the plot).
@@ -81,14 +105,20 @@ pub fn run_lat(args: LatArgs) -> Result<()> {
     let common = args.common.clone();
     let op = common.op;
     let blocking = common.blocking;
+    let inline_size = args.inline_size;
+    let inline =
+        move |ctx: &Context| inline_size.unwrap_or_else(|| inline_default(op, ctx.backend_kind()));
     let server = move |ctx: Context, listener: Listener| -> Result<()> {
         let (mut ep, plan) = accept_server(&ctx, &listener, Test::Lat, op, blocking)?;
+        ep.post_inline_up_to(inline(&ctx));
         serve(&mut ep, &plan)
     };
     let client = |ctx: Context, addr: SocketAddr| -> Result<(RunInfo, Vec<Measured>)> {
         let mut ep = connect_client(&ctx, &plan, common.all, addr, blocking)?;
+        ep.post_inline_up_to(inline(&ctx));
         let results = measure(&mut ep, &plan)?;
         let mut info = RunInfo::new(&ctx, &ep.qp, &common, Test::Lat);
+        info.inline_up_to = ep.inline_up_to(op);
         let ops = u64::from(plan.warmup() + plan.iters) * plan.sizes.len() as u64;
         info.round_trips = Some(super::RoundTrips::of(ep.qp.emulation_counters(), ops));
         Ok((info, results))

@@ -400,6 +400,9 @@ pub(crate) struct Endpoint {
     /// the next post ([`Endpoint::repost_after_posts`]).
     owed_recvs: Cell<u32>,
     repost_after_posts: bool,
+    /// Sends and Writes of at most this many octets are posted inline
+    /// ([`Endpoint::post_inline_up_to`]); 0: none.
+    inline_max: u32,
     // Held so the PD outlives the QP and regions.
     _pd: ProtectionDomain,
 }
@@ -477,6 +480,7 @@ impl Buffers {
             list: RefCell::new(None),
             owed_recvs: Cell::new(0),
             repost_after_posts: false,
+            inline_max: 0,
             _pd: self.pd,
         }
     }
@@ -746,8 +750,28 @@ impl Endpoint {
             return Ok(());
         }
         let local = slice.as_slice();
-        self.qp.post_send(WorkRequest::new(wr_id, op, local))?;
+        let mut wr = WorkRequest::new(wr_id, op, local);
+        wr.inline = self.inline_max > 0
+            && matches!(
+                op,
+                SendOp::Send { .. } | SendOp::Write { .. } | SendOp::WriteImm { .. }
+            )
+            && local.iter().map(|s| s.len()).sum::<u32>() <= self.inline_max;
+        self.qp.post_send(wr)?;
         self.repost_owed()
+    }
+
+    /// Post Sends and Writes of up to `max` octets inline (`IBV_SEND_INLINE`:
+    /// copied at post time), as perftest's latency tests do (`-I`).
+    pub fn post_inline_up_to(&mut self, max: u32) {
+        self.inline_max = max.min(stag::MAX_INLINE as u32);
+    }
+
+    /// [`post_inline_up_to`](Self::post_inline_up_to)'s size, for the
+    /// report of an operation that carries a payload.
+    pub fn inline_up_to(&self, op: OpKind) -> Option<u32> {
+        let carries = matches!(op, OpKind::Send | OpKind::Write | OpKind::WriteImm);
+        (carries && self.inline_max > 0).then_some(self.inline_max)
     }
 
     /// Collect what [`post`](Self::post) is given until
@@ -1100,6 +1124,10 @@ pub struct RunInfo {
     /// What the operations cost in round trips, counted (latency runs).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub round_trips: Option<RoundTrips>,
+    /// Sends and Writes up to this many octets went inline (latency runs
+    /// of those; `-I`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inline_up_to: Option<u32>,
 }
 
 /// The round trips a run's operations took, from the client QP's
@@ -1171,6 +1199,7 @@ impl RunInfo {
                 Shape::RoundTrip => 1,
             },
             round_trips: None,
+            inline_up_to: None,
         }
     }
 
@@ -1194,6 +1223,9 @@ impl RunInfo {
         s += &format!(" Completions    : {}\n", self.completions);
         s += &format!(" Progress       : {}\n", self.progress);
         s += &format!(" Iterations     : {iters}\n");
+        if let Some(n) = self.inline_up_to {
+            s += &format!(" Inline         : up to {n} bytes\n");
+        }
         if self.test == Test::Lat {
             s += &format!(
                 " Latency        : {}\n",
