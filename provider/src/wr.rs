@@ -261,6 +261,16 @@ impl SendOp {
 }
 
 impl SendOp {
+    /// Whether the operation sends the bytes its local SGEs name (Send,
+    /// Write, Write with Immediate): the operations whose payload may go
+    /// inline (`IBV_SEND_INLINE`).
+    pub fn sends_payload(&self) -> bool {
+        matches!(
+            self,
+            SendOp::Send { .. } | SendOp::Write { .. } | SendOp::WriteImm { .. }
+        )
+    }
+
     /// Whether the operation consumes ORD credit (it waits for a response).
     pub fn needs_response(&self) -> bool {
         matches!(

@@ -752,10 +752,7 @@ impl Endpoint {
         let local = slice.as_slice();
         let mut wr = WorkRequest::new(wr_id, op, local);
         wr.inline = self.inline_max > 0
-            && matches!(
-                op,
-                SendOp::Send { .. } | SendOp::Write { .. } | SendOp::WriteImm { .. }
-            )
+            && op.sends_payload()
             && local.iter().map(|s| s.len()).sum::<u32>() <= self.inline_max;
         self.qp.post_send(wr)?;
         self.repost_owed()

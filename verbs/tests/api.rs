@@ -104,8 +104,11 @@ fn inline_writes_land_with_the_bytes_of_post_time() {
         // driving the target's QP meanwhile.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         let mut out = Vec::new();
-        while s.mr.load_u64(4096).unwrap() != i {
+        loop {
             let landed = s.mr.load_u64(4096).unwrap();
+            if landed == i {
+                break;
+            }
             assert!(
                 std::time::Instant::now() < deadline,
                 "Write {i} never landed: the target holds {landed:#x}"

@@ -623,7 +623,7 @@ fn post_one(sh: &QpShared, post: &mut PostGuard<'_>, p: PendingWr) -> Result<(),
             signaled,
             fence,
         })
-    } else if p.flags & IBV_SEND_INLINE != 0 && !p.sges.is_empty() && sends_payload(&p.op) {
+    } else if p.flags & IBV_SEND_INLINE != 0 && !p.sges.is_empty() && p.op.sends_payload() {
         if p.sges.len() > MAX_SGE {
             return Err(libc::EINVAL);
         }
@@ -658,13 +658,6 @@ fn post_one(sh: &QpShared, post: &mut PostGuard<'_>, p: PendingWr) -> Result<(),
         tracing::debug!("stag0: post_send refused: {e}");
         errno::of_device(&e)
     })
-}
-
-fn sends_payload(op: &SendOp) -> bool {
-    matches!(
-        op,
-        SendOp::Send { .. } | SendOp::Write { .. } | SendOp::WriteImm { .. }
-    )
 }
 
 /// Translate one legacy send WR.

@@ -495,10 +495,7 @@ impl Connection {
     /// the QP now (`inline`), so the caller's buffers are free when this
     /// returns. Allocates nothing in steady state.
     pub fn post_inline(&mut self, wr: InlineWr<'_>, env: &Env) -> Result<(), PostError> {
-        if !matches!(
-            wr.op,
-            SendOp::Send { .. } | SendOp::Write { .. } | SendOp::WriteImm { .. }
-        ) {
+        if !wr.op.sends_payload() {
             return Err(PostError::Invalid(
                 "only Sends and Writes carry inline data",
             ));

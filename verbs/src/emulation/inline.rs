@@ -13,8 +13,6 @@
 use std::cell::Cell;
 use std::sync::Mutex;
 
-use provider::wr::SendOp;
-
 use super::QpCore;
 use crate::error::{Error, Result};
 use crate::mr::{Access, MemoryRegion, Slice};
@@ -53,10 +51,7 @@ impl Gathered {
     /// Gather `wr`'s payload: Sends and Writes only, at most
     /// [`MAX_INLINE`] bytes.
     pub(super) fn gather(wr: &WorkRequest<'_>) -> Result<Gathered> {
-        if !matches!(
-            wr.op,
-            SendOp::Send { .. } | SendOp::Write { .. } | SendOp::WriteImm { .. }
-        ) {
+        if !wr.op.sends_payload() {
             return Err(Error::InvalidRequest("only Sends and Writes go inline"));
         }
         let len: usize = wr.local.iter().map(|s| s.len() as usize).sum();
